@@ -1,0 +1,34 @@
+"""apollo_compile: a torch.compile backend that trains multimodal models faster and leaner on
+one GPU by running independent towers concurrently (spatial multiplexing).
+
+    model = torch.compile(model, backend="apollo")
+
+The backend is registered through the ``torch_dynamo_backends`` entry point, so after
+``pip install`` no import is needed. Importing this package registers it only when the entry
+point is not installed (running from a source tree).
+"""
+
+from __future__ import annotations
+
+from .backend import ApolloFallbackWarning, apollo_backend
+from .options import ApolloOptions, ApolloOptionsError
+from .plan import GraphPlan, ModelPlan, clear_plans, last_plan, plans
+
+__version__ = "0.1.0"
+__all__ = [
+    "ApolloFallbackWarning", "ApolloOptions", "ApolloOptionsError", "GraphPlan", "ModelPlan", "apollo_backend",
+    "clear_plans", "last_plan", "plans",
+]
+
+
+def _register_if_missing() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+
+    if "apollo" in _COMPILER_FNS:
+        return
+    if "apollo" in _BACKENDS:  # the installed entry point knows it; torch loads it on lookup
+        return
+    register_backend(apollo_backend, name="apollo")
+
+
+_register_if_missing()

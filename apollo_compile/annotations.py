@@ -1,0 +1,38 @@
+"""The one annotation every pass reads and writes: ``node.meta["apollo"]``.
+
+Each pass owns some fields (named beside them) and only reads the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx
+
+KEY = "apollo"
+
+FUSION = "fusion"  # label of a node that joins several modalities (a contrastive loss, a fusion layer)
+
+
+@dataclass
+class NodeInfo:
+    # modality pass
+    modality: str | None = None
+    recomputed: bool = False  # a forward op the partitioner recomputes in the backward
+    # cost pass
+    flops: int = 0
+    bytes: int = 0
+    intensity: float = 0.0  # FLOP per byte
+    bound: str = "-"  # "compute", "memory", or "-" for views, placeholders, outputs
+    est_us: float = 0.0  # roofline estimate on the planned device
+    # lanes pass
+    lane: int | None = None
+    subgraph: int | None = None
+
+
+def info(node: torch.fx.Node) -> NodeInfo:
+    """The node's annotation, created empty on first access."""
+    ann = node.meta.get(KEY)
+    if ann is None:
+        ann = node.meta[KEY] = NodeInfo()
+    return ann

@@ -1,0 +1,145 @@
+"""The ``apollo`` torch.compile backend: Dynamo graph -> AOTAutograd -> passes -> runtime.
+
+``apollo_backend(gm, example_inputs, options=..., mode=...)`` is what ``torch.compile(...,
+backend="apollo")`` calls once per Dynamo graph. Options are validated first, before any
+tracing. AOTAutograd then hands each ATen graph (forward, backward, or inference) to
+:func:`compile_graph`, which runs the pass pipeline and builds the runtime. Anything apollo
+cannot handle falls back, for that graph alone, to Inductor (or eager ATen) with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
+
+from . import plan as plan_store
+from .devices import DEVICE_SPECS, DeviceSpec, detect_device_spec
+from .options import ApolloOptions, ApolloOptionsError
+from .pipeline import GraphContext, run_passes
+from .plan import GraphPlan, ModelPlan
+from .runtime.runner import build_runtime
+
+log = logging.getLogger("apollo_compile")
+
+REPORT_HINT = "please report it with the dump (options={'dump_dir': ...}) at the apollo_compile issue tracker"
+
+
+class ApolloFallbackWarning(UserWarning):
+    """apollo ran a graph through a fallback path; the message says why."""
+
+
+def _input_device(example_inputs) -> torch.device:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
+def _graph_name() -> str:
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    if compile_id is None:
+        _graph_name.counter += 1  # type: ignore[attr-defined]
+        return f"graph{_graph_name.counter}"  # type: ignore[attr-defined]
+    return f"frame{compile_id.frame_id}_{compile_id.frame_compile_id}"
+
+
+_graph_name.counter = -1  # type: ignore[attr-defined]
+
+
+def _warn_fallback(name: str, path: str, reason: BaseException | str) -> None:
+    why = reason if isinstance(reason, str) else f"{type(reason).__name__}: {reason}"
+    warnings.warn(f"apollo: graph {name} runs on {path} instead of apollo's runtime because {why}; "
+                  f"training stays correct, but {REPORT_HINT}", ApolloFallbackWarning, stacklevel=2)
+
+
+def fallback_compile(gm: torch.fx.GraphModule, example_inputs, kind: str, compiler: str) -> Callable:
+    """Compile one ATen graph without apollo's planning: Inductor, else eager ATen."""
+    if compiler == "inductor":
+        try:
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
+                                    is_inference=kind == "inference")
+        except Exception as e:  # pragma: no cover - Inductor unavailable
+            log.warning("apollo: Inductor fallback failed too (%s); running eager ATen", e)
+    return make_boxed_func(gm.forward)
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs,
+    kind: str,
+    name: str,
+    options: ApolloOptions,
+    spec: DeviceSpec,
+    device: torch.device,
+    model_plan: ModelPlan,
+) -> Callable:
+    """Plan and build one ATen graph; on failure fall back for this graph only."""
+    graph_name = f"{name}_{kind}"
+    ctx = GraphContext(graph_name, kind, options, spec)
+    graph_plan = GraphPlan(graph_name, kind, spec.name, gm, ctx.decisions)
+    model_plan.graphs[kind] = graph_plan
+    try:
+        run_passes(gm, ctx)
+        fn = build_runtime(gm, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
+                           options.subgraph_compiler, device)
+    except Exception as e:
+        if options.strict:
+            raise
+        fallback = "Inductor" if options.subgraph_compiler == "inductor" else "eager ATen"
+        graph_plan.fallback = f"{type(e).__name__}: {e}"
+        _warn_fallback(graph_name, fallback, e)
+        fn = fallback_compile(gm, example_inputs, kind, options.subgraph_compiler)
+    finally:
+        if options.dump_dir:
+            graph_plan.write(options.dump_dir)
+    log.info("apollo: %s planned: %s", graph_name, graph_plan.summary())
+    return fn
+
+
+def _partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
+    """Our partition hook: later passes tag recomputation here; Inductor's min-cut partitions."""
+    return min_cut_rematerialization_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                               **kwargs)
+
+
+def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
+                   mode: str | None = None) -> Callable:
+    """The torch.compile backend registered as ``"apollo"``."""
+    opts = ApolloOptions.from_user(options, mode)
+    device = _input_device(example_inputs)
+    if device.type not in ("cpu", "cuda"):
+        raise ApolloOptionsError(f"apollo: device {device.type!r} is not supported; apollo runs on 'cuda' and 'cpu'")
+    spec = DEVICE_SPECS[opts.device] if opts.device else detect_device_spec(device)
+    name = _graph_name()
+    model_plan = ModelPlan(name)
+    plan_store.record(model_plan)
+    compiler = functools.partial(compile_graph, name=name, options=opts, spec=spec, device=device,
+                                 model_plan=model_plan)
+    decompositions = None
+    if opts.subgraph_compiler == "inductor":
+        from torch._inductor.decomposition import select_decomp_table
+
+        decompositions = select_decomp_table()
+    aot = aot_autograd(
+        fw_compiler=functools.partial(compiler, kind="forward"),
+        bw_compiler=functools.partial(compiler, kind="backward"),
+        inference_compiler=functools.partial(compiler, kind="inference"),
+        partition_fn=_partition,
+        decompositions=decompositions,
+    )
+    try:
+        return aot(gm, example_inputs)
+    except Exception as e:
+        if opts.strict:
+            raise
+        _warn_fallback(name, "eager PyTorch (the Dynamo graph as traced)", e)
+        return gm.forward

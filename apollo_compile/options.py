@@ -1,0 +1,120 @@
+"""User options: one frozen dataclass, validated before anything is traced.
+
+`torch.compile(m, backend="apollo", options={...})` hands the dict to the backend, which turns it
+into an :class:`ApolloOptions` with :meth:`ApolloOptions.from_user` as its very first step. Every
+mistake is a :class:`ApolloOptionsError` (a ``ValueError``) that names the key and the valid
+choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .devices import DEVICE_SPECS
+
+
+def _dynamo_passthrough_base() -> type:
+    # Dynamo wraps every exception a backend raises in BackendCompilerFailed, except the ones
+    # derived from ShortenTraceback, which it re-raises as they are. Deriving from it lets a bad
+    # option reach the user as the ValueError it is, with a short traceback.
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+
+        return ShortenTraceback
+    except ImportError:  # pragma: no cover - older torch: the error arrives wrapped
+        return Exception
+
+
+class ApolloOptionsError(ValueError, _dynamo_passthrough_base()):  # type: ignore[misc]
+    """A bad `options=` or `mode=` value; raised before any tracing."""
+
+    def __init__(self, message: str) -> None:
+        try:
+            super().__init__(message, first_useful_frame=None)
+        except TypeError:  # pragma: no cover - base without first_useful_frame
+            super().__init__(message)
+
+
+SUBGRAPH_COMPILERS = ("inductor", "eager")
+CUDAGRAPH_CHOICES = ("auto", True, False)
+SUPPORTED_MODES = (None, "default", "reduce-overhead")
+
+
+@dataclass(frozen=True)
+class ApolloOptions:
+    """Everything apollo can be told, with its default.
+
+    Attributes:
+        dump_dir: write annotated graphs, runtime source and plans here (env ``APOLLO_DUMP_DIR``).
+        modalities: module-path prefix -> modality name, e.g. ``{"vision_model": "vision"}``.
+            Default: each top-level submodule of the compiled model is its own modality.
+        device: device spec to plan for (``"H200"``, ``"H100"``, ``"A100"``, ``"cpu"``);
+            default: the device the example inputs live on.
+        subgraph_compiler: ``"inductor"`` (default) or ``"eager"`` (ATen ops, no codegen).
+        max_lanes: most concurrent lanes per graph; ``1`` forces single-stream execution.
+        cudagraphs: replay each graph as a CUDA graph on CUDA (``"auto"``: on where CUDA is).
+        strict: raise instead of falling back when apollo cannot plan a graph.
+    """
+
+    dump_dir: str | None = None
+    modalities: Mapping[str, str] | None = None
+    device: str | None = None
+    subgraph_compiler: str = "inductor"
+    max_lanes: int | None = None
+    cudagraphs: bool | str = "auto"
+    strict: bool = False
+
+    @classmethod
+    def from_user(cls, options: Mapping[str, Any] | None = None, mode: str | None = None) -> "ApolloOptions":
+        """Validate `options`/`mode` as passed by ``torch.compile``; raise ApolloOptionsError."""
+        if mode not in SUPPORTED_MODES:
+            raise ApolloOptionsError(
+                f"apollo: mode={mode!r} is not supported; valid modes: 'default', 'reduce-overhead' "
+                "(apollo replays CUDA graphs in both), or pass options= instead"
+            )
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise ApolloOptionsError(f"apollo: options must be a dict, got {type(options).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in valid:
+                raise ApolloOptionsError(f"apollo: unknown option {key!r}; valid options: {', '.join(valid)}")
+        values = dict(options)
+        if "dump_dir" not in values and os.environ.get("APOLLO_DUMP_DIR"):
+            values["dump_dir"] = os.environ["APOLLO_DUMP_DIR"]
+        opts = cls(**values)
+        opts._check()
+        if opts.modalities is not None:
+            object.__setattr__(opts, "modalities", dict(opts.modalities))
+        return opts
+
+    def _check(self) -> None:
+        def bad(key: str, expected: str) -> ApolloOptionsError:
+            return ApolloOptionsError(f"apollo: option {key!r}={getattr(self, key)!r} is invalid; expected {expected}")
+
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise bad("dump_dir", "a directory path (str) or None")
+        if self.modalities is not None:
+            if not isinstance(self.modalities, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) and k and v for k, v in self.modalities.items()
+            ):
+                raise bad("modalities", "a dict of module-path prefix (str) -> modality name (str)")
+        if self.device is not None and self.device not in DEVICE_SPECS:
+            raise bad("device", f"one of {', '.join(DEVICE_SPECS)} or None")
+        if self.subgraph_compiler not in SUBGRAPH_COMPILERS:
+            raise bad("subgraph_compiler", f"one of {', '.join(SUBGRAPH_COMPILERS)}")
+        if self.max_lanes is not None and (
+            isinstance(self.max_lanes, bool) or not isinstance(self.max_lanes, int) or self.max_lanes < 1
+        ):
+            raise bad("max_lanes", "an int >= 1 or None (as many lanes as independent branches)")
+        if not any(self.cudagraphs is c for c in CUDAGRAPH_CHOICES) and self.cudagraphs != "auto":
+            raise bad("cudagraphs", "'auto', True or False")
+        if not isinstance(self.strict, bool):
+            raise bad("strict", "True or False")
+
+
+DEFAULT_OPTIONS = ApolloOptions()

@@ -1,0 +1,1 @@
+"""The passes, one per module; ``apollo_compile.pipeline`` lists them in order."""

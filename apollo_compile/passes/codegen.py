@@ -1,0 +1,162 @@
+"""Codegen pass: turn a :class:`LanePlan` into a readable Python runtime.
+
+Reads the lane plan and ``NodeInfo`` (modality, est_us); returns a :class:`RuntimeSource` whose
+``text`` is the program that runs (the runner ``exec``s exactly this text) and is dumped as
+``*.runtime.py``.
+
+Two phases, as in apex torchsched: :func:`schedule` emits symbolic ops (launch, wait, record,
+keep-alive, free); :func:`render` prints them. Records are only rendered for events some
+lane waits on, so an event nothing waits on never appears.
+
+[NOTE] Waits are pruned with vector clocks::
+
+    lane 1:  s0 ──rec──────────────► s2 (reads s1)      s2 waits on s1's event; it need not
+    lane 2:        s1 (reads s0) ─rec┘                   wait on s0: s1 already waited on it.
+
+Each lane keeps, per other lane, the last launch it is known to be ordered after; waiting on an
+event inherits what the recording lane knew when it recorded.
+
+[NOTE] Freeing across lanes: a value produced on one stream and read on another is released only
+after ``record_stream`` on the reading stream, so the caching allocator (and the CUDA-graph pool
+during capture) never hands its bytes to a new tensor while the reader may still run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch.fx
+
+from ..annotations import info
+from .lanes import LanePlan
+
+HEADER = '''\
+# apollo_compile runtime for {name}
+# Constructed by apollo_compile.passes.codegen: {n_sg} subgraph(s) on {n_lanes} lane(s), {n_waits} cross-lane wait(s).
+{lane_lines}
+# Names are the FX node names of the {name} graph; subgraph_<i> is subgraph i compiled.
+'''
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "launch" | "wait" | "record" | "keep" | "free" | "join"
+    lane: int
+    subgraph: int | None = None
+    names: tuple[str, ...] = ()
+
+
+@dataclass
+class RuntimeSource:
+    text: str
+    ops: list[Op] = field(default_factory=list)
+    side_lanes: list[int] = field(default_factory=list)
+    waits: int = 0
+
+
+def schedule(plan: LanePlan, output_nodes: list[torch.fx.Node]) -> list[Op]:
+    """Symbolic ops in launch order (phase one)."""
+    pos = {sg_id: i for i, sg_id in enumerate(plan.order)}
+    lanes = sorted({sg.lane for sg in plan.subgraphs})
+    clock = {lane: {other: -1 for other in lanes} for lane in lanes}  # lane -> other -> last pos known done
+    clock_at_record: dict[int, dict[int, int]] = {}
+    last_use: dict[torch.fx.Node, int] = {}
+    for sg_id in plan.order:
+        for n in plan.subgraphs[sg_id].inputs:
+            last_use[n] = sg_id
+    keep_forever = set(output_nodes)
+    ops: list[Op] = []
+    for sg_id in plan.order:
+        sg = plan.subgraphs[sg_id]
+        for dep in sorted(plan.dag.predecessors(sg_id), key=pos.get):
+            dep_lane = plan.lane_of(dep)
+            if dep_lane == sg.lane or clock[sg.lane][dep_lane] >= pos[dep]:
+                continue
+            ops.append(Op("wait", sg.lane, dep))
+            for other, p in clock_at_record[dep].items():
+                clock[sg.lane][other] = max(clock[sg.lane][other], p)
+        ops.append(Op("launch", sg.lane, sg_id, tuple(n.name for n in sg.outputs)))
+        clock[sg.lane][sg.lane] = pos[sg_id]
+        clock_at_record[sg_id] = dict(clock[sg.lane])
+        ops.append(Op("record", sg.lane, sg_id))
+        cross = tuple(n.name for n in sg.inputs if (info(n).lane or 0) != sg.lane)
+        if cross:
+            ops.append(Op("keep", sg.lane, sg_id, cross))
+        dead = tuple(n.name for n in sg.inputs if last_use[n] == sg_id and n not in keep_forever)
+        if dead:
+            ops.append(Op("free", sg.lane, sg_id, dead))
+    # join: the main lane waits for the last launch of every side lane
+    for lane in lanes:
+        if lane == 0:
+            continue
+        last = max((sg_id for sg_id in plan.order if plan.lane_of(sg_id) == lane), key=pos.get)
+        if clock[0][lane] < pos[last]:
+            ops.append(Op("join", 0, last))
+            clock[0][lane] = pos[last]
+    return ops
+
+
+def _render_output(arg) -> str:
+    if isinstance(arg, torch.fx.Node):
+        return arg.name
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_render_output(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner}{',' if len(arg) == 1 else ''})"
+    return repr(arg)
+
+
+def render(plan: LanePlan, ops: list[Op], name: str, placeholders: list[str], output_arg) -> RuntimeSource:
+    """Print the ops as Python (phase two): consecutive ops of one lane share a stream block."""
+    waited = {op.subgraph for op in ops if op.kind in ("wait", "join")}
+    side_lanes = sorted({sg.lane for sg in plan.subgraphs if sg.lane != 0})
+    lane_lines = "\n".join(
+        f"#   lane {lane}: {'main stream' if lane == 0 else 'side stream'} [{', '.join(mods)}]"
+        for lane, mods in sorted(plan.lanes.items())
+    )
+    n_waits = sum(op.kind in ("wait", "join") for op in ops)
+    lines = [HEADER.format(name=name, n_sg=len(plan.subgraphs), n_lanes=len(plan.lanes), n_waits=n_waits,
+                           lane_lines=lane_lines)]
+    lines.append("def run(args):")
+    if placeholders:
+        lines.append(f"    {', '.join(placeholders)}, = args")
+    lines.append("    args.clear()")
+    if side_lanes:
+        lines.append(f"    rt.fork({side_lanes})  # side lanes start after the caller's pending work")
+    for lane, group in itertools.groupby(ops, key=lambda op: op.lane):
+        body = [line for op in group if (line := _render_op(plan, op, waited))]
+        if lane == 0:
+            lines.extend("    " + line for line in body)
+        elif body:
+            lines.append(f"    with rt.lane({lane}):")
+            lines.extend("        " + line for line in body)
+    lines.append(f"    return {_render_output(output_arg)}")
+    return RuntimeSource("\n".join(lines) + "\n", ops, side_lanes, n_waits)
+
+
+def _render_op(plan: LanePlan, op: Op, waited: set[int]) -> str:
+    if op.kind == "wait":
+        return f"rt.wait({op.subgraph})  # needs subgraph {op.subgraph} (lane {plan.lane_of(op.subgraph)})"
+    if op.kind == "join":
+        return f"rt.wait({op.subgraph})  # join: lane {plan.lane_of(op.subgraph)} is done"
+    if op.kind == "record":
+        return f"rt.record({op.subgraph})" if op.subgraph in waited else ""
+    if op.kind == "keep":
+        return f"rt.keep_alive({op.lane}, {', '.join(op.names)})  # read on another lane than made"
+    if op.kind == "free":
+        return f"del {', '.join(op.names)}"
+    sg = plan.subgraphs[op.subgraph]
+    mods = ", ".join(sorted({info(n).modality for n in sg.nodes}))
+    outs = "".join(f"{o}, " for o in op.names)
+    call = f"{outs}= subgraph_{sg.id}([{', '.join(n.name for n in sg.inputs)}])" if op.names else \
+        f"subgraph_{sg.id}([{', '.join(n.name for n in sg.inputs)}])"
+    return f"# subgraph {sg.id}: {mods} · {len(sg.nodes)} nodes · est {sg.est_us:.1f} us\n{' ' * 8 if op.lane else ' ' * 4}{call}"
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> RuntimeSource:
+    plan: LanePlan = ctx.decisions["lanes"]
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    output_arg = out_node.args[0]
+    ops = schedule(plan, list(out_node.all_input_nodes))
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return render(plan, ops, ctx.name, placeholders, output_arg)

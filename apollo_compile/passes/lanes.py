@@ -1,0 +1,177 @@
+"""Lanes pass: split a labelled graph into concurrent subgraphs, one lane per independent branch.
+
+Reads ``NodeInfo.modality`` and ``NodeInfo.est_us``; writes ``NodeInfo.lane`` and
+``NodeInfo.subgraph``; returns a :class:`LanePlan` (the subgraphs and their dependency DAG).
+
+Lane 0 is the main lane (the caller's stream): joins (``fusion``) run there. Every other
+modality gets a lane of its own, except that a modality fed by exactly one other modality (a
+projection after its tower, a tower's gradients after its projection's) continues on that
+modality's lane, so a chain never pays a cross-lane synchronisation.
+
+[NOTE] Segmentation keeps the subgraph DAG acyclic::
+
+    lane 1:  A ──────────► C        C may join A's subgraph only if A does not reach B:
+                           ▲        if A ──► B, putting C in A would make A wait for B
+    lane 2:        B ──────┘        while B waits for A — so C opens a new subgraph.
+
+Nodes are visited in graph order (a topological order); a node joins its lane's open subgraph
+unless one of its inputs lives in a subgraph that the open one reaches, in which case the lane
+opens a new subgraph after the old one (program order on one stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch.fx
+
+from ..annotations import FUSION, info
+
+COMPUTE_OPS = ("call_function", "call_method", "call_module")
+
+
+@dataclass
+class Subgraph:
+    id: int
+    lane: int
+    nodes: list[torch.fx.Node] = field(default_factory=list)
+    inputs: list[torch.fx.Node] = field(default_factory=list)  # values from outside, first-use order
+    outputs: list[torch.fx.Node] = field(default_factory=list)  # values used outside, graph order
+
+    @property
+    def est_us(self) -> float:
+        return sum(info(n).est_us for n in self.nodes)
+
+
+@dataclass
+class LanePlan:
+    lanes: dict[int, list[str]]  # lane -> modalities on it
+    subgraphs: list[Subgraph]
+    dag: nx.DiGraph  # subgraph id -> subgraph id: happens-before
+    order: list[int]  # launch order: a topological order of `dag`
+    reason: str = ""  # why this many lanes
+
+    def lane_of(self, sg_id: int) -> int:
+        return self.subgraphs[sg_id].lane
+
+    def predicted_us(self) -> tuple[float, float]:
+        """(serial sum, critical path through the DAG) from the cost labels."""
+        serial = sum(sg.est_us for sg in self.subgraphs)
+        finish: dict[int, float] = {}
+        for sg_id in self.order:
+            start = max((finish[p] for p in self.dag.predecessors(sg_id)), default=0.0)
+            finish[sg_id] = start + self.subgraphs[sg_id].est_us
+        return serial, max(finish.values(), default=0.0)
+
+    def summary(self) -> dict:
+        serial, critical = self.predicted_us()
+        return {
+            "lanes": {str(k): v for k, v in sorted(self.lanes.items())},
+            "subgraphs": len(self.subgraphs),
+            "cross_lane_edges": sum(self.lane_of(a) != self.lane_of(b) for a, b in self.dag.edges),
+            "predicted_serial_us": round(serial, 1),
+            "predicted_concurrent_us": round(critical, 1),
+            "reason": self.reason,
+        }
+
+
+def assign_lanes(nodes: list[torch.fx.Node], max_lanes: int | None) -> tuple[dict[str, int], str]:
+    """modality -> lane (see the module docstring)."""
+    compute = [n for n in nodes if n.op in COMPUTE_OPS]
+    order: list[str] = []
+    feeders: dict[str, set[str]] = {}
+    for n in compute:
+        m = info(n).modality
+        if m == FUSION:
+            continue
+        if m not in feeders:
+            order.append(m)
+            feeders[m] = set()
+        for arg in n.all_input_nodes:
+            am = info(arg).modality
+            if arg.op in COMPUTE_OPS and am not in (m, FUSION):
+                feeders[m].add(am)
+    # chain merging: a modality fed by exactly one other continues on its lane, when it is that
+    # modality's only such follower
+    followers: dict[str, list[str]] = {m: [] for m in order}
+    for m in order:
+        if len(feeders[m]) == 1:
+            followers[next(iter(feeders[m]))].append(m)
+    lane_root: dict[str, str] = {}
+    for m in order:
+        src = next(iter(feeders[m])) if len(feeders[m]) == 1 else None
+        lane_root[m] = lane_root[src] if src is not None and len(followers[src]) == 1 else m
+    roots = list(dict.fromkeys(lane_root[m] for m in order))
+    if len(roots) < 2:
+        return {m: 0 for m in order} | {FUSION: 0}, "one branch: nothing runs concurrently"
+    cost = {r: 0.0 for r in roots}
+    for n in compute:
+        m = info(n).modality
+        if m != FUSION:
+            cost[lane_root[m]] += info(n).est_us
+    reason = f"{len(roots)} independent branches"
+    if max_lanes is not None and len(roots) > max_lanes:
+        # keep the costliest branches on their own lanes, the rest on the main lane
+        kept = sorted(roots, key=lambda r: (-cost[r], roots.index(r)))[: max(max_lanes - 1, 0)]
+        roots_lane = {r: (kept.index(r) + 1 if r in kept else 0) for r in roots}
+        reason += f", limited to max_lanes={max_lanes}"
+    else:
+        roots_lane = {r: i + 1 for i, r in enumerate(roots)}
+    if max_lanes == 1:
+        roots_lane = {r: 0 for r in roots}
+    lane = {m: roots_lane[lane_root[m]] for m in order}
+    lane[FUSION] = 0
+    return lane, reason
+
+
+def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[Subgraph], nx.DiGraph]:
+    """Cut the graph into per-lane subgraphs with an acyclic dependency DAG (see [NOTE])."""
+    subgraphs: list[Subgraph] = []
+    dag = nx.DiGraph()
+    open_sg: dict[int, Subgraph] = {}
+    for n in nodes:
+        if n.op not in COMPUTE_OPS:
+            continue
+        lane = lane_of.get(info(n).modality, 0)
+        deps = {info(a).subgraph for a in n.all_input_nodes if info(a).subgraph is not None}
+        cur = open_sg.get(lane)
+        if cur is None or any(d != cur.id and nx.has_path(dag, cur.id, d) for d in deps):
+            new = Subgraph(len(subgraphs), lane)
+            subgraphs.append(new)
+            dag.add_node(new.id)
+            if cur is not None:
+                dag.add_edge(cur.id, new.id)
+            cur = open_sg[lane] = new
+        cur.nodes.append(n)
+        info(n).lane, info(n).subgraph = lane, cur.id
+        for d in deps:
+            if d != cur.id:
+                dag.add_edge(d, cur.id)
+    for sg in subgraphs:
+        inside = set(sg.nodes)
+        seen: dict[torch.fx.Node, None] = {}
+        for n in sg.nodes:
+            for a in n.all_input_nodes:
+                if a not in inside:
+                    seen.setdefault(a, None)
+        sg.inputs = list(seen)
+        sg.outputs = [n for n in sg.nodes if any(u not in inside for u in n.users)]
+    # drop edges implied by others so the runtime waits on as few events as possible
+    dag = nx.transitive_reduction(dag) if dag.number_of_edges() else dag
+    return subgraphs, dag
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
+    nodes = list(gm.graph.nodes)
+    for n in nodes:
+        info(n).lane = info(n).subgraph = None
+    lane_of, reason = assign_lanes(nodes, ctx.options.max_lanes)
+    subgraphs, dag = segment(nodes, lane_of)
+    lanes: dict[int, list[str]] = {}
+    for m, lane in sorted(lane_of.items(), key=lambda kv: (kv[1], kv[0])):
+        lanes.setdefault(lane, []).append(m)
+    used = {sg.lane for sg in subgraphs}
+    lanes = {k: v for k, v in lanes.items() if k in used}
+    order = list(nx.lexicographical_topological_sort(dag, key=lambda i: i))
+    return LanePlan(lanes, subgraphs, dag, order, reason)

@@ -1,0 +1,91 @@
+"""Modality pass: label every node with the modality (tower) it belongs to.
+
+Reads ``nn_module_stack`` (forward, and forward ops recomputed in the backward) and
+``fwd_nn_module_stack`` (backward ops) that Dynamo and AOTAutograd leave in ``node.meta``.
+Writes ``NodeInfo.modality`` and ``NodeInfo.recomputed``.
+
+Rules, in order:
+1. A node that ran inside a submodule takes that submodule's modality: with the ``modalities``
+   option, the name of the longest matching module-path prefix; without it, the name of the
+   top-level submodule (``vision``, ``text``, ...). A path no prefix matches gets no seed.
+2. A node without a seed takes the modality of its inputs; when they disagree it is a join,
+   labelled ``fusion`` (the contrastive loss, a cross-attention layer).
+3. Whatever is still unlabelled (parameters, inputs, saved activations, tangents, constants)
+   takes the modality of its users, again ``fusion`` when they disagree.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Mapping
+
+import torch.fx
+
+from ..annotations import FUSION, info
+
+_SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
+
+
+def module_path(stack_entry: str) -> str:
+    """``"L['self'].vision.blocks[0]"`` -> ``"vision.blocks.0"``: a plain dotted module path."""
+    path = stack_entry
+    for root in ("L['self']", 'L["self"]', "L__self__", "self"):
+        if path.startswith(root):
+            path = path[len(root):]
+            break
+    path = _SUBSCRIPT.sub(r".\1", path).replace("._modules.", ".")
+    return path.strip(".").replace("..", ".")
+
+
+def _innermost_path(node: torch.fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    entries = list(stack.values())
+    entry = entries[-1]
+    return module_path(entry[0] if isinstance(entry, tuple) else str(entry))
+
+
+def modality_of_path(path: str, modalities: Mapping[str, str] | None) -> str | None:
+    """The modality a module path belongs to (see the module docstring, rule 1)."""
+    if not path:
+        return None
+    if modalities is None:
+        return path.split(".")[0]
+    best = None
+    for prefix, name in modalities.items():
+        if path == prefix or path.startswith(prefix + "."):
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, name)
+    return best[1] if best else None
+
+
+def _merge(labels) -> str | None:
+    labels = {label for label in labels if label is not None}
+    if not labels:
+        return None
+    return labels.pop() if len(labels) == 1 else FUSION
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> dict:
+    modalities = ctx.options.modalities
+    nodes = list(gm.graph.nodes)
+    for node in nodes:
+        ann = info(node)
+        ann.recomputed = ctx.kind == "backward" and node.meta.get("partitioner_tag") == "is_forward"
+        if node.op in ("call_function", "call_method", "call_module"):
+            path = _innermost_path(node)
+            ann.modality = modality_of_path(path, modalities) if path else None
+            if ann.modality is None:
+                ann.modality = _merge(info(arg).modality for arg in node.all_input_nodes)
+    for node in reversed(nodes):
+        ann = info(node)
+        if ann.modality is None and node.op != "output":
+            ann.modality = _merge(info(user).modality for user in node.users if user.op != "output")
+    for node in nodes:  # a node whose users are only the graph output, or that nothing labels
+        ann = info(node)
+        if ann.modality is None:
+            ann.modality = _merge(info(arg).modality for arg in node.all_input_nodes) or FUSION
+    counts = Counter(info(n).modality for n in nodes if n.op not in ("placeholder", "output"))
+    return {"nodes": dict(sorted(counts.items())), "recomputed": sum(info(n).recomputed for n in nodes)}

@@ -1,0 +1,58 @@
+"""The pass pipeline, written down in one place. Reading this file tells the whole story.
+
+Every ATen graph AOTAutograd hands us (forward, backward, or inference) goes through
+``GRAPH_PASSES`` in order. Each pass is ``run(gm, ctx) -> decision``: it reads and writes
+``node.meta["apollo"]`` and returns what it decided, which lands in ``ctx.decisions[name]``.
+A failing pass is re-raised as :class:`PassError` naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.fx
+
+from .devices import DeviceSpec
+from .options import ApolloOptions
+from .passes import codegen, cost, lanes, memory, modality
+
+log = logging.getLogger("apollo_compile")
+
+GRAPH_PASSES: list[tuple[str, Callable[[torch.fx.GraphModule, "GraphContext"], Any]]] = [
+    ("modality", modality.run),  # label every node by tower: vision, text, ..., fusion for joins
+    ("cost", cost.run),          # FLOPs, bytes, compute/memory bound, roofline time per node
+    ("lanes", lanes.run),        # concurrent subgraphs, one lane per independent branch
+    ("memory", memory.run),      # arena offsets from lifetimes over the concurrent schedule
+    ("codegen", codegen.run),    # the readable Python runtime that launches the subgraphs
+]
+
+
+@dataclass
+class GraphContext:
+    name: str  # e.g. "frame0_0_forward": Dynamo frame/compile id and graph kind
+    kind: str  # "forward" | "backward" | "inference"
+    options: ApolloOptions
+    device: DeviceSpec
+    decisions: dict[str, Any] = field(default_factory=dict)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+class PassError(RuntimeError):
+    def __init__(self, pass_name: str, graph: str, cause: BaseException) -> None:
+        super().__init__(f"apollo pass '{pass_name}' failed on graph {graph}: {type(cause).__name__}: {cause}")
+        self.pass_name = pass_name
+
+
+def run_passes(gm: torch.fx.GraphModule, ctx: GraphContext) -> GraphContext:
+    for name, fn in GRAPH_PASSES:
+        start = time.perf_counter()
+        try:
+            ctx.decisions[name] = fn(gm, ctx)
+        except Exception as e:
+            raise PassError(name, ctx.name, e) from e
+        ctx.timings_ms[name] = (time.perf_counter() - start) * 1e3
+        log.debug("%s: pass %s took %.1f ms", ctx.name, name, ctx.timings_ms[name])
+    return ctx

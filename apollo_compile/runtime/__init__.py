@@ -1,0 +1,1 @@
+"""What runs at training time: lane streams, subgraph compilation, the generated runtime, CUDA graphs."""

@@ -1,0 +1,58 @@
+"""Cut a subgraph out of the full graph as its own GraphModule and compile it.
+
+Each subgraph takes its inputs as a list (boxed calling convention) and returns its outputs in
+the order the codegen pass expects. ``inductor`` compiles it with ``compile_fx_inner`` (what
+Inductor itself runs on each AOTAutograd graph), ``eager`` runs the ATen ops as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.fx
+from functorch.compile import make_boxed_func
+
+from ..passes.lanes import Subgraph
+
+
+def extract(gm: torch.fx.GraphModule, sg: Subgraph) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in sg.inputs:
+        ph = graph.placeholder(n.name)
+        ph.meta = dict(n.meta)
+        env[n] = ph
+    for n in sg.nodes:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    out = graph.output(tuple(env[n] for n in sg.outputs))
+    out.meta["user_visible_output_idxs"] = list(range(len(sg.outputs)))
+    sub = torch.fx.GraphModule(gm, graph, class_name=f"Subgraph{sg.id}")
+    return sub
+
+
+def example_inputs(sg: Subgraph) -> list:
+    return [n.meta.get("val") for n in sg.inputs]
+
+
+def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kind: str) -> Callable[[list], tuple]:
+    if compiler == "eager":
+        return make_boxed_func(sub.forward)
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import BoxedBool
+
+    # Inductor reports each compiled graph's output strides to AOTAutograd through the tracing
+    # context, once per graph; a subgraph must not: its outputs keep the strides in meta["val"]
+    # (they are all marked user-visible), so AOTAutograd's own view of the graph stays right.
+    isolate = contextlib.nullcontext()
+    if torch._guards.TracingContext.try_get() is not None:
+        isolate = torch._guards.TracingContext.report_output_strides()
+    with isolate:
+        return compile_fx_inner(
+            sub,
+            inputs,
+            cudagraphs=BoxedBool(False),
+            is_backward=kind == "backward",
+            is_inference=kind == "inference",
+        )
