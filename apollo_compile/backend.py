@@ -24,6 +24,7 @@ from .devices import DEVICE_SPECS, DeviceSpec, detect_device_spec
 from .options import ApolloOptions, ApolloOptionsError
 from .pipeline import GraphContext, run_passes
 from .plan import GraphPlan, ModelPlan
+from .runtime.cudagraph import CudaGraphRunner, GraphFamily
 from .runtime.runner import build_runtime
 
 log = logging.getLogger("apollo_compile")
@@ -81,6 +82,7 @@ def compile_graph(
     spec: DeviceSpec,
     device: torch.device,
     model_plan: ModelPlan,
+    family: GraphFamily | None = None,
 ) -> Callable:
     """Plan and build one ATen graph; on failure fall back for this graph only."""
     graph_name = f"{name}_{kind}"
@@ -91,6 +93,8 @@ def compile_graph(
         run_passes(gm, ctx)
         fn = build_runtime(gm, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
                            options.subgraph_compiler, device)
+        if family is not None:
+            fn = _cudagraphed(fn, graph_name, kind, family)
     except Exception as e:
         if options.strict:
             raise
@@ -103,6 +107,19 @@ def compile_graph(
             graph_plan.write(options.dump_dir)
     log.info("apollo: %s planned: %s", graph_name, graph_plan.summary())
     return fn
+
+
+def _cudagraphed(fn: Callable, graph_name: str, kind: str, family: GraphFamily) -> CudaGraphRunner:
+    """Wrap a CUDA runtime for CUDA-graph replay, telling it which inputs and outputs are whose."""
+    static_idxs: set[int] = set()
+    user_visible: set[int] | None = None  # None: every output is the user's (inference, backward)
+    tc = torch._guards.TracingContext.try_get()
+    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+    if meta is not None and kind != "backward":
+        static_idxs = set(meta.static_input_indices or ())
+    if meta is not None and kind == "forward" and hasattr(meta, "num_forward_returns"):
+        user_visible = set(range(meta.num_forward_returns))
+    return CudaGraphRunner(fn, graph_name, kind, family, static_idxs, user_visible)
 
 
 def _partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
@@ -122,8 +139,11 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     name = _graph_name()
     model_plan = ModelPlan(name)
     plan_store.record(model_plan)
+    use_cudagraphs = device.type == "cuda" and opts.cudagraphs in ("auto", True)
+    if opts.cudagraphs is True and device.type != "cuda":
+        log.warning("apollo: cudagraphs=True ignored for %s: CUDA graphs need a CUDA device", device)
     compiler = functools.partial(compile_graph, name=name, options=opts, spec=spec, device=device,
-                                 model_plan=model_plan)
+                                 model_plan=model_plan, family=GraphFamily() if use_cudagraphs else None)
     decompositions = None
     if opts.subgraph_compiler == "inductor":
         from torch._inductor.decomposition import select_decomp_table

@@ -32,10 +32,8 @@ class ApolloOptionsError(ValueError, _dynamo_passthrough_base()):  # type: ignor
     """A bad `options=` or `mode=` value; raised before any tracing."""
 
     def __init__(self, message: str) -> None:
-        try:
-            super().__init__(message, first_useful_frame=None)
-        except TypeError:  # pragma: no cover - base without first_useful_frame
-            super().__init__(message)
+        super().__init__(message)
+        self.first_useful_frame = None  # what ShortenTraceback reads; None keeps the whole traceback
 
 
 SUBGRAPH_COMPILERS = ("inductor", "eager")
