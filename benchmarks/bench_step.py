@@ -35,8 +35,11 @@ Method, for each batch size:
    a compiled artifact that baked in its inputs fails here) compared with eager on the same
    weights and the same autocast: |loss - loss_ref| and max over parameters of
    ||g - g_ref|| / ||g_ref||. The eager variant is checked too (it shows the run-to-run floor:
-   atomics make some CUDA backward kernels nondeterministic). With AMP the log also prints the
-   bf16 noise floor: eager bf16 against eager fp32.
+   atomics make some CUDA backward kernels nondeterministic). PASS needs the loss within
+   LOSS_RTOL and every parameter within GRAD_RTOL (2e-2 under bf16 autocast; the comment at the
+   constants says why). With AMP, eager fp32 gradients are computed too: eager bf16's distance
+   from them is the bf16 noise floor (printed per batch), and a parameter over GRAD_RTOL still
+   passes ("PASS*") if the variant is no further from fp32 than 2x eager bf16 is.
 
 Each variant runs inside try/except: an exception (an out-of-memory error included) prints its
 traceback, marks the row FAILED (or OOM), and the run continues. Results are written after every
@@ -63,6 +66,7 @@ import platform
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -100,6 +104,9 @@ LOSS_RTOL = {"bf16": 1e-2, "fp32": 1e-4}  # on |loss - loss_ref| / max(1, |loss_
 NOISE_MULTIPLIER = 2.0
 
 GiB = 1024**3
+
+# Inductor repeats this one for every attention softmax it splits; it drowns the log.
+warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
 
 
 def log(*args: Any) -> None:

@@ -24,6 +24,7 @@ during capture) never hands its bytes to a new tensor while the reader may still
 from __future__ import annotations
 
 import itertools
+import textwrap
 from dataclasses import dataclass, field
 
 import torch.fx
@@ -119,18 +120,21 @@ def render(plan: LanePlan, ops: list[Op], name: str, placeholders: list[str], ou
                            lane_lines=lane_lines)]
     lines.append("def run(args):")
     if placeholders:
-        lines.append(f"    {', '.join(placeholders)}, = args")
+        lines.append("    " + _wrap("(", placeholders, ") = args").replace("\n", "\n    "))
     lines.append("    args.clear()")
     if side_lanes:
         lines.append(f"    rt.fork({side_lanes})  # side lanes start after the caller's pending work")
     for lane, group in itertools.groupby(ops, key=lambda op: op.lane):
-        body = [line for op in group if (line := _render_op(plan, op, waited))]
+        body = [text for op in group if (text := _render_op(plan, op, waited))]
+        body = [line for text in body for line in text.split("\n")]
         if lane == 0:
             lines.extend("    " + line for line in body)
         elif body:
             lines.append(f"    with rt.lane({lane}):")
             lines.extend("        " + line for line in body)
-    lines.append(f"    return {_render_output(output_arg)}")
+    out = _render_output(output_arg)
+    lines.append("    return " + (_wrap(out[0], out[1:-1].split(", "), out[-1]).replace("\n", "\n    ")
+                                   if len(out) > 80 else out))
     return RuntimeSource("\n".join(lines) + "\n", ops, side_lanes, n_waits)
 
 
@@ -141,16 +145,24 @@ def _render_op(plan: LanePlan, op: Op, waited: set[int]) -> str:
         return f"rt.wait({op.subgraph})  # join: lane {plan.lane_of(op.subgraph)} is done"
     if op.kind == "record":
         return f"rt.record({op.subgraph})" if op.subgraph in waited else ""
-    if op.kind == "keep":
-        return f"rt.keep_alive({op.lane}, {', '.join(op.names)})  # read on another lane than made"
+    if op.kind == "keep":  # values read on another lane than the one that made them
+        return _wrap(f"rt.keep_alive({op.lane}, ", list(op.names), ")")
     if op.kind == "free":
-        return f"del {', '.join(op.names)}"
+        return _wrap("del (", list(op.names), ")")
     sg = plan.subgraphs[op.subgraph]
     mods = ", ".join(sorted({info(n).modality for n in sg.nodes}))
-    outs = "".join(f"{o}, " for o in op.names)
-    call = f"{outs}= subgraph_{sg.id}([{', '.join(n.name for n in sg.inputs)}])" if op.names else \
-        f"subgraph_{sg.id}([{', '.join(n.name for n in sg.inputs)}])"
-    return f"# subgraph {sg.id}: {mods} · {len(sg.nodes)} nodes · est {sg.est_us:.1f} us\n{' ' * 8 if op.lane else ' ' * 4}{call}"
+    args = _wrap(f"subgraph_{sg.id}([", [n.name for n in sg.inputs], "])")
+    call = _wrap("(", list(op.names), f") = {args}") if op.names else args
+    return f"# subgraph {sg.id}: {mods} | {len(sg.nodes)} nodes | est {sg.est_us:.1f} us\n{call}"
+
+
+def _wrap(open_: str, names: list[str], close: str, width: int = 96) -> str:
+    """``open_ + ", ".join(names) + close``, broken inside the brackets at `width` columns."""
+    joined = ", ".join(names) + ("," if open_ == "(" and len(names) == 1 else "")  # a 1-tuple
+    if len(open_ + joined + close) <= width:
+        return open_ + joined + close
+    body = textwrap.wrap(joined, width=width - 4, break_long_words=False, break_on_hyphens=False)
+    return open_.rstrip() + "\n    " + "\n    ".join(body) + "\n" + close
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> RuntimeSource:

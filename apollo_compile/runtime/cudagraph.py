@@ -30,6 +30,7 @@ import weakref
 from typing import Callable
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense
 
 log = logging.getLogger("apollo_compile")
 
@@ -86,7 +87,7 @@ class CudaGraphRunner:
                 self.static_inputs.append(x)
                 self.fixed_ptrs[i] = x.data_ptr()
             else:
-                if not x.is_non_overlapping_and_dense():
+                if not is_non_overlapping_and_dense(x):
                     raise RuntimeError(f"input {i} is not dense (stride {tuple(x.stride())})")
                 buf = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
                 buf.copy_(x)
