@@ -14,9 +14,9 @@ copied into static buffers.
     fw replay 1 ─► saved acts A (pool)      bw 1 reads A        fw replay 2 overwrites A
                    loss L (pool) ─clone─► user keeps L           the user's L is a clone: safe
 
-User-visible outputs (the loss, gradients) are cloned, since a user or AccumulateGrad may keep
-them. Saved activations are returned as fresh aliases whose liveness we track: if any alias of
-the previous forward is still alive when the forward runs again (two forwards before one
+User-visible outputs (the loss, gradients) are copied out, since a user or AccumulateGrad may
+keep them. Saved activations are returned in place, one of them as a fresh alias whose liveness
+we track (they are all held by one autograd context): if the previous forward's is still alive when the forward runs again (two forwards before one
 backward, ``retain_graph=True``), that call runs without the CUDA graph, so nothing the pending
 backward needs is overwritten. A backward whose saved inputs are not where the captured one read
 them runs without the CUDA graph too. Both paths are correct and warn once.
@@ -30,9 +30,40 @@ import weakref
 from typing import Callable
 
 import torch
-from torch._prims_common import is_non_overlapping_and_dense
 
 log = logging.getLogger("apollo_compile")
+
+
+def is_dense(x: torch.Tensor) -> bool:
+    """No gaps and no overlap (any dim order), so empty_strided + copy_ reproduce it exactly."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.size()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def fresh_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` with the same sizes and strides, in one allocation per dtype and one
+    batched copy: cloning each gradient separately costs a launch per parameter."""
+    out: list = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for k, t in enumerate(tensors):
+        if is_dense(t):
+            groups.setdefault((t.dtype, t.device), []).append(k)
+        else:
+            out[k] = t.clone()
+    for (dtype, device), ks in groups.items():
+        flat = torch.empty(sum(tensors[k].numel() for k in ks), dtype=dtype, device=device)
+        offset, dsts = 0, []
+        for k in ks:
+            t = tensors[k]
+            out[k] = flat.as_strided(t.size(), t.stride(), offset)
+            dsts.append(out[k])
+            offset += t.numel()
+        torch._foreach_copy_(dsts, [tensors[k] for k in ks])
+    return out
 
 
 class GraphFamily:
@@ -84,10 +115,12 @@ class CudaGraphRunner:
             if not isinstance(x, torch.Tensor):
                 self.static_inputs.append(x)
             elif i in self.static_input_idxs or x.data_ptr() in self.family.saved_ptrs:
-                self.static_inputs.append(x)
+                # a fresh alias: holding the caller's own tensor object would keep the forward's
+                # saved-activation aliases alive forever (see the NOTE on liveness)
+                self.static_inputs.append(x.detach())
                 self.fixed_ptrs[i] = x.data_ptr()
             else:
-                if not is_non_overlapping_and_dense(x):
+                if not is_dense(x):
                     raise RuntimeError(f"input {i} is not dense (stride {tuple(x.stride())})")
                 buf = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
                 buf.copy_(x)
@@ -104,6 +137,11 @@ class CudaGraphRunner:
         # caller's own tensor, not the capture-time one
         ids = {id(x): i for i, x in enumerate(self.static_inputs) if i in self.fixed_ptrs}
         self.output_is_input = {j: ids[id(o)] for j, o in enumerate(self.static_outputs) if id(o) in ids}
+        tensors = [j for j, o in enumerate(self.static_outputs)
+                   if isinstance(o, torch.Tensor) and j not in self.output_is_input]
+        self.user_visible_idxs = [j for j in tensors if self._is_user_visible(j)]
+        saved = [j for j in tensors if not self._is_user_visible(j)]
+        self.sentinel_idx = saved[0] if saved else None
         if self.kind == "forward":
             self.family.saved_ptrs = {o.data_ptr() for o in self.static_outputs if isinstance(o, torch.Tensor)}
         self.graph = graph
@@ -119,21 +157,18 @@ class CudaGraphRunner:
             self.static_inputs[i].copy_(args[i])
         self.graph.replay()
         self.replays += 1
-        outs: list = []
-        aliases: list[weakref.ref] = []
-        for j, o in enumerate(self.static_outputs):
-            if j in self.output_is_input:
-                outs.append(args[self.output_is_input[j]])
-            elif not isinstance(o, torch.Tensor):
-                outs.append(o)
-            elif self._is_user_visible(j):
-                outs.append(o.clone())
-            else:
-                alias = o.detach()
-                aliases.append(weakref.ref(alias))
-                outs.append(alias)
-        if self.kind == "forward":
-            self.family.pending = aliases
+        outs = list(self.static_outputs)
+        for j, i in self.output_is_input.items():
+            outs[j] = args[i]
+        for j, fresh in zip(self.user_visible_idxs, fresh_copies([outs[j] for j in self.user_visible_idxs])):
+            outs[j] = fresh
+        if self.sentinel_idx is not None:
+            # the saved activations live and die together (one autograd context holds them
+            # all): one fresh alias among them tells when the last forward's are released
+            alias = outs[self.sentinel_idx].detach()
+            outs[self.sentinel_idx] = alias
+            if self.kind == "forward":
+                self.family.pending = [weakref.ref(alias)]
         args.clear()
         return outs
 

@@ -1,0 +1,25 @@
+"""The pieces of the CUDA-graph runner that need no GPU: layout checks and output copies."""
+
+import torch
+
+from apollo_compile.runtime.cudagraph import fresh_copies, is_dense
+
+
+def test_is_dense():
+    assert is_dense(torch.randn(3, 4)) and is_dense(torch.randn(3, 4).t())
+    assert is_dense(torch.randn(2, 3, 4).permute(2, 0, 1)) and is_dense(torch.randn(1, 5)[:, :])
+    assert not is_dense(torch.randn(3, 1).expand(3, 4))  # overlapping
+    assert not is_dense(torch.randn(4, 6)[:, :3])  # gaps
+
+
+def test_fresh_copies_keep_values_and_strides_in_new_memory():
+    tensors = [torch.randn(3, 4).t(), torch.randn(5), torch.randn(2, dtype=torch.bfloat16), torch.randn(4, 6)[:, :3]]
+    copies = fresh_copies(tensors)
+    for src, dst in zip(tensors, copies):
+        assert torch.equal(src, dst) and dst.dtype == src.dtype
+        assert dst.data_ptr() != src.data_ptr()
+        if is_dense(src):
+            assert dst.stride() == src.stride()
+    # dense float32 copies share one allocation, so a later write to the source changes nothing
+    tensors[0].add_(1)
+    assert not torch.equal(tensors[0], copies[0])
