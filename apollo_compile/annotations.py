@@ -25,6 +25,10 @@ class NodeInfo:
     intensity: float = 0.0  # FLOP per byte
     bound: str = "-"  # "compute", "memory", or "-" for views, placeholders, outputs
     est_us: float = 0.0  # roofline estimate on the planned device
+    # casts pass (on the Dynamo graph, carried to ATen nodes through meta["custom"])
+    cast: str | None = None  # this node is a cast apollo inserted, to this dtype ("bf16", ...)
+    # checkpoint pass
+    saved: bool = False  # a forward value the backward reads (saved, not recomputed)
     # lanes pass
     lane: int | None = None
     subgraph: int | None = None

@@ -22,6 +22,7 @@ from torch._dynamo.backends.common import aot_autograd
 from . import plan as plan_store
 from .devices import DEVICE_SPECS, DeviceSpec, detect_device_spec
 from .options import ApolloOptions, ApolloOptionsError
+from . import pipeline
 from .pipeline import GraphContext, run_passes
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
@@ -122,8 +123,10 @@ def _cudagraphed(fn: Callable, graph_name: str, kind: str, family: GraphFamily) 
     return CudaGraphRunner(fn, graph_name, kind, family, static_idxs, user_visible)
 
 
-def _partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
-    """Our partition hook: later passes tag recomputation here; Inductor's min-cut partitions."""
+def _partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext, **kwargs):
+    """Our partition hook: the joint passes tag recomputation, then Inductor's min-cut partitions."""
+    if pipeline.JOINT_PASSES:
+        run_passes(joint_module, ctx, pipeline.JOINT_PASSES)
     return min_cut_rematerialization_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                **kwargs)
 
@@ -149,11 +152,22 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         from torch._inductor.decomposition import select_decomp_table
 
         decompositions = select_decomp_table()
+    if pipeline.PRE_GRAD_PASSES:
+        pre_ctx = GraphContext(f"{name}_dynamo", "dynamo", opts, spec)
+        try:
+            run_passes(gm, pre_ctx, pipeline.PRE_GRAD_PASSES)
+        except Exception as e:
+            if opts.strict:
+                raise
+            _warn_fallback(f"{name}_dynamo", "the graph without apollo's pre-autograd passes", e)
+        model_plan.pre_grad = pre_ctx.decisions
+    joint_ctx = GraphContext(f"{name}_joint", "joint", opts, spec)
+    model_plan.joint = joint_ctx.decisions
     aot = aot_autograd(
         fw_compiler=functools.partial(compiler, kind="forward"),
         bw_compiler=functools.partial(compiler, kind="backward"),
         inference_compiler=functools.partial(compiler, kind="inference"),
-        partition_fn=_partition,
+        partition_fn=functools.partial(_partition, ctx=joint_ctx),
         decompositions=decompositions,
     )
     try:

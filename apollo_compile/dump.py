@@ -2,7 +2,8 @@
 
 The listing (``*.apollo.txt``) is deterministic — no addresses, paths or timings — so golden
 tests can pin it. Columns: node, op, value (dtype[shape]), modality (``*`` = recomputed in the
-backward), lane/subgraph, FLOPs, bytes, FLOP/byte, bound, estimated µs.
+backward), lane/subgraph, FLOPs, bytes, FLOP/byte, bound, estimated µs, and marks: ``cast->bf16``
+for a cast apollo inserted, ``saved`` for a forward value the backward reads.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def rows(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
             "modality": a.modality, "recomputed": a.recomputed,
             "lane": a.lane, "subgraph": a.subgraph,
             "flops": a.flops, "bytes": a.bytes, "intensity": round(a.intensity, 2), "bound": a.bound,
-            "est_us": round(a.est_us, 2),
+            "est_us": round(a.est_us, 2), "cast": a.cast, "saved": a.saved,
             "inputs": [i.name for i in n.all_input_nodes],
         })
     return out
@@ -63,12 +64,13 @@ def rows(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
 
 def listing(gm: torch.fx.GraphModule, title: str) -> str:
     """The stable annotated listing of one graph."""
-    table = [("node", "op", "value", "modality", "lane/sg", "flops", "bytes", "AI", "bound", "est_us")]
+    table = [("node", "op", "value", "modality", "lane/sg", "flops", "bytes", "AI", "bound", "est_us", "mark")]
     for r in rows(gm):
         where = "-" if r["subgraph"] is None else f"{r['lane']}/{r['subgraph']}"
         mod = f"{r['modality']}{'*' if r['recomputed'] else ''}"
         table.append((r["node"], r["op"], r["value"], mod, where, str(r["flops"]), str(r["bytes"]),
-                      f"{r['intensity']:.1f}" if r["bytes"] else "-", r["bound"], f"{r['est_us']:.2f}"))
+                      f"{r['intensity']:.1f}" if r["bytes"] else "-", r["bound"], f"{r['est_us']:.2f}",
+                      _mark(r)))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     right = {5, 6, 7, 9}
     lines = [f"# {title}"]
@@ -76,6 +78,16 @@ def listing(gm: torch.fx.GraphModule, title: str) -> str:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines) + "\n"
+
+
+def _mark(row: dict[str, Any]) -> str:
+    """Decisions of the memory passes: casts apollo inserted, values saved for the backward."""
+    marks = []
+    if row["cast"]:
+        marks.append(f"cast->{row['cast']}")
+    if row["saved"]:
+        marks.append("saved")
+    return ",".join(marks)
 
 
 def to_json(gm: torch.fx.GraphModule, summary: dict[str, Any]) -> str:

@@ -39,6 +39,19 @@ class ApolloOptionsError(ValueError, _dynamo_passthrough_base()):  # type: ignor
 SUBGRAPH_COMPILERS = ("inductor", "eager")
 CUDAGRAPH_CHOICES = ("auto", True, False)
 SUPPORTED_MODES = (None, "default", "reduce-overhead")
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def _valid_fraction(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1
+
+
+def _valid_budget(budget: Any) -> bool:
+    if isinstance(budget, Mapping):
+        return bool(budget) and all(isinstance(k, str) and _valid_fraction(v) for k, v in budget.items())
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 1:
+        return True  # bytes
+    return isinstance(budget, float) and _valid_fraction(budget) or budget == 1
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,12 @@ class ApolloOptions:
         max_lanes: most concurrent lanes per graph; ``1`` forces single-stream execution.
         cudagraphs: replay each graph as a CUDA graph on CUDA (``"auto"``: on where CUDA is).
         strict: raise instead of falling back when apollo cannot plan a graph.
+        precision: ``"bf16"``, ``"fp16"`` or ``"fp32"``: compute-bound ops run in this dtype,
+            numerically sensitive ones stay fp32, parameters stay fp32 masters (cast pass).
+            Default ``None``: the user's dtypes and autocast are left as they are.
+        memory_budget: activation memory kept without recomputation: a fraction (0, 1] of what
+            the plain partition saves, a number of bytes (int > 1), or a per-modality dict of
+            fractions such as ``{"vision": 0.3, "text": 1.0}`` (checkpoint pass). Default ``None``.
     """
 
     dump_dir: str | None = None
@@ -64,6 +83,8 @@ class ApolloOptions:
     max_lanes: int | None = None
     cudagraphs: bool | str = "auto"
     strict: bool = False
+    precision: str | None = None
+    memory_budget: float | int | Mapping[str, float] | None = None
 
     @classmethod
     def from_user(cls, options: Mapping[str, Any] | None = None, mode: str | None = None) -> "ApolloOptions":
@@ -86,8 +107,9 @@ class ApolloOptions:
             values["dump_dir"] = os.environ["APOLLO_DUMP_DIR"]
         opts = cls(**values)
         opts._check()
-        if opts.modalities is not None:
-            object.__setattr__(opts, "modalities", dict(opts.modalities))
+        for key in ("modalities", "memory_budget"):
+            if isinstance(getattr(opts, key), Mapping):
+                object.__setattr__(opts, key, dict(getattr(opts, key)))
         return opts
 
     def _check(self) -> None:
@@ -113,6 +135,11 @@ class ApolloOptions:
             raise bad("cudagraphs", "'auto', True or False")
         if not isinstance(self.strict, bool):
             raise bad("strict", "True or False")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise bad("precision", f"one of {', '.join(PRECISIONS)} or None")
+        if self.memory_budget is not None and not _valid_budget(self.memory_budget):
+            raise bad("memory_budget", "a fraction in (0, 1], a byte count (int > 1), or a dict of "
+                                       "modality name -> fraction in (0, 1]")
 
 
 DEFAULT_OPTIONS = ApolloOptions()

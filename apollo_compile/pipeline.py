@@ -21,7 +21,17 @@ from .passes import codegen, cost, lanes, memory, modality
 
 log = logging.getLogger("apollo_compile")
 
-GRAPH_PASSES: list[tuple[str, Callable[[torch.fx.GraphModule, "GraphContext"], Any]]] = [
+Pass = Callable[[torch.fx.GraphModule, "GraphContext"], Any]
+
+# On the Dynamo graph (torch-level), before AOTAutograd: whatever is inserted here is traced
+# through autograd, so gradients flow through it.
+PRE_GRAD_PASSES: list[tuple[str, Pass]] = []
+
+# On the joint forward+backward graph, before the min-cut partitioner splits it.
+JOINT_PASSES: list[tuple[str, Pass]] = []
+
+# On each forward, backward or inference ATen graph.
+GRAPH_PASSES: list[tuple[str, Pass]] = [
     ("modality", modality.run),  # label every node by tower: vision, text, ..., fusion for joins
     ("cost", cost.run),          # FLOPs, bytes, compute/memory bound, roofline time per node
     ("lanes", lanes.run),        # concurrent subgraphs, one lane per independent branch
@@ -46,8 +56,10 @@ class PassError(RuntimeError):
         self.pass_name = pass_name
 
 
-def run_passes(gm: torch.fx.GraphModule, ctx: GraphContext) -> GraphContext:
-    for name, fn in GRAPH_PASSES:
+def run_passes(gm: torch.fx.GraphModule, ctx: GraphContext, passes: list[tuple[str, Pass]] | None = None
+               ) -> GraphContext:
+    """Run `passes` (default: GRAPH_PASSES) in order, recording each decision in `ctx`."""
+    for name, fn in GRAPH_PASSES if passes is None else passes:
         start = time.perf_counter()
         try:
             ctx.decisions[name] = fn(gm, ctx)

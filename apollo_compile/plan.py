@@ -87,6 +87,8 @@ class ModelPlan:
 
     name: str
     graphs: dict[str, GraphPlan] = field(default_factory=dict)
+    pre_grad: dict[str, Any] = field(default_factory=dict)  # decisions of the pre-autograd passes
+    joint: dict[str, Any] = field(default_factory=dict)  # decisions of the joint-graph passes
 
     @property
     def forward(self) -> GraphPlan | None:

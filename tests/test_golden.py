@@ -27,7 +27,7 @@ class TestGolden(TestCase):
     def test_forward_listing(self):
         self.assertExpectedInline(self.plan.forward.listing, """\
 # apollo frame0_0_forward (forward) planned for H200
-node                                           op                                                   value                                        modality     lane/sg  flops  bytes   AI  bound   est_us
+node                                           op                                                   value                                        modality     lane/sg  flops  bytes   AI  bound   est_us  mark
 primals_1                                      placeholder                                          f32[16, 3, 8, 8]                             vision       -            0      0    -  -         0.00
 primals_2                                      placeholder                                          f32[16]                                      vision       -            0      0    -  -         0.00
 primals_3                                      placeholder                                          f32[2, 3, 16, 16]                            vision       -            0      0    -  -         0.00
@@ -198,7 +198,7 @@ output                                         output                           
     def test_backward_listing(self):
         self.assertExpectedInline(self.plan.backward.listing, """\
 # apollo frame0_0_backward (backward) planned for H200
-node                                                    op                                                            value                                                modality      lane/sg  flops  bytes   AI  bound   est_us
+node                                                    op                                                            value                                                modality      lane/sg  flops  bytes   AI  bound   est_us  mark
 primals_1                                               placeholder                                                   f32[16, 3, 8, 8]                                     vision*       -            0      0    -  -         0.00
 primals_3                                               placeholder                                                   f32[2, 3, 16, 16]                                    vision*       -            0      0    -  -         0.00
 primals_5                                               placeholder                                                   f32[16]                                              vision*       -            0      0    -  -         0.00
