@@ -92,10 +92,16 @@ def compile_graph(
     model_plan.graphs[kind] = graph_plan
     try:
         run_passes(gm, ctx)
-        fn = build_runtime(gm, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
-                           options.subgraph_compiler, device)
+        runtimes = build_runtime(gm, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
+                                 options.subgraph_compiler, device)
+        graph_plan.runtimes = runtimes
         if family is not None:
-            fn = _cudagraphed(fn, graph_name, kind, family)
+            fn = _cudagraphed(runtimes, graph_name, kind, family)
+            graph_plan.runner = fn
+        elif device.type == "cuda":  # un-graphed CUDA: extra streams only add launches
+            fn = runtimes.get("one_lane", runtimes["lanes"])
+        else:  # CPU: the lane program itself runs, sequentially, so CI exercises it
+            fn = runtimes["lanes"]
     except Exception as e:
         if options.strict:
             raise
@@ -110,7 +116,7 @@ def compile_graph(
     return fn
 
 
-def _cudagraphed(fn: Callable, graph_name: str, kind: str, family: GraphFamily) -> CudaGraphRunner:
+def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, family: GraphFamily) -> CudaGraphRunner:
     """Wrap a CUDA runtime for CUDA-graph replay, telling it which inputs and outputs are whose."""
     static_idxs: set[int] = set()
     user_visible: set[int] | None = None  # None: every output is the user's (inference, backward)
@@ -120,7 +126,7 @@ def _cudagraphed(fn: Callable, graph_name: str, kind: str, family: GraphFamily) 
         static_idxs = set(meta.static_input_indices or ())
     if meta is not None and kind == "forward" and hasattr(meta, "num_forward_returns"):
         user_visible = set(range(meta.num_forward_returns))
-    return CudaGraphRunner(fn, graph_name, kind, family, static_idxs, user_visible)
+    return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible)
 
 
 def _partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext, **kwargs):

@@ -24,6 +24,8 @@ class GraphPlan:
     gm: torch.fx.GraphModule
     decisions: dict[str, Any]
     fallback: str | None = None  # why this graph did not run apollo's runtime, if it did not
+    runner: Any = None  # the CUDA-graph runner on CUDA: which runtime it measured and replays
+    runtimes: dict[str, Any] = field(default_factory=dict)  # "lanes" (and "one_lane") callables
 
     @property
     def title(self) -> str:
@@ -58,6 +60,8 @@ class GraphPlan:
             out["memory"] = {"arena_bytes": self.memory.arena_bytes, "total_bytes": self.memory.total_bytes}
         if self.fallback:
             out["fallback"] = self.fallback
+        if self.runner is not None:
+            out["cuda_graph"] = self.runner.summary()
         return out
 
     def write(self, directory: str) -> list[str]:
@@ -70,6 +74,9 @@ class GraphPlan:
         }
         if self.runtime_source is not None:
             files[f"{self.name}.runtime.py"] = self.runtime_source
+            single = self.decisions["codegen"].one_lane
+            if single is not None:
+                files[f"{self.name}.one_lane.runtime.py"] = single.text
         if self.memory is not None:
             files[f"{self.name}.memory.txt"] = self.memory.to_text()
         paths = []

@@ -2,7 +2,8 @@
 
 Reads the lane plan and ``NodeInfo`` (modality, est_us); returns a :class:`RuntimeSource` whose
 ``text`` is the program that runs (the runner ``exec``s exactly this text) and is dumped as
-``*.runtime.py``.
+``*.runtime.py``. When the plan has side lanes, ``one_lane`` holds the same subgraphs issued on
+one stream (``*.one_lane.runtime.py``): on CUDA both are captured and the faster one replayed.
 
 Two phases, as in apex torchsched: :func:`schedule` emits symbolic ops (launch, wait, record,
 keep-alive, free); :func:`render` prints them. Records are only rendered for events some
@@ -23,6 +24,7 @@ during capture) never hands its bytes to a new tensor while the reader may still
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import textwrap
 from dataclasses import dataclass, field
@@ -54,6 +56,20 @@ class RuntimeSource:
     ops: list[Op] = field(default_factory=list)
     side_lanes: list[int] = field(default_factory=list)
     waits: int = 0
+    one_lane: "RuntimeSource | None" = None  # the same subgraphs on one stream, when there are lanes
+
+
+def producer_lane(plan: LanePlan, node: torch.fx.Node) -> int:
+    """The lane whose stream made `node`'s value: graph inputs arrive on the main lane."""
+    sg = info(node).subgraph
+    return plan.subgraphs[sg].lane if sg is not None else 0
+
+
+def one_lane(plan: LanePlan) -> LanePlan:
+    """The same subgraphs, in the same order, all on the main lane: the single-stream candidate."""
+    subgraphs = [dataclasses.replace(sg, lane=0) for sg in plan.subgraphs]
+    mods = sorted({m for ms in plan.lanes.values() for m in ms})
+    return LanePlan({0: mods}, subgraphs, plan.dag, plan.order, "one-lane candidate")
 
 
 def schedule(plan: LanePlan, output_nodes: list[torch.fx.Node]) -> list[Op]:
@@ -81,7 +97,7 @@ def schedule(plan: LanePlan, output_nodes: list[torch.fx.Node]) -> list[Op]:
         clock[sg.lane][sg.lane] = pos[sg_id]
         clock_at_record[sg_id] = dict(clock[sg.lane])
         ops.append(Op("record", sg.lane, sg_id))
-        cross = tuple(n.name for n in sg.inputs if (info(n).lane or 0) != sg.lane)
+        cross = tuple(n.name for n in sg.inputs if producer_lane(plan, n) != sg.lane)
         if cross:
             ops.append(Op("keep", sg.lane, sg_id, cross))
         dead = tuple(n.name for n in sg.inputs if last_use[n] == sg_id and n not in keep_forever)
@@ -169,6 +185,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> RuntimeSource:
     plan: LanePlan = ctx.decisions["lanes"]
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     output_arg = out_node.args[0]
-    ops = schedule(plan, list(out_node.all_input_nodes))
+    outputs = list(out_node.all_input_nodes)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return render(plan, ops, ctx.name, placeholders, output_arg)
+    source = render(plan, schedule(plan, outputs), ctx.name, placeholders, output_arg)
+    if source.side_lanes:
+        single = one_lane(plan)
+        source.one_lane = render(single, schedule(single, outputs), ctx.name, placeholders, output_arg)
+    return source

@@ -81,9 +81,16 @@ class GraphFamily:
 class CudaGraphRunner:
     """A boxed callable: warm up, capture once, then replay the wrapped runtime."""
 
-    def __init__(self, fn: Callable[[list], list], name: str, kind: str, family: GraphFamily,
+    timing_replays = 5
+
+    def __init__(self, candidates: dict[str, Callable[[list], list]], name: str, kind: str, family: GraphFamily,
                  static_input_idxs: set[int], user_visible_outputs: set[int] | None) -> None:
-        self.fn, self.name, self.kind, self.family = fn, name, kind, family
+        self.candidates, self.name, self.kind, self.family = candidates, name, kind, family
+        # without the CUDA graph, launching from Python is the bottleneck and extra streams only
+        # add launch work (DESIGN.md: 68 vs 48 ms), so the un-graphed path is single-stream
+        self.fn = candidates.get("one_lane", candidates["lanes"])
+        self.measured_ms: dict[str, float] = {}  # candidate -> ms per replay, once measured
+        self.chosen: str | None = None
         self.static_input_idxs = static_input_idxs
         self.user_visible_outputs = user_visible_outputs  # None: all outputs
         self.calls = 0
@@ -102,6 +109,10 @@ class CudaGraphRunner:
 
     def _eager(self, args: list) -> list:
         return self.fn(args)
+
+    def summary(self) -> dict:
+        return {"replays": self.replays, "chosen": self.chosen, "measured_ms": dict(self.measured_ms),
+                "disabled": self.disabled}
 
     def _is_user_visible(self, i: int) -> bool:
         return self.user_visible_outputs is None or i in self.user_visible_outputs
@@ -128,10 +139,8 @@ class CudaGraphRunner:
                 self.copy_idxs.append(i)
         if self.family.pool is None:
             self.family.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self.family.pool):
-            outputs = self.fn(list(self.static_inputs))
+        self.chosen = self._choose_candidate()
+        graph, outputs = self._capture_one(self.candidates[self.chosen])
         self.static_outputs = list(outputs)
         # an output that *is* a fixed input (a parameter saved for backward) is returned as the
         # caller's own tensor, not the capture-time one
@@ -145,8 +154,42 @@ class CudaGraphRunner:
         if self.kind == "forward":
             self.family.saved_ptrs = {o.data_ptr() for o in self.static_outputs if isinstance(o, torch.Tensor)}
         self.graph = graph
-        log.info("apollo: captured %s as a CUDA graph (%d inputs copied, %d used in place)", self.name,
-                 len(self.copy_idxs), len(self.fixed_ptrs))
+        log.info("apollo: captured %s as a CUDA graph, runtime %r (%d inputs copied, %d used in place)",
+                 self.name, self.chosen, len(self.copy_idxs), len(self.fixed_ptrs))
+
+    def _capture_one(self, fn: Callable[[list], list]) -> tuple[torch.cuda.CUDAGraph, list]:
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, pool=self.family.pool):
+            outputs = fn(list(self.static_inputs))
+        return graph, outputs
+
+    def _choose_candidate(self) -> str:
+        """Capture every candidate runtime (lanes, one lane), time its replays, keep the fastest.
+
+        Concurrency is a prediction until measured (DESIGN.md: a fixed split was slower than
+        two plain streams), so the single-stream schedule of the same subgraphs is always a
+        candidate. Candidates are captured one at a time into the shared pool and dropped
+        after timing, so memory never holds two of them. Replays advance the CUDA RNG: a graph
+        with dropout draws other masks afterwards than an untimed run would (still random)."""
+        if len(self.candidates) == 1:
+            return next(iter(self.candidates))
+        for name, fn in self.candidates.items():
+            graph, outputs = self._capture_one(fn)
+            graph.replay()  # first replay pays one-time costs (lazy module loads, page faults)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(self.timing_replays):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            self.measured_ms[name] = start.elapsed_time(end) / self.timing_replays
+            del graph, outputs
+        best = min(self.measured_ms, key=self.measured_ms.get)
+        log.info("apollo: %s measured %s; replaying %r", self.name,
+                 ", ".join(f"{k} {v:.3f} ms" for k, v in self.measured_ms.items()), best)
+        return best
 
     # -- replay ----------------------------------------------------------------------------
     def _inputs_in_place(self, args: list) -> bool:

@@ -25,17 +25,24 @@ def build_runtime(
     kind: str,
     compiler: str,
     device: torch.device,
-) -> Callable[[list], list]:
-    """A boxed callable (takes a list of inputs, clears it) that runs the graph's plan."""
-    namespace: dict = {}
+) -> dict[str, Callable[[list], list]]:
+    """Boxed callables (take a list of inputs, clear it) that run the graph's plan: "lanes", and
+    "one_lane" when the plan has side lanes. Both call the same compiled subgraphs."""
+    compiled = {}
     for sg in plan.subgraphs:
         sub = extract(gm, sg)
-        namespace[f"subgraph_{sg.id}"] = compile_subgraph(sub, example_inputs(sg), compiler, kind)
+        compiled[f"subgraph_{sg.id}"] = compile_subgraph(sub, example_inputs(sg), compiler, kind)
+    runtimes = {"lanes": _load(source, compiled, name, device)}
+    if source.one_lane is not None:
+        runtimes["one_lane"] = _load(source.one_lane, compiled, f"{name} (one lane)", device)
+    return runtimes
+
+
+def _load(source: RuntimeSource, compiled: dict, name: str, device: torch.device) -> Callable[[list], list]:
+    """exec the generated program in a namespace of compiled subgraphs and a lane runtime."""
     recorded = sorted({op.subgraph for op in source.ops if op.kind in ("wait", "join")})
-    namespace["rt"] = LaneRuntime(source.side_lanes, recorded, device)
-    code = compile(source.text, f"<apollo runtime {name}>", "exec")
-    exec(code, namespace)
+    namespace = dict(compiled, rt=LaneRuntime(source.side_lanes, recorded, device))
+    exec(compile(source.text, f"<apollo runtime {name}>", "exec"), namespace)
     run = namespace["run"]
     run._boxed_call = True  # type: ignore[attr-defined]
-    run.apollo_lanes = namespace["rt"]  # type: ignore[attr-defined]
     return run
