@@ -23,3 +23,14 @@ def test_fresh_copies_keep_values_and_strides_in_new_memory():
     # dense float32 copies share one allocation, so a later write to the source changes nothing
     tensors[0].add_(1)
     assert not torch.equal(tensors[0], copies[0])
+
+
+def test_is_non_overlapping():
+    from apollo_compile.runtime.cudagraph import is_non_overlapping
+
+    assert is_non_overlapping(torch.randn(4, 6)[:, :3])  # gaps are fine
+    assert is_non_overlapping(torch.empty_strided((4, 4, 4, 8), (384, 8, 96, 1)))  # a slice of a qkv projection
+    assert not is_non_overlapping(torch.randn(3, 1).expand(3, 4))
+    assert not is_non_overlapping(torch.randn(10).as_strided((3, 3), (2, 1)))  # rows overlap
+    buf = torch.empty_strided((4, 4, 4, 8), (384, 8, 96, 1))
+    buf.copy_(torch.randn(4, 4, 4, 8))  # what the runner does with such an input

@@ -34,6 +34,16 @@ import torch
 log = logging.getLogger("apollo_compile")
 
 
+def is_non_overlapping(x: torch.Tensor) -> bool:
+    """No two elements share memory (gaps allowed), so copy_ into an empty_strided twin works."""
+    reach = 0  # elements spanned by the dims seen so far, smallest stride first
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.size()) if sz != 1):
+        if stride <= reach:
+            return False
+        reach = stride * (size - 1) + reach
+    return True
+
+
 def is_dense(x: torch.Tensor) -> bool:
     """No gaps and no overlap (any dim order), so empty_strided + copy_ reproduce it exactly."""
     expected = 1
@@ -131,16 +141,16 @@ class CudaGraphRunner:
                 self.static_inputs.append(x.detach())
                 self.fixed_ptrs[i] = x.data_ptr()
             else:
-                if not is_dense(x):
-                    raise RuntimeError(f"input {i} is not dense (stride {tuple(x.stride())})")
+                if not is_non_overlapping(x):
+                    raise RuntimeError(f"input {i} overlaps itself (stride {tuple(x.stride())})")
                 buf = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
                 buf.copy_(x)
                 self.static_inputs.append(buf)
                 self.copy_idxs.append(i)
+        self.chosen = self._choose_candidate()
         if self.family.pool is None:
             self.family.pool = torch.cuda.graph_pool_handle()
-        self.chosen = self._choose_candidate()
-        graph, outputs = self._capture_one(self.candidates[self.chosen])
+        graph, outputs = self._capture_one(self.candidates[self.chosen], self.family.pool)
         self.static_outputs = list(outputs)
         # an output that *is* a fixed input (a parameter saved for backward) is returned as the
         # caller's own tensor, not the capture-time one
@@ -157,10 +167,10 @@ class CudaGraphRunner:
         log.info("apollo: captured %s as a CUDA graph, runtime %r (%d inputs copied, %d used in place)",
                  self.name, self.chosen, len(self.copy_idxs), len(self.fixed_ptrs))
 
-    def _capture_one(self, fn: Callable[[list], list]) -> tuple[torch.cuda.CUDAGraph, list]:
+    def _capture_one(self, fn: Callable[[list], list], pool) -> tuple[torch.cuda.CUDAGraph, list]:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self.family.pool):
+        with torch.cuda.graph(graph, pool=pool):
             outputs = fn(list(self.static_inputs))
         return graph, outputs
 
@@ -169,13 +179,15 @@ class CudaGraphRunner:
 
         Concurrency is a prediction until measured (DESIGN.md: a fixed split was slower than
         two plain streams), so the single-stream schedule of the same subgraphs is always a
-        candidate. Candidates are captured one at a time into the shared pool and dropped
-        after timing, so memory never holds two of them. Replays advance the CUDA RNG: a graph
-        with dropout draws other masks afterwards than an untimed run would (still random)."""
+        candidate. Candidates are captured one at a time, each into a pool of its own that dies
+        with it after timing (a pool outlives no graph: capturing into the pool of a deleted
+        graph trips the allocator), so memory never holds two of them; the winner is captured
+        again into the family's pool. Replays advance the CUDA RNG: a graph with dropout draws
+        other masks afterwards than an untimed run would (still random)."""
         if len(self.candidates) == 1:
             return next(iter(self.candidates))
         for name, fn in self.candidates.items():
-            graph, outputs = self._capture_one(fn)
+            graph, outputs = self._capture_one(fn, torch.cuda.graph_pool_handle())
             graph.replay()  # first replay pays one-time costs (lazy module loads, page faults)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
@@ -186,6 +198,7 @@ class CudaGraphRunner:
             torch.cuda.synchronize()
             self.measured_ms[name] = start.elapsed_time(end) / self.timing_replays
             del graph, outputs
+            torch.cuda.synchronize()
         best = min(self.measured_ms, key=self.measured_ms.get)
         log.info("apollo: %s measured %s; replaying %r", self.name,
                  ", ".join(f"{k} {v:.3f} ms" for k, v in self.measured_ms.items()), best)
