@@ -50,6 +50,11 @@ class GraphContext:
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
+# Tests turn this on: after every pass, verify.verify() checks the invariants and a violation
+# fails the pass that caused it.
+VERIFY = False
+
+
 class PassError(RuntimeError):
     def __init__(self, pass_name: str, graph: str, cause: BaseException) -> None:
         super().__init__(f"apollo pass '{pass_name}' failed on graph {graph}: {type(cause).__name__}: {cause}")
@@ -63,6 +68,11 @@ def run_passes(gm: torch.fx.GraphModule, ctx: GraphContext, passes: list[tuple[s
         start = time.perf_counter()
         try:
             ctx.decisions[name] = fn(gm, ctx)
+            if VERIFY and passes is None:
+                from .verify import verify
+
+                if errors := verify(gm, ctx.decisions):
+                    raise AssertionError("invariants broken: " + "; ".join(errors[:5]))
         except Exception as e:
             raise PassError(name, ctx.name, e) from e
         ctx.timings_ms[name] = (time.perf_counter() - start) * 1e3

@@ -13,3 +13,11 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _verify_every_pass(monkeypatch):
+    """Every graph compiled in the tests is checked against the invariants after each pass."""
+    from apollo_compile import pipeline
+
+    monkeypatch.setattr(pipeline, "VERIFY", True)
