@@ -10,6 +10,7 @@ point is not installed (running from a source tree).
 
 from __future__ import annotations
 
+from . import logs as _logs
 from .backend import ApolloFallbackWarning, apollo_backend
 from .options import ApolloOptions, ApolloOptionsError
 from .plan import GraphPlan, ModelPlan, clear_plans, last_plan, plans
@@ -32,3 +33,4 @@ def _register_if_missing() -> None:
 
 
 _register_if_missing()
+_logs.register()

@@ -22,7 +22,7 @@ from torch._dynamo.backends.common import aot_autograd
 from . import plan as plan_store
 from .devices import DEVICE_SPECS, DeviceSpec, detect_device_spec
 from .options import ApolloOptions, ApolloOptionsError
-from . import pipeline
+from . import logs, pipeline
 from .pipeline import GraphContext, run_passes
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
@@ -110,9 +110,11 @@ def compile_graph(
         _warn_fallback(graph_name, fallback, e)
         fn = fallback_compile(gm, example_inputs, kind, options.subgraph_compiler)
     finally:
-        if options.dump_dir:
-            graph_plan.write(options.dump_dir)
-    log.info("apollo: %s planned: %s", graph_name, graph_plan.summary())
+        for directory in {options.dump_dir, logs.debug_dump_dir()} - {None}:
+            graph_plan.write(directory)
+    summary = graph_plan.summary()
+    log.info("apollo: %s planned: %s", graph_name, summary)
+    logs.emit_plan(graph_name, summary)
     return fn
 
 

@@ -76,5 +76,18 @@ def run_passes(gm: torch.fx.GraphModule, ctx: GraphContext, passes: list[tuple[s
         except Exception as e:
             raise PassError(name, ctx.name, e) from e
         ctx.timings_ms[name] = (time.perf_counter() - start) * 1e3
-        log.debug("%s: pass %s took %.1f ms", ctx.name, name, ctx.timings_ms[name])
+        log.debug("%s: pass %s (%.1f ms) decided: %s", ctx.name, name, ctx.timings_ms[name],
+                  _describe(ctx.decisions[name]))
     return ctx
+
+
+def _describe(decision: Any) -> Any:
+    """A one-line view of a pass decision for the log."""
+    summary = getattr(decision, "summary", None)
+    if callable(summary):
+        return summary()
+    if hasattr(decision, "arena_bytes"):
+        return {"arena_bytes": decision.arena_bytes, "total_bytes": decision.total_bytes}
+    if hasattr(decision, "text"):
+        return f"{len(decision.text.splitlines())} lines of runtime"
+    return decision
