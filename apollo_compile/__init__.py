@@ -14,11 +14,12 @@ from . import logs as _logs
 from .backend import ApolloFallbackWarning, apollo_backend
 from .options import ApolloOptions, ApolloOptionsError
 from .plan import GraphPlan, ModelPlan, clear_plans, last_plan, plans
+from .report import Report, explain
 
 __version__ = "0.1.0"
 __all__ = [
     "ApolloFallbackWarning", "ApolloOptions", "ApolloOptionsError", "GraphPlan", "ModelPlan", "apollo_backend",
-    "clear_plans", "last_plan", "plans",
+    "clear_plans", "last_plan", "plans", "Report", "explain",
 ]
 
 

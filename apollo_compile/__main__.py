@@ -1,0 +1,10 @@
+"""``python -m apollo_compile report MODULE_PATH:FUNCTION --out report.html``: see :mod:`apollo_compile.cli`."""
+
+from __future__ import annotations
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
