@@ -44,15 +44,25 @@ def _input_device(example_inputs) -> torch.device:
     return torch.device("cpu")
 
 
+_last_context: list = [None, 0]  # the CompileContext of the last backend call, and calls within it
+_unnamed = [0]
+
+
 def _graph_name() -> str:
-    compile_id = torch._guards.CompileContext.current_compile_id()
+    """``frame<F>_<C>`` from Dynamo's compile id. A backend called several times within one
+    frame's compilation (DDP splits the graph at its gradient buckets) gets ``_1``, ``_2``...
+    after the first, so plans and dumps do not collide."""
+    context = torch._guards.CompileContext.try_get()
+    compile_id = context.compile_id if context is not None else None
     if compile_id is None:
-        _graph_name.counter += 1  # type: ignore[attr-defined]
-        return f"graph{_graph_name.counter}"  # type: ignore[attr-defined]
-    return f"frame{compile_id.frame_id}_{compile_id.frame_compile_id}"
-
-
-_graph_name.counter = -1  # type: ignore[attr-defined]
+        _unnamed[0] += 1
+        return f"graph{_unnamed[0]}"
+    if _last_context[0] is context:
+        _last_context[1] += 1
+    else:
+        _last_context[:] = [context, 0]
+    base = f"frame{compile_id.frame_id}_{compile_id.frame_compile_id}"
+    return base if _last_context[1] == 0 else f"{base}_{_last_context[1]}"
 
 
 def _warn_fallback(name: str, path: str, reason: BaseException | str) -> None:

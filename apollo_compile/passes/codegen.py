@@ -75,7 +75,7 @@ def one_lane(plan: LanePlan) -> LanePlan:
 def schedule(plan: LanePlan, output_nodes: list[torch.fx.Node]) -> list[Op]:
     """Symbolic ops in launch order (phase one)."""
     pos = {sg_id: i for i, sg_id in enumerate(plan.order)}
-    lanes = sorted({sg.lane for sg in plan.subgraphs})
+    lanes = sorted({sg.lane for sg in plan.subgraphs} | {0})  # lane 0 joins even when it launches nothing
     clock = {lane: {other: -1 for other in lanes} for lane in lanes}  # lane -> other -> last pos known done
     clock_at_record: dict[int, dict[int, int]] = {}
     last_use: dict[torch.fx.Node, int] = {}

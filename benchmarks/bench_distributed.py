@@ -1,0 +1,575 @@
+"""Data-parallel training throughput of the CLIP-style model (benchmarks/clip.py): apollo under DDP
+and FSDP2 against DDP + Inductor and against single-GPU apollo, at the same per-GPU batch.
+
+Launch with torchrun, one process per GPU (from the repo root):
+
+    torchrun --nproc_per_node 8 benchmarks/bench_distributed.py --batch 32
+    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 8 32 --variants ddp-inductor ddp-apollo
+    # CPU smoke (gloo; without torchrun it runs as a world of one):
+    python benchmarks/bench_distributed.py --device cpu --config tiny --batch 2 --steps 2 --warmup 1
+    torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --device cpu --config tiny --batch 2 \\
+        --steps 2 --warmup 1 --apollo-options '{"subgraph_compiler": "eager"}'
+
+Variants (each rank builds its copy from the same seed; variants run one after another in ONE
+job, so their times are comparable; DESIGN.md notes that absolute times drift between runs):
+
+    single-apollo      torch.compile(model, backend="apollo"), no gradient communication: every
+                       rank trains alone on its own GPU (the single-GPU baseline, measured on all
+                       GPUs at once so that clocks and host load match the distributed variants)
+    ddp-eager          DistributedDataParallel, eager (also the numerics reference, see below)
+    ddp-inductor       torch.compile(DDP(model)); Dynamo's DDPOptimizer splits the graph at
+                       DDP's gradient buckets (torch._dynamo.config.optimize_ddp, the default) so
+                       that bucket all-reduces overlap the backward
+    ddp-apollo         the same with backend="apollo": apollo plans each bucket's graph on its own.
+                       A bucket graph holds consecutive layers, so most of them contain one tower
+                       only and the towers overlap only in the graphs that straddle both
+    ddp-apollo-1graph  DDP + apollo with optimize_ddp off: one graph for the whole step (the
+                       towers overlap as on one GPU) but the gradient all-reduce starts only after
+                       the whole compiled backward. ddp-apollo vs this row is the trade-off between
+                       communication overlap and tower concurrency
+    fsdp2-eager        fully_shard on every transformer Block of both towers and on the root
+                       (torch.distributed.fsdp.fully_shard; torch.distributed._composable.fsdp on
+                       older torch), eager: the memory reference for FSDP2
+    fsdp2-apollo       the same, the root compiled with apollo. Dynamo does not trace FSDP2's
+                       hooks (torch._dynamo.config.skip_fsdp_hooks), so it breaks the graph at
+                       every sharded Block: apollo sees per-Block graphs and cannot overlap the
+                       towers; expect it near fsdp2 + Inductor, with FSDP2's memory per GPU
+
+FSDP2 rejects 0-d parameters, so for the fsdp2 variants the model's ``logit_scale`` is made a
+(1,)-tensor (same value; the forward broadcasts it the same way). Parameters stay fp32 under
+bf16 autocast in every variant (no FSDP2 MixedPrecisionPolicy), so all variants compute the same
+thing.
+
+Method, per per-GPU batch size B (global batch = world size x B; rank r draws its own shard,
+``clip.make_batch(B, seed=seed + 1000 * r)``):
+
+1. A step is ``zero_grad(set_to_none=True)``, the forward under ``torch.autocast(bfloat16)`` (unless
+   ``--no-amp``), ``backward()`` — which for DDP / FSDP2 includes the gradient all-reduce /
+   reduce-scatter. There is no optimizer step (as in bench_step.py): weights never change, so the
+   numerics check runs at the reference weights.
+2. Warm-up: ``--warmup`` steps (compilation, CUDA-graph recording); their wall time, the maximum
+   over ranks, is "compile s".
+3. Timing: ``--steps`` steps; before each, ``synchronize()`` and a ``dist.barrier()`` (outside the
+   timed window), then a CUDA event pair around the step (``perf_counter`` on CPU). The step time
+   of a variant is the median over timed steps of the slowest rank's time (a data-parallel step
+   ends when the slowest rank does). Throughput in samples/s: world x B / median for DDP and
+   FSDP2; for single-apollo, the sum over ranks of B / (that rank's median). "scaling" is a
+   variant's samples/s over single-apollo's: 1.0 is perfect data-parallel scaling.
+4. Memory per rank: ``reset_peak_memory_stats()`` before the timed steps, then
+   ``max_memory_allocated`` / ``max_memory_reserved`` on every rank (GPU only); the table shows
+   the maximum over ranks, the JSON every rank. Read "reserved" for CUDA-graph variants (graph
+   pools do not show as allocated).
+5. Numerics, after timing, on another batch (seed + 1): eager DDP in the same job is the reference
+   (its loss on rank 0 and its all-reduced gradients; with AMP also eager DDP's fp32 gradients, to
+   know the bf16 noise floor). Each variant's gradients — DDP: as all-reduced; FSDP2: the full
+   tensor of each sharded gradient; single-apollo: averaged over ranks by hand after the step,
+   which is exactly what DDP computes — are compared with bench_step.compare (same tolerances and
+   PASS / PASS* rule as the single-GPU benchmark).
+
+Each variant runs in try/except on every rank; a failure (OOM included) becomes a FAILED / OOM row
+and the run continues with the next variant. A failure on one rank only can leave the others in a
+collective until the process-group timeout (``--pg-timeout-s``). Results are appended at the end
+of the run to ``<out>/distributed_results.jsonl`` (one JSON object per run: environment, rows,
+every rank's step times and memory) and ``<out>/distributed_results.md``; after every batch size
+the run so far is kept in ``<out>/distributed_results.partial.json``. Rank 0 prints the table last.
+
+Not done: modality placement (the vision tower on some GPUs, the text tower on others, i.e.
+model-parallel towers) is not implemented and has no variant here. Pipeline and tensor
+parallelism are not measured either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import socket
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # benchmarks/clip.py, bench_step.py
+sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
+
+import clip  # noqa: E402  (benchmarks/clip.py)
+from bench_step import GRAD_RTOL, LOSS_RTOL, compare, is_oom, no_tf32, rel_err, verdict  # noqa: E402
+
+VARIANTS = ("single-apollo", "ddp-eager", "ddp-inductor", "ddp-apollo", "ddp-apollo-1graph", "fsdp2-eager",
+            "fsdp2-apollo")
+BASELINE = "ddp-inductor"  # "vs ddp-inductor" = its median / the variant's median
+SINGLE = "single-apollo"
+GiB = 1024**3
+
+warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def log(*args: Any, all_ranks: bool = False) -> None:
+    if all_ranks:
+        print(f"[rank {rank()}]", *args, flush=True)
+    elif rank() == 0:
+        print(*args, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# process group
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device_kind: str, timeout_s: float) -> torch.device:
+    """env:// from torchrun; without torchrun, a world of one on 127.0.0.1."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_kind == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    kwargs = {"device_id": device} if device_kind == "cuda" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return device
+
+
+def gather(obj: Any) -> list:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# variants
+
+
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+@contextlib.contextmanager
+def dynamo_config(**changes):
+    saved = {k: getattr(torch._dynamo.config, k) for k in changes}
+    for k, v in changes.items():
+        setattr(torch._dynamo.config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(torch._dynamo.config, k, v)
+
+
+def build_variant(name: str, base: nn.Module, device: torch.device, args) -> tuple[nn.Module, Callable, dict]:
+    """(the module whose .parameters() train, the callable of a step's forward, Dynamo settings)."""
+    model = copy.deepcopy(base).to(device)
+    engine, _, compiler = name.partition("-")
+    settings: dict[str, Any] = {}
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      bucket_cap_mb=args.bucket_cap_mb)
+        settings["optimize_ddp"] = compiler != "apollo-1graph"
+    elif engine == "fsdp2":
+        fully_shard = _fully_shard()
+        model.logit_scale = nn.Parameter(model.logit_scale.detach().reshape(1))  # no 0-d params in FSDP2
+        for block in [*model.vision.blocks, *model.text.blocks]:
+            fully_shard(block)
+        wrapped = fully_shard(model)
+    elif engine == "single":
+        wrapped = model
+    else:
+        raise ValueError(f"unknown variant {name!r}")
+    if compiler == "eager":
+        step_fn = wrapped
+    elif compiler == "inductor":
+        step_fn = torch.compile(wrapped)
+    elif compiler.startswith("apollo"):
+        import apollo_compile  # noqa: F401  (importing registers backend="apollo")
+
+        step_fn = torch.compile(wrapped, backend="apollo", options=dict(args.apollo_options))
+    else:
+        raise ValueError(f"unknown variant {name!r}")
+    return model, step_fn, settings
+
+
+# --------------------------------------------------------------------------------------------
+# steps, timing, numerics
+
+
+def autocast(device: torch.device, amp: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(model: nn.Module, step_fn: Callable, batch: tuple, device: torch.device, amp: bool) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    with autocast(device, amp):
+        loss = step_fn(*batch)
+    loss.backward()
+    return loss
+
+
+def time_steps(run_step: Callable[[], Any], steps: int, device: torch.device) -> list[float]:
+    times = []
+    for _ in range(steps):
+        synchronize(device)
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run_step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run_step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """fp32 CPU copy; an FSDP2 DTensor is gathered to its full tensor first (a collective)."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().float().cpu().clone()
+
+
+def loss_and_grads(model: nn.Module, step_fn: Callable, batch: tuple, device: torch.device, amp: bool,
+                   average: bool = False) -> tuple[float, dict]:
+    """One step; rank-local loss, and every gradient as the data-parallel step sees it (on every
+    rank). average=True all-reduces the local gradients to their mean first (single-apollo)."""
+    loss = train_step(model, step_fn, batch, device, amp)
+    loss_value = float(loss.detach().float().cpu())
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and average and dist.get_world_size() > 1:
+            g = g.detach().clone()
+            dist.all_reduce(g)
+            g /= dist.get_world_size()
+        grads[name] = None if g is None else _full(g)
+    model.zero_grad(set_to_none=True)
+    return loss_value, grads
+
+
+def free_device_memory(device: torch.device) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def reference(base: nn.Module, batch: tuple, device: torch.device, args) -> dict:
+    """Eager DDP on the numerics batch: loss, all-reduced gradients and, with AMP, the fp32 ones."""
+    model, step_fn, _ = build_variant("ddp-eager", base, device, args)
+    loss, grads = loss_and_grads(model, step_fn, batch, device, args.amp)
+    ref = {"loss": loss, "grads": grads, "grads_fp32": None, "noise_floor": None, "noise_summary": None}
+    if args.amp:
+        with no_tf32():
+            loss32, grads32 = loss_and_grads(model, step_fn, batch, device, False)
+        ref["grads_fp32"] = grads32
+        ref["noise_floor"] = {n: rel_err(g, grads32[n]) for n, g in grads.items()
+                              if g is not None and grads32[n] is not None}
+        worst = max(ref["noise_floor"], key=ref["noise_floor"].get)
+        ref["noise_summary"] = {"loss_abs_diff": abs(loss - loss32), "grad_rel_err_max": ref["noise_floor"][worst],
+                                "grad_rel_err_worst_param": worst}
+    del model, step_fn
+    free_device_memory(device)
+    return ref
+
+
+def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args,
+                device: torch.device) -> dict:
+    row: dict[str, Any] = {"variant": name, "status": "ok"}
+    world = dist.get_world_size()
+    model, step_fn, settings = build_variant(name, base, device, args)
+    with contextlib.ExitStack() as stack:
+        if settings:
+            stack.enter_context(dynamo_config(**settings))
+        plans_before = None
+        if "apollo" in name:
+            import apollo_compile
+
+            plans_before = len(apollo_compile.plans())
+
+        def run_step() -> None:
+            train_step(model, step_fn, batch, device, args.amp)
+
+        synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            run_step()
+        synchronize(device)
+        compile_s = time.perf_counter() - t0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = time_steps(run_step, args.steps, device)
+        mem = None
+        if device.type == "cuda":
+            mem = {"peak_alloc_gib": torch.cuda.max_memory_allocated(device) / GiB,
+                   "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB}
+        graphs = None
+        if plans_before is not None:
+            import apollo_compile
+
+            new = apollo_compile.plans()[plans_before:]
+            graphs = {"graphs": len(new), "fallbacks": [f"{p.name}_{k}: {g.fallback}" for p in new
+                                                        for k, g in p.graphs.items() if g.fallback]}
+        loss, grads = loss_and_grads(model, step_fn, numerics_batch, device, args.amp, average=name == SINGLE)
+
+    per_rank = gather({"times_ms": times, "compile_s": compile_s, "memory": mem, "apollo": graphs})
+    row["per_rank"] = per_rank
+    row["compile_s"] = max(r["compile_s"] for r in per_rank)
+    step_ms = np.array([r["times_ms"] for r in per_rank])  # ranks x steps
+    slowest = step_ms.max(axis=0)
+    p10, median, p90 = np.percentile(slowest, [10, 50, 90])
+    row.update(median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90))
+    if name == SINGLE:
+        row["samples_per_s"] = float(sum(args.cur_batch / (np.median(t) / 1e3) for t in step_ms))
+    else:
+        row["samples_per_s"] = float(world * args.cur_batch / (median / 1e3))
+    row["samples_per_s_per_gpu"] = row["samples_per_s"] / world
+    if mem is not None:
+        row["peak_alloc_gib"] = max(r["memory"]["peak_alloc_gib"] for r in per_rank)
+        row["peak_reserved_gib"] = max(r["memory"]["peak_reserved_gib"] for r in per_rank)
+    if graphs is not None:
+        row["apollo_graphs"] = graphs["graphs"]
+        row["apollo_fallbacks"] = graphs["fallbacks"]
+    row["numerics"] = n = compare(loss, _align_shapes(grads, ref), ref, "bf16" if args.amp else "fp32")
+    log(f"  [{name}] compile + {args.warmup} warm-up: {row['compile_s']:.1f} s | median {median:.2f} ms "
+        f"(p10 {p10:.2f}, p90 {p90:.2f}) | {row['samples_per_s']:.1f} samples/s"
+        + (f" | peak {row['peak_alloc_gib']:.2f} GiB / reserved {row['peak_reserved_gib']:.2f} (max over ranks)"
+           if mem else "")
+        + (f" | apollo graphs {graphs['graphs']}, {len(graphs['fallbacks'])} fell back" if graphs else ""))
+    log(f"  [{name}] numerics {verdict(n)}: |dloss| {n['loss_abs_diff']:.2e}, max grad rel err "
+        f"{n['grad_rel_err_max']:.2e} ({n['grad_rel_err_worst_param']})"
+        + "".join(f"\n    {p}" for p in n["problems"] + n["params_over_tol"][:10]))
+    return row
+
+
+def _align_shapes(grads: dict, ref: dict) -> dict:
+    """FSDP2's (1,) logit_scale against the reference's 0-d one."""
+    return {n: g if g is None or ref["grads"].get(n) is None else g.reshape(ref["grads"][n].shape)
+            for n, g in grads.items()}
+
+
+def run_variant_guarded(name: str, *args_) -> dict:
+    try:
+        return run_variant(name, *args_)
+    except Exception as exc:  # noqa: BLE001  (one variant's failure must not lose the run)
+        tb = traceback.format_exc()
+        status = "OOM" if is_oom(exc) else "FAILED"
+        log(f"  [{name}] {status}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            all_ranks=True)
+        log(tb, all_ranks=True)
+        return {"variant": name, "status": status, "error": f"{type(exc).__name__}: {exc}", "traceback": tb}
+
+
+# --------------------------------------------------------------------------------------------
+# reporting
+
+
+def environment(device: torch.device, args) -> dict:
+    world = dist.get_world_size()
+    names = gather(torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu")
+    env = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda,
+        "world_size": world, "backend": dist.get_backend(), "device": device.type, "device_names": names,
+        "config": args.config, "amp": "bf16 autocast" if args.amp else "fp32", "steps": args.steps,
+        "warmup": args.warmup, "optimizer_step": False, "bucket_cap_mb": args.bucket_cap_mb,
+        "apollo_options": args.apollo_options,
+    }
+    if device.type == "cuda":
+        env["sm_count"] = torch.cuda.get_device_properties(device).multi_processor_count
+    return env
+
+
+def fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
+
+
+def markdown_table(results: list[dict]) -> str:
+    header = ["B/GPU", "variant", "median ms", "p10", "p90", "samples/s", "samples/s/GPU", f"vs {BASELINE}",
+              f"scaling vs {SINGLE}", "peak GiB/GPU", "reserved GiB/GPU", "compile s", "apollo graphs", "numerics"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for entry in results:
+        rows = entry["variants"]
+        ok = {r["variant"]: r for r in rows if r["status"] == "ok"}
+        base, single = ok.get(BASELINE), ok.get(SINGLE)
+        for r in rows:
+            if r["status"] != "ok":
+                error = r.get("error", "").splitlines()[0][:80].replace("|", "/") if r.get("error") else ""
+                cells = [str(entry["batch"]), r["variant"], r["status"]] + [""] * (len(header) - 4) + [error]
+            else:
+                n = r["numerics"]
+                speed = base["median_ms"] / r["median_ms"] if base else None
+                scaling = r["samples_per_s"] / single["samples_per_s"] if single else None
+                graphs = (f"{r['apollo_graphs']} ({len(r['apollo_fallbacks'])} fell back)"
+                          if "apollo_graphs" in r else "-")
+                cells = [
+                    str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}",
+                    f"{r['p90_ms']:.2f}", f"{r['samples_per_s']:.1f}", f"{r['samples_per_s_per_gpu']:.1f}",
+                    fmt(speed, ".2f", "x"), fmt(scaling, ".2f"), fmt(r.get("peak_alloc_gib"), ".2f"),
+                    fmt(r.get("peak_reserved_gib"), ".2f"), f"{r['compile_s']:.1f}", graphs,
+                    f"{verdict(n)} (dloss {n['loss_abs_diff']:.1e}, grad {n['grad_rel_err_max']:.1e})",
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(env: dict, results: list[dict]) -> str:
+    precision = "bf16" if env["amp"] != "fp32" else "fp32"
+    head = [
+        f"## apollo distributed benchmark: CLIP-style ({env['config']}), {env['amp']}, "
+        f"{env['world_size']} x {env['device_names'][0]} ({env['backend']})",
+        "",
+        f"{env['date']} | torch {env['torch']} | python {env['python']} | DDP bucket_cap_mb {env['bucket_cap_mb']} | "
+        f"apollo options {env['apollo_options'] or '{}'}",
+        f"{env['warmup']} warm-up + {env['steps']} timed steps of zero_grad + forward + backward (gradient "
+        f"communication included, no optimizer step); median of the slowest rank's step; samples/s over all "
+        f"GPUs; numerics vs eager DDP: PASS if max per-param relative grad error <= {GRAD_RTOL[precision]:g} "
+        f"and |dloss| <= {LOSS_RTOL[precision]:g} * max(1, |loss|) (PASS*: within bf16 noise, see bench_step.py).",
+    ]
+    for entry in results:
+        floor = entry.get("bf16_noise_floor")
+        if floor:
+            head.append(f"- B/GPU {entry['batch']}: bf16 noise floor (eager DDP bf16 vs fp32): "
+                        f"dloss {floor['loss_abs_diff']:.1e}, grad {floor['grad_rel_err_max']:.1e}")
+    return "\n".join(head) + "\n\n" + markdown_table(results) + "\n"
+
+
+def write_partial(env: dict, results: list[dict], out_dir: Path) -> None:
+    """This run so far, rewritten after every batch size: a crash keeps what was measured."""
+    (out_dir / "distributed_results.partial.json").write_text(json.dumps({"environment": env, "results": results}))
+
+
+def append(env: dict, results: list[dict], out_dir: Path) -> str:
+    """Append this run to distributed_results.jsonl (one line) and .md; drop the partial file."""
+    text = report(env, results)
+    with open(out_dir / "distributed_results.jsonl", "a") as f:
+        f.write(json.dumps({"environment": env, "results": results}) + "\n")
+    with open(out_dir / "distributed_results.md", "a") as f:
+        f.write(text + "\n")
+    (out_dir / "distributed_results.partial.json").unlink(missing_ok=True)
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[32], help="per-GPU batch sizes")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    p.add_argument("--no-amp", dest="amp", action="store_false", help="fp32, no bf16 autocast")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (DDP's default 25)")
+    p.add_argument("--apollo-options", type=json.loads, default={},
+                   help='JSON options for backend="apollo", e.g. \'{"subgraph_compiler": "eager"}\'')
+    p.add_argument("--pg-timeout-s", type=float, default=900.0, help="process-group (collective) timeout")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available; use --device cpu", flush=True)
+        return 2
+    device = init_distributed(args.device, args.pg_timeout_s)
+    r, world = dist.get_rank(), dist.get_world_size()
+    out_dir = Path(args.out)
+    if r == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment(device, args)
+    log(f"date {env['date']} | torch {env['torch']} | world {world} x {env['device_names'][0]} ({env['backend']})")
+    log(f"config {args.config} | {env['amp']} | per-GPU batches {args.batch} | variants {args.variants} | out {out_dir}")
+
+    base = clip.build(args.config, device="cpu", seed=args.seed)  # the same weights on every rank
+    log(f"model: {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters")
+
+    results: list[dict] = []
+    for batch_size in args.batch:
+        args.cur_batch = batch_size
+        log(f"\n=== per-GPU batch {batch_size} (global {world * batch_size}) ===")
+        entry: dict[str, Any] = {"batch": batch_size, "global_batch": world * batch_size, "variants": []}
+        results.append(entry)
+        batch = clip.make_batch(batch_size, device, args.config, seed=args.seed + 1000 * r)
+        numerics_batch = clip.make_batch(batch_size, device, args.config, seed=args.seed + 1 + 1000 * r)
+        try:
+            ref = reference(base, numerics_batch, device, args)
+        except Exception as exc:  # noqa: BLE001
+            log(f"  eager DDP reference failed ({type(exc).__name__}); skipping batch {batch_size}", all_ranks=True)
+            log(traceback.format_exc(), all_ranks=True)
+            entry["error"] = f"reference: {type(exc).__name__}: {exc}"
+            free_device_memory(device)
+            continue
+        entry["loss_ref"] = ref["loss"]
+        entry["bf16_noise_floor"] = f = ref["noise_summary"]
+        if f:
+            log(f"  bf16 noise floor (eager DDP bf16 vs fp32): |dloss| {f['loss_abs_diff']:.2e}, "
+                f"max grad rel err {f['grad_rel_err_max']:.2e} ({f['grad_rel_err_worst_param']})")
+        for name in args.variants:
+            log(f"--- per-GPU batch {batch_size}, {name}")
+            entry["variants"].append(run_variant_guarded(name, base, batch, numerics_batch, ref, args, device))
+            free_device_memory(device)
+        del batch, numerics_batch, ref
+        free_device_memory(device)
+        if r == 0:
+            write_partial(env, results, out_dir)
+
+    if r == 0:
+        text = append(env, results, out_dir)
+        log(f"\nappended to {out_dir / 'distributed_results.jsonl'} and {out_dir / 'distributed_results.md'}\n")
+        log(text)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
