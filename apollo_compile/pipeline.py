@@ -17,7 +17,7 @@ import torch.fx
 
 from .devices import DeviceSpec
 from .options import ApolloOptions
-from .passes import codegen, cost, lanes, memory, modality
+from .passes import casts, checkpoint, codegen, cost, lanes, memory, modality
 
 log = logging.getLogger("apollo_compile")
 
@@ -25,14 +25,19 @@ Pass = Callable[[torch.fx.GraphModule, "GraphContext"], Any]
 
 # On the Dynamo graph (torch-level), before AOTAutograd: whatever is inserted here is traced
 # through autograd, so gradients flow through it.
-PRE_GRAD_PASSES: list[tuple[str, Pass]] = []
+PRE_GRAD_PASSES: list[tuple[str, Pass]] = [
+    ("casts", casts.run),        # mixed precision: compute-bound ops in bf16/fp16, sensitive ops fp32
+]
 
 # On the joint forward+backward graph, before the min-cut partitioner splits it.
-JOINT_PASSES: list[tuple[str, Pass]] = []
+JOINT_PASSES: list[tuple[str, Pass]] = [
+    ("checkpoint", checkpoint.run),  # memory_budget: tag what the backward recomputes instead of saving
+]
 
 # On each forward, backward or inference ATen graph.
 GRAPH_PASSES: list[tuple[str, Pass]] = [
     ("modality", modality.run),  # label every node by tower: vision, text, ..., fusion for joins
+    ("saved", checkpoint.mark_saved),  # forward values handed to the backward (with a memory_budget)
     ("cost", cost.run),          # FLOPs, bytes, compute/memory bound, roofline time per node
     ("lanes", lanes.run),        # concurrent subgraphs, one lane per independent branch
     ("memory", memory.run),      # arena offsets from lifetimes over the concurrent schedule

@@ -101,7 +101,10 @@ def assign_lanes(nodes: list[torch.fx.Node], max_lanes: int | None) -> tuple[dic
     lane_root: dict[str, str] = {}
     for m in order:
         src = next(iter(feeders[m])) if len(feeders[m]) == 1 else None
-        lane_root[m] = lane_root[src] if src is not None and len(followers[src]) == 1 else m
+        # a feeder met later in graph order (two modalities feeding each other, as a tower's
+        # recomputed forward values feed its projection's gradients) cannot be followed
+        follows = src is not None and src in lane_root and len(followers[src]) == 1
+        lane_root[m] = lane_root[src] if follows else m
     roots = list(dict.fromkeys(lane_root[m] for m in order))
     if len(roots) < 2:
         return {m: 0 for m in order} | {FUSION: 0}, "one branch: nothing runs concurrently"

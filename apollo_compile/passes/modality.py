@@ -23,6 +23,7 @@ from typing import Mapping
 import torch.fx
 
 from ..annotations import FUSION, info
+from . import casts
 
 _SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
@@ -73,7 +74,11 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
     nodes = list(gm.graph.nodes)
     for node in nodes:
         ann = info(node)
-        ann.recomputed = ctx.kind == "backward" and node.meta.get("partitioner_tag") == "is_forward"
+        # the partitioner tags forward values it hands the backward too (placeholders): only ops
+        # the backward runs are recomputed
+        ann.recomputed = (ctx.kind == "backward" and node.op == "call_function"
+                          and node.meta.get("partitioner_tag") == "is_forward")
+        ann.cast = casts.cast_mark(node)  # carried from the Dynamo graph's cast nodes (casts pass)
         if node.op in ("call_function", "call_method", "call_module"):
             path = _innermost_path(node)
             ann.modality = modality_of_path(path, modalities) if path else None

@@ -1,0 +1,616 @@
+"""Checkpoint pass: which forward values the backward reads saved, and which it recomputes.
+
+Runs on the joint forward+backward graph (``JOINT_PASSES``), before the min-cut partitioner
+splits it, and only when ``options.memory_budget`` is set (default ``None``: the pass does
+nothing at all).
+
+Reads  ``options.memory_budget``; ``node.meta["val"]`` and the module stacks (through the
+       modality pass, for per-modality budgets); the roofline cost of each node
+       (:func:`apollo_compile.passes.cost.node_cost` on ``ctx.device``).
+Writes ``node.meta["recompute"]`` (:class:`torch.utils.checkpoint.CheckpointPolicy`) on the joint
+       graph's nodes, which the partitioner honours (see the NOTE below). It leaves no
+       ``node.meta["apollo"]`` on the joint graph: the partitioner copies node meta shallowly,
+       so an annotation there would be one object shared by a forward node and its recomputed
+       copy in the backward.
+       :func:`mark_saved` (a graph pass on the forward graph) writes ``NodeInfo.saved`` on the
+       values the forward hands to the backward. ``NodeInfo.recomputed`` on the backward graph
+       is the modality pass's (``partitioner_tag == "is_forward"``).
+
+The budget is a fraction of the activation bytes the *plain* partition (min-cut, untagged)
+saves, a byte count, or a fraction per modality. Activation bytes count each saved storage
+once (a saved view costs its base) and leave out graph inputs (parameters, user inputs),
+which are alive anyway. The plain partition's figure is measured, not guessed: the pass runs
+the min-cut partitioner on a copy of the joint graph.
+
+The plan, greedy from the plain partition:
+1. Candidates are forward ops whose output is saved. Recomputing op ``o`` frees its saved
+   outputs and needs its inputs in the backward: each is saved unless it already is, is being
+   recomputed, or is a graph input. A move is taken only if it strictly lowers the bytes it is
+   meant to lower (and raises no other budgeted modality's); when a single op does not pay,
+   its newly needed inputs' ops join it (up to three rounds), e.g. a GELU with its matmul.
+2. Order: memory-bound moves first, compute-bound ones (a matmul, attention, convolution in
+   the move) only when no memory-bound move is left; within a tier, most bytes freed per
+   microsecond of recompute (roofline ``est_us``) first, then graph order.
+3. Stop at the first state within budget. The sequence of states does not depend on the
+   budget and every step lowers the bytes, so a smaller budget never saves more.
+4. Random ops (dropout, bernoulli, rand*, philox/rng ops: anything tagged
+   ``nondeterministic_seeded``) are never recomputed: their outputs are saved (MUST_SAVE), so
+   the backward reuses the forward's mask instead of drawing a fresh one. (PyTorch's own
+   ``activation_memory_budget`` knapsack could pick banned random ops for recomputation,
+   which gave wrong gradients; here they are never candidates.)
+
+[NOTE] How min_cut_rematerialization_partition reads the tags (torch 2.11 and 2.13 alike):
+
+    source --inf--> X_in   X is banned from recompute: MUST_SAVE (ignored on views/getitems)
+    X_in --inf--> sink      X must be recomputed: MUST_RECOMPUTE / PREFER_RECOMPUTE
+    X_in --size--> X_out    cutting this edge saves X
+
+A tag on some nodes only steers the cut; the untagged rest still follows min-cut's own
+weights (and it also recomputes cheap ops on its own). So once the budget needs any change,
+every forward op gets a tag, and the partition is the one planned here, byte for byte:
+planned recomputes MUST_RECOMPUTE; every other forward op MUST_SAVE; views that a recompute
+or the backward reads MUST_RECOMPUTE (free; their base is what is saved); nodes that only the
+backward uses (weight transposes, detaches) MUST_RECOMPUTE, so they are computed there and
+not saved. No ``ac_graph_id`` is set: ``cleanup_recompute_tags`` only rewrites tags between
+two user checkpoint regions, and nodes that already carry a user's tag keep it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..annotations import KEY, info
+from . import modality
+from .cost import node_cost
+
+log = logging.getLogger("apollo_compile")
+
+__all__ = ["CheckpointDecision", "mark_saved", "run"]
+
+GLOBAL = "*"  # the constraint key of a budget over all modalities
+_EXPAND_ROUNDS = 3
+_HEAVY_NAMES = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
+                          "vdot", "_scaled_mm"})
+_RANDOM_NAMES = frozenset({
+    "native_dropout", "dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint",
+    "randint_like", "randperm", "normal", "normal_", "uniform", "uniform_", "exponential", "exponential_",
+    "geometric", "cauchy", "log_normal", "multinomial", "poisson", "rrelu_with_noise", "_fused_dropout",
+    "philox_rand", "run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state",
+    "_standard_gamma", "_sample_dirichlet", "binomial",
+})
+
+
+@dataclass
+class CheckpointDecision:
+    """What the checkpoint pass decided for one joint graph (``ModelPlan.joint["checkpoint"]``)."""
+
+    budget: Any  # as the user gave it
+    targets: dict[str, int]  # activation bytes allowed: {"*": n}, or {modality: n}
+    bytes_before: int  # activation bytes the plain partition saves
+    bytes_after: int  # predicted, with this pass's tags
+    before_by_modality: dict[str, int] = field(default_factory=dict)
+    after_by_modality: dict[str, int] = field(default_factory=dict)
+    recomputed: list[str] = field(default_factory=list)  # forward ops the backward re-runs (views left out)
+    added: list[str] = field(default_factory=list)  # of those, the ones the plain partition saved
+    saved: list[str] = field(default_factory=list)  # forward values the backward reads (graph inputs left out)
+    extra_us: float = 0.0  # predicted extra backward time: roofline time of the added recomputes
+    met: bool = True  # every target reached
+    tagged: bool = False  # False: the plain partition already fits; no tag was written
+    baseline: str = "min-cut"  # how bytes_before was found
+
+    def summary(self) -> dict[str, Any]:
+        return {"budget": self.budget, "targets": self.targets, "bytes_before": self.bytes_before,
+                "bytes_after": self.bytes_after, "recomputed": len(self.recomputed), "added": len(self.added),
+                "extra_us": round(self.extra_us, 2), "met": self.met}
+
+
+# ---------------------------------------------------------------------------- node kinds
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.name.split("::")[-1]
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _partitioner_views() -> frozenset:
+    try:
+        from torch._functorch.partitioners import get_default_op_list
+
+        return frozenset(get_default_op_list().view_ops)
+    except Exception:  # pragma: no cover - private API moved
+        return frozenset()
+
+
+_PARTITIONER_VIEWS = _partitioner_views()
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """Aliases its input (our view rule and the partitioner's): recomputing it is free."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    if getattr(node.target, "is_view", False) is True:
+        return True
+    packet = getattr(node.target, "overloadpacket", node.target)
+    try:
+        return packet in _PARTITIONER_VIEWS or _op_name(node) in ("_unsafe_view", "_reshape_alias")
+    except TypeError:
+        return False
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """An op that draws random numbers: recomputing it would draw a different mask."""
+    if node.op != "call_function":
+        return False
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        # Attention carries the tag for its dropout_p, even at 0. It stays saved too: recomputing
+        # a tagged op makes the partitioner stash an RNG state and wrap the op in run_with_rng_state.
+        return True
+    name = _op_name(node)
+    namespace = getattr(node.target, "namespace", "")
+    return name in _RANDOM_NAMES or "rng" in name or "philox" in name or namespace in ("rngprims",)
+
+
+def _recomputable(node: torch.fx.Node) -> bool:
+    """A forward op this pass may move to the backward."""
+    if node.op != "call_function" or is_random(node) or "recompute" in node.meta:
+        return False
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False  # higher-order ops, Python functions on SymInts
+    if node.target._schema.is_mutable or node.target.namespace == "_c10d_functional":
+        return False
+    return bool(_tensors(node.meta.get("val")))
+
+
+def _heavy(node: torch.fx.Node, bound: str) -> bool:
+    name = _op_name(node)
+    return bound == "compute" or name in _HEAVY_NAMES or "convolution" in name or "attention" in name
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def _hint(d: Any) -> int:
+    if isinstance(d, int):
+        return d
+    try:
+        return int(d.node.hint) if d.node.hint is not None else 1
+    except Exception:
+        return 1
+
+
+def nbytes(node: torch.fx.Node) -> int:
+    """Bytes of the tensor(s) a node produces (symbolic sizes at their hints)."""
+    total = 0
+    for t in _tensors(node.meta.get("val")):
+        total += math.prod(_hint(d) for d in t.shape) * t.element_size()
+    return total
+
+
+def storage_node(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose output a value's storage is: views lead to their base, graph inputs to themselves."""
+    seen = 0
+    while seen < 10_000:
+        seen += 1
+        if _is_view(node):
+            base = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
+            if base is None:
+                return node
+            node = base
+        elif node.target is operator.getitem and _is_view(node.args[0]):  # a piece of split/unbind
+            node = node.args[0]
+        else:
+            return node
+    return node
+
+
+# ---------------------------------------------------------------------------- graph facts
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    """The flat outputs of an AOTAutograd graph (None for a gradient that is not there)."""
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+
+
+def _num_fwd_outputs(gm: torch.fx.GraphModule) -> int | None:
+    """Forward outputs of an AOTAutograd joint graph: (forward outputs..., one grad per primal)."""
+    outputs = _outputs(gm)
+    primals = [n for n in gm.graph.find_nodes(op="placeholder") if _is_primal(n)]
+    n = len(outputs) - len(primals)
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    descs = out_node.meta.get("desc")
+    if isinstance(descs, (list, tuple)) and len(descs) == len(outputs):
+        by_desc = next((i for i, d in enumerate(descs) if d is None or "Grad" in type(d).__name__), len(descs))
+        if by_desc != n:
+            log.debug("apollo checkpoint: %d forward outputs by count, %d by desc; using desc", n, by_desc)
+            n = by_desc
+    return n if 0 < n <= len(outputs) and all(isinstance(o, torch.fx.Node) for o in outputs[:n]) else None
+
+
+def _is_primal(node: torch.fx.Node) -> bool:
+    target = str(node.target)
+    return node.op == "placeholder" and "tangents" not in target and "seed" not in target and "offset" not in target
+
+
+def _static_input_indices() -> list[int] | None:
+    tc = torch._guards.TracingContext.try_get()
+    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+    return list(getattr(meta, "static_input_indices", None) or []) if meta is not None else None
+
+
+def _forward_nodes(gm: torch.fx.GraphModule, num_fwd: int) -> set[torch.fx.Node]:
+    """Nodes the forward must compute: ancestors of the forward outputs (placeholders included)."""
+    fw: set[torch.fx.Node] = set()
+    stack = [o for o in _outputs(gm)[:num_fwd] if isinstance(o, torch.fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in fw:
+            continue
+        fw.add(n)
+        stack.extend(n.all_input_nodes)
+    # A multi-output op's other results (attention's logsumexp, layer norm's mean/rstd) are the
+    # forward's too, even when only the backward reads them.
+    fw.update([u for n in fw for u in n.users if u.target is operator.getitem])
+    return fw
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+class _Planner:
+    """Saved/recomputed states of one joint graph, and the greedy walk between them.
+
+    A *value* is a non-view forward node (a plain op's output, or a getitem of a multi-output
+    op); its *op* is the node that runs (the getitem's producer). A state is the set ``R`` of
+    forward ops the backward re-runs; the values it saves follow from it.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, num_fwd: int, spec, labels: dict[torch.fx.Node, str],
+                 per_modality: bool) -> None:
+        self.gm = gm
+        self.fw = _forward_nodes(gm, num_fwd)
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.key = {n: (labels.get(n) or "fusion") if per_modality else GLOBAL for n in gm.graph.nodes}
+        self.cost: dict[torch.fx.Node, tuple[float, bool]] = {}
+        for n in self.fw:
+            if n.op == "call_function" and not _is_view(n) and n.target is not operator.getitem:
+                c = node_cost(n, spec)
+                self.cost[n] = (c[4], _heavy(n, c[3]))
+        self.inputs = {o: self.storages(o.all_input_nodes) for o in self.cost}
+        self.bytes = {}
+        # What the backward reads directly: inputs of every node outside the forward (tangent
+        # closure and nodes only the backward uses), and gradients that are forward values.
+        outputs = _outputs(gm)
+        direct: list[torch.fx.Node] = []
+        for n in gm.graph.nodes:
+            if n.op in ("placeholder", "output") or n in self.fw:
+                continue
+            direct.extend(i for i in n.all_input_nodes if i in self.fw)
+        direct.extend(o for o in outputs[num_fwd:] if isinstance(o, torch.fx.Node) and o in self.fw)
+        self.direct = self.storages(direct)
+
+    def storages(self, nodes, fw_only: bool = True) -> list[torch.fx.Node]:
+        """The distinct storages `nodes` are, graph inputs left out."""
+        out: dict[torch.fx.Node, None] = {}
+        for n in nodes:
+            v = storage_node(n)
+            if v.op != "placeholder" and (v in self.fw or not fw_only) and _tensors(v.meta.get("val")):
+                out.setdefault(v, None)
+        return list(out)
+
+    def op(self, value: torch.fx.Node) -> torch.fx.Node:
+        return value.args[0] if value.target is operator.getitem else value
+
+    def nb(self, value: torch.fx.Node) -> int:
+        if value not in self.bytes:
+            self.bytes[value] = nbytes(value)
+        return self.bytes[value]
+
+    def close(self, recompute: set[torch.fx.Node]) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:
+        """(saved values, ops actually re-run) of the state `recompute`."""
+        needed: set[torch.fx.Node] = set()
+        stack = list(self.direct)
+        while stack:
+            v = stack.pop()
+            if v in needed:
+                continue
+            needed.add(v)
+            if self.op(v) in recompute:
+                stack.extend(self.inputs.get(self.op(v), ()))
+        saved = {v for v in needed if self.op(v) not in recompute}
+        rerun = {self.op(v) for v in needed if self.op(v) in recompute}
+        return saved, rerun
+
+    def by_key(self, saved) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for v in saved:
+            out[self.key[v]] = out.get(self.key[v], 0) + self.nb(v)
+        return dict(sorted(out.items()))
+
+    def _move(self, ops: set[torch.fx.Node], saved: set[torch.fx.Node], rerun: set[torch.fx.Node]):
+        """Bytes change per key and the values newly saved if `ops` join the recomputed set."""
+        delta: dict[str, int] = {}
+        for v in saved:
+            if self.op(v) in ops:
+                delta[self.key[v]] = delta.get(self.key[v], 0) - self.nb(v)
+        new: dict[torch.fx.Node, None] = {}
+        stack = [u for o in ops for u in self.inputs[o]]
+        seen: set[torch.fx.Node] = set()
+        while stack:
+            u = stack.pop()
+            if u in seen or u in saved:
+                continue
+            seen.add(u)
+            if self.op(u) in rerun:
+                continue  # re-run already; it makes u too
+            if self.op(u) in ops:
+                stack.extend(self.inputs[self.op(u)])
+                continue
+            new[u] = None
+            delta[self.key[u]] = delta.get(self.key[u], 0) + self.nb(u)
+        return delta, list(new)
+
+    def walk(self, start: set[torch.fx.Node], targets: dict[str, int]):
+        """Greedy moves from `start` until every target is met; returns the final state."""
+        recompute = set(start)
+        saved, rerun = self.close(recompute)
+        while True:
+            now = self.by_key(saved)
+            over = {k for k, t in targets.items() if now.get(k, 0) > t}
+            if not over:
+                return rerun, saved, True
+            best = None
+            for o in sorted({self.op(v) for v in saved}, key=self.order.__getitem__):
+                if o not in self.cost or not _recomputable(o) or self.key[o] not in over:
+                    continue
+                move = self._best_move(o, saved, rerun, targets)
+                if move is not None and (best is None or move[0] < best[0]):
+                    best = move
+            if best is None:
+                return rerun, saved, False
+            recompute |= best[1]
+            saved, rerun = self.close(recompute)
+            recompute = set(rerun)
+
+    def _best_move(self, o, saved, rerun, targets):
+        key = self.key[o]
+        ops = {o}
+        for _ in range(_EXPAND_ROUNDS + 1):
+            delta, new = self._move(ops, saved, rerun)
+            if delta.get(key, 0) < 0:
+                break
+            grow = {self.op(u) for u in new
+                    if self.op(u) in self.cost and self.key[self.op(u)] == key and _recomputable(self.op(u))}
+            if not grow:
+                return None
+            ops |= grow
+        else:
+            return None
+        if any(delta.get(k, 0) > 0 for k in targets if k != key):
+            return None
+        us = sum(self.cost[x][0] for x in ops)
+        tier = int(any(self.cost[x][1] for x in ops))
+        return (tier, delta[key] / max(us, 1e-9), self.order[o]), ops
+
+
+# ---------------------------------------------------------------------------- the pass
+
+
+def _labels(gm: torch.fx.GraphModule, ctx) -> dict[torch.fx.Node, str]:
+    """Modality labels of the joint graph's nodes, leaving no annotation behind (see docstring)."""
+    had = {n for n in gm.graph.nodes if KEY in n.meta}
+    if all(n in had and n.meta[KEY].modality for n in gm.graph.nodes):  # a joint modality pass ran
+        return {n: n.meta[KEY].modality for n in gm.graph.nodes}
+    joint_ctx = copy.copy(ctx)
+    joint_ctx.kind = "joint"  # the modality pass marks recomputation only in a backward graph
+    try:
+        modality.run(gm, joint_ctx)
+        return {n: info(n).modality for n in gm.graph.nodes}
+    finally:
+        for n in gm.graph.nodes:
+            if n not in had:
+                n.meta.pop(KEY, None)
+
+
+def _plain_partition(gm: torch.fx.GraphModule, num_fwd: int):
+    """Run the untagged min-cut partition on a copy: (names saved, names recomputed)."""
+    from functorch.compile import min_cut_rematerialization_partition
+
+    with warnings.catch_warnings():  # deep-copying the codegen's pytree specs warns on torch 2.13
+        warnings.simplefilter("ignore", FutureWarning)
+        trial = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    kwargs: dict[str, Any] = {"num_fwd_outputs": num_fwd}
+    static = _static_input_indices()
+    if static is not None:
+        kwargs["static_lifetime_input_indices"] = static
+    fw, bw = min_cut_rematerialization_partition(trial, None, **kwargs)
+    fw_out = _outputs(fw)
+    saved = {n.name for n in fw_out[num_fwd:] if isinstance(n, torch.fx.Node)}
+    rerun = {n.name for n in bw.graph.nodes
+             if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"}
+    return saved, rerun
+
+
+def _cse(gm: torch.fx.GraphModule) -> None:
+    """What the partitioner does first, done here so the plan sees the graph it will cut."""
+    gm.graph.eliminate_dead_code()
+    try:
+        from torch._functorch import config as functorch_config
+        from torch._functorch.compile_utils import fx_graph_cse
+
+        if functorch_config.cse:
+            gm.graph = fx_graph_cse(gm.graph)
+    except Exception as e:  # pragma: no cover - private API moved; the partitioner will CSE anyway
+        log.debug("apollo checkpoint: CSE skipped (%s)", e)
+    gm.recompile()
+
+
+def _targets(budget: Any, before: dict[str, int], total: int) -> dict[str, int]:
+    if isinstance(budget, Mapping):
+        return {m: int(frac * before.get(m, 0)) for m, frac in sorted(budget.items())}
+    if isinstance(budget, float) or budget == 1:
+        return {GLOBAL: int(budget * total)}
+    return {GLOBAL: int(budget)}
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
+    """Tag the joint graph so the partition keeps activations within ``ctx.options.memory_budget``."""
+    budget = ctx.options.memory_budget
+    if budget is None:
+        return None
+    _cse(gm)
+    num_fwd = _num_fwd_outputs(gm)
+    if num_fwd is None:
+        log.warning("apollo: memory_budget ignored for %s: cannot tell its forward outputs apart", ctx.name)
+        return None
+    per_modality = isinstance(budget, Mapping)
+    labels = _labels(gm, ctx) if per_modality else {}
+    planner = _Planner(gm, num_fwd, ctx.device, labels, per_modality)
+    by_name = {n.name: n for n in gm.graph.nodes}
+
+    try:
+        saved_names, rerun_names = _plain_partition(gm, num_fwd)
+        baseline = "min-cut"
+    except Exception as e:  # the plan still works from "recompute nothing"
+        log.warning("apollo: memory_budget: trial partition failed (%s: %s); measuring from no recomputation",
+                    type(e).__name__, e)
+        saved_names, rerun_names, baseline = None, set(), "no-recompute"
+    start = {by_name[s] for s in rerun_names if s in by_name and by_name[s] in planner.cost}
+    if saved_names is None:
+        plain_saved, _ = planner.close(start)
+    else:
+        plain_saved = set(planner.storages((by_name[s] for s in saved_names if s in by_name), fw_only=False))
+    before = planner.by_key(plain_saved)
+    bytes_before = sum(before.values())
+    targets = _targets(budget, before, bytes_before)
+    _, plain_rerun = planner.close(start)
+
+    decision = CheckpointDecision(budget=budget, targets=targets, bytes_before=bytes_before, bytes_after=bytes_before,
+                                  before_by_modality=dict(before), after_by_modality=dict(before),
+                                  recomputed=_names(plain_rerun), saved=_names(plain_saved), baseline=baseline)
+    if all(before.get(k, 0) <= t for k, t in targets.items()):
+        return decision  # the plain partition fits: leave it as it is
+
+    rerun, saved, met = planner.walk(start, targets)
+    _tag(gm, planner, num_fwd, rerun)
+    after = planner.by_key(saved)
+    added = rerun - plain_rerun
+    decision.bytes_after = sum(after.values())
+    decision.after_by_modality = after
+    decision.recomputed = _names(rerun)
+    decision.added = _names(added)
+    decision.saved = _names(saved)
+    decision.extra_us = sum(planner.cost[o][0] for o in sorted(added, key=planner.order.__getitem__))
+    decision.met = met
+    decision.tagged = True
+    if not met:
+        log.warning("apollo: memory_budget %r not reached for %s: %d of %d activation bytes stay saved "
+                    "(random ops and attention are never recomputed, so their outputs and inputs stay)",
+                    budget, ctx.name, decision.bytes_after, bytes_before)
+    log.info("apollo: %s checkpoint: activations %d -> %d bytes, %d ops recomputed, +%.1f us",
+             ctx.name, bytes_before, decision.bytes_after, len(added), decision.extra_us)
+    return decision
+
+
+def _names(nodes) -> list[str]:
+    return sorted(n.name for n in nodes)
+
+
+def _is_alias(node: torch.fx.Node) -> bool:
+    """A view, or a piece of a view op that returns several (split, unbind)."""
+    return _is_view(node) or (node.target is operator.getitem and _is_view(node.args[0]))
+
+
+def _tangent_closure(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Nodes that depend on a tangent: they can only run in the backward."""
+    closure: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        if (n.op == "placeholder" and "tangents" in str(n.target)) or any(i in closure for i in n.all_input_nodes):
+            closure.add(n)
+    return closure
+
+
+def _tag(gm: torch.fx.GraphModule, planner: _Planner, num_fwd: int, rerun: set) -> None:
+    """Write the state as CheckpointPolicy tags that force exactly this partition (NOTE above)."""
+    fw = planner.fw
+    # Views on a path from a saved or recomputed value to a reader in the backward.
+    readers = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and (n not in fw or n in rerun)]
+    grads = [o for o in _outputs(gm)[num_fwd:] if isinstance(o, torch.fx.Node)]
+    stack = [i for r in readers for i in r.all_input_nodes] + grads
+    aliases: set[torch.fx.Node] = set()
+    while stack:
+        v = stack.pop()
+        if v in aliases or v not in fw or not _is_alias(v):
+            continue
+        aliases.add(v)
+        stack.extend(v.all_input_nodes)
+    tangent_side = _tangent_closure(gm)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or "recompute" in n.meta or is_random(n) or not _tensors(n.meta.get("val")):
+            continue  # a user's checkpoint tag stays; random ops come below; SymInts are min-cut's
+        if n not in fw:
+            mutable = isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+            if n not in tangent_side and not mutable:
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE  # only the backward reads it: run it there
+            continue
+        if _is_alias(n):
+            if n in aliases:
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        elif n.target is operator.getitem:
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if n.args[0] in rerun else CheckpointPolicy.MUST_SAVE
+        else:
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE if n in rerun else CheckpointPolicy.MUST_SAVE
+    for n in gm.graph.nodes:  # random ops (and what they return) are saved, whoever reads them
+        if n.op == "call_function" and "recompute" not in n.meta and is_random(n) and n in fw:
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            for u in n.users:
+                if u.target is operator.getitem and "recompute" not in u.meta:
+                    u.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+# ---------------------------------------------------------------------------- forward graph
+
+
+def mark_saved(gm: torch.fx.GraphModule, ctx) -> dict | None:
+    """Mark ``NodeInfo.saved`` on the values the forward graph hands to the backward.
+
+    They are the forward graph's outputs after the user-visible ones (AOTAutograd's
+    ``fw_metadata.num_forward``). Only with a memory budget, so plain dumps stay as they were.
+    Returns the count and the activation bytes (each storage once, graph inputs left out).
+    """
+    if ctx.kind != "forward" or ctx.options.memory_budget is None:
+        return None
+    tc = torch._guards.TracingContext.try_get()
+    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+    if meta is None:
+        return None
+    n_user = getattr(meta, "num_forward", None)
+    if n_user is None:
+        n_user = meta.num_forward_returns + getattr(meta, "num_outputs_rng_offset", 0)
+    n_user += len(getattr(meta, "tokens", None) or ())
+    values = [o for o in _outputs(gm)[n_user:] if isinstance(o, torch.fx.Node) and _tensors(o.meta.get("val"))]
+    storages: dict[torch.fx.Node, None] = {}
+    for v in values:
+        info(v).saved = True
+        s = storage_node(v)
+        if s.op != "placeholder":
+            storages.setdefault(s, None)
+    return {"values": len(values), "bytes": sum(nbytes(s) for s in storages)}

@@ -1,0 +1,221 @@
+"""The checkpoint pass (``memory_budget``): what the backward recomputes instead of saving.
+
+Numerics against eager on CPU with the eager subgraph compiler; the plan's properties (budget
+met, monotone in the budget, predicted bytes = the bytes the partition really saves, random
+ops never recomputed) on a joint graph captured once and re-planned per budget.
+"""
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from functorch.compile import min_cut_rematerialization_partition
+from torch.utils.checkpoint import CheckpointPolicy
+
+import apollo_compile
+from apollo_compile import ApolloFallbackWarning, pipeline
+from apollo_compile.devices import DEVICE_SPECS
+from apollo_compile.options import ApolloOptions
+from apollo_compile.passes import checkpoint
+from helpers import assert_trains_like_eager
+from models import TwoTower, two_tower_inputs
+
+EAGER = {"subgraph_compiler": "eager"}
+
+
+def batches(step):
+    return two_tower_inputs(batch=4, seed=step)
+
+
+def storage_bytes(nodes) -> int:
+    """Activation bytes of saved values: each storage once, graph inputs left out."""
+    roots = {checkpoint.storage_node(n) for n in nodes if isinstance(n, torch.fx.Node)}
+    return sum(checkpoint.nbytes(r) for r in roots if r.op != "placeholder")
+
+
+def column(listing: str, name: str) -> dict[str, str]:
+    """node -> the cell of a left-aligned column of a dump listing, cut at the header's field starts."""
+    header, *rows = listing.splitlines()[1:]
+    start = re.search(rf"(?<!\S){re.escape(name)}(?!\S)", header).start()
+    end = re.compile(r"\S").search(header, start + len(name)).start()
+    return {row.split()[0]: row[start:end].strip() for row in rows}
+
+
+def recomputed_rows(listing: str) -> dict[str, str]:
+    """node -> modality, for the backward listing's call_function rows marked ``*`` (recomputed)."""
+    ops, mods = column(listing, "op"), column(listing, "modality")
+    return {n: m for n, m in mods.items() if m.endswith("*") and ops[n] != "placeholder"}
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.2])
+def test_budget_trains_like_eager_and_is_honoured(budget):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)  # every graph runs apollo's runtime
+        assert_trains_like_eager(TwoTower(), batches, {**EAGER, "memory_budget": budget}, steps=2)
+    plan = apollo_compile.last_plan()
+    decision = plan.joint["checkpoint"]
+    assert decision.met and decision.bytes_after <= decision.targets["*"] == int(budget * decision.bytes_before)
+    # The forward graph hands the backward exactly what the pass predicted.
+    assert plan.forward.fallback is None
+    assert plan.forward.decisions["saved"]["bytes"] == decision.bytes_after
+    assert plan.backward.fallback is None
+    if budget == 1.0:  # the plain partition fits its own size: nothing is tagged
+        assert not decision.tagged and decision.added == [] and decision.extra_us == 0
+        return
+    assert decision.tagged and decision.added and decision.extra_us > 0
+    assert decision.bytes_after < decision.bytes_before
+    # Dumps: `saved` marks in the forward listing, `*` on the recomputed ops in the backward one.
+    saved_rows = [line for line in plan.forward.listing.splitlines() if line.endswith("saved")]
+    assert len(saved_rows) == plan.forward.decisions["saved"]["values"]
+    assert {line.split()[0] for line in saved_rows} >= set(decision.saved)
+    assert set(decision.added) <= set(recomputed_rows(plan.backward.listing))
+
+
+def test_cheap_memory_bound_ops_go_first():
+    """At a mild budget only memory-bound ops are recomputed; matmuls and attention stay saved."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)  # no graph falls back
+        compiled = torch.compile(TwoTower(), backend="apollo", options={**EAGER, "memory_budget": 0.8})
+        compiled(*batches(0)).backward()
+    decision = apollo_compile.last_plan().joint["checkpoint"]
+    assert decision.met and decision.added
+    heavy = ("mm", "addmm", "convolution", "attention")
+    assert not [n for n in decision.added if n.rstrip("_0123456789") in heavy or "attention" in n], decision.added
+
+
+def test_dropout_small_budget_matches_eager_with_same_seed():
+    # Apollo's forward draws the dropout masks in eager's order (test_backend checks that without a
+    # budget); saving the random ops' outputs keeps the backward on the same masks.
+    torch.manual_seed(0)
+    model = TwoTower(dropout=0.3)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)  # no graph falls back
+        compiled = torch.compile(model, backend="apollo", options={**EAGER, "memory_budget": 0.2})
+        for step in range(2):
+            inputs = batches(step)
+            torch.manual_seed(100 + step)
+            loss = compiled(*inputs)
+            loss.backward()
+            torch.manual_seed(100 + step)
+            ref_loss = ref(*inputs)
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+                p.grad = q.grad = None
+    plan = apollo_compile.last_plan()
+    decision = plan.joint["checkpoint"]
+    assert decision.added and decision.bytes_after < decision.bytes_before
+    bw_ops = [n for n in plan.backward.gm.graph.nodes if n.op == "call_function"]
+    assert not [n for n in bw_ops if checkpoint.is_random(n)], "a random op was re-run in the backward"
+    assert not [n for n in bw_ops if "rng" in str(n.target)], "the partitioner had to replay RNG state"
+
+
+def test_per_modality_budget_recomputes_only_vision():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)  # no graph falls back
+        assert_trains_like_eager(TwoTower(), batches, {**EAGER, "memory_budget": {"vision": 0.2, "text": 1.0}},
+                                 steps=2)
+    plan = apollo_compile.last_plan()
+    decision = plan.joint["checkpoint"]
+    assert decision.met and decision.added
+    assert decision.after_by_modality["vision"] <= decision.targets["vision"] < decision.before_by_modality["vision"]
+    assert decision.after_by_modality["text"] == decision.before_by_modality["text"]
+    assert plan.forward.decisions["saved"]["bytes"] == decision.bytes_after
+    rows = recomputed_rows(plan.backward.listing)
+    assert {rows[name] for name in decision.added} == {"vision*"}
+
+
+def test_memory_budget_none_changes_nothing(monkeypatch):
+    """With the default budget the pass is inert: same plans, listings and runtime as without it."""
+
+    def compile_once():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = TwoTower(width=16, embed=8, layers=1)
+        compiled = torch.compile(model, backend="apollo", options={**EAGER, "memory_budget": None})
+        compiled(*two_tower_inputs(batch=2)).backward()
+        plan = apollo_compile.last_plan()
+        graphs = [plan.forward, plan.backward]
+        tags = [n.name for g in graphs for n in g.gm.graph.nodes if "recompute" in n.meta]
+        return plan, [g.listing for g in graphs], [g.runtime_source for g in graphs], tags
+
+    plan, listings, sources, tags = compile_once()
+    assert plan.joint["checkpoint"] is None and plan.forward.decisions["saved"] is None
+    assert tags == [] and "saved" not in listings[0]
+    monkeypatch.setattr(pipeline, "JOINT_PASSES", [p for p in pipeline.JOINT_PASSES if p[0] != "checkpoint"])
+    monkeypatch.setattr(pipeline, "GRAPH_PASSES", [p for p in pipeline.GRAPH_PASSES if p[0] != "saved"])
+    _, listings_without, sources_without, _ = compile_once()
+    assert listings == listings_without and sources == sources_without
+
+
+# ---------------------------------------------------------------------------- planner properties
+
+
+def deepcopy_graph(gm):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 deep-copying pytree specs
+        return copy.deepcopy(gm.graph)
+
+
+def capture_joint(model, monkeypatch):
+    """The joint graph of one training step, as the checkpoint pass would see it."""
+    captured = {}
+
+    def spy(gm, ctx):
+        captured["gm"] = torch.fx.GraphModule(gm, deepcopy_graph(gm))
+
+    monkeypatch.setattr(pipeline, "JOINT_PASSES", [("spy", spy)])
+    compiled = torch.compile(model, backend="apollo", options=EAGER)
+    compiled(*batches(0)).backward()
+    return captured["gm"]
+
+
+def plan_and_partition(joint, budget):
+    """(decision, bytes the min-cut partition really saves, backward ops re-run) for `budget`."""
+    gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
+    ctx = pipeline.GraphContext("sweep_joint", "joint", ApolloOptions.from_user({"memory_budget": budget}),
+                                DEVICE_SPECS["H200"])
+    decision = checkpoint.run(gm, ctx)
+    for n in gm.graph.nodes:  # random ops are never left recomputable
+        if checkpoint.is_random(n):
+            assert n.meta.get("recompute") in (None, CheckpointPolicy.MUST_SAVE), n
+    fw, bw = min_cut_rematerialization_partition(gm, None, num_fwd_outputs=1)
+    out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+    rerun = [n for n in bw.graph.nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"]
+    return decision, storage_bytes(out[1:]), rerun
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_budget_sweep_is_met_exact_and_monotone(dropout, monkeypatch):
+    torch.manual_seed(0)
+    joint = capture_joint(TwoTower(dropout=dropout), monkeypatch)
+    previous = None
+    for budget in [1.0, 0.9, 0.7, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05]:
+        decision, actual, rerun = plan_and_partition(joint, budget)
+        if decision.tagged:
+            assert actual == decision.bytes_after, budget  # the tags force the planned partition
+        assert decision.bytes_after <= decision.bytes_before
+        if decision.met:
+            assert decision.bytes_after <= decision.targets["*"], budget
+        else:  # what random ops and attention pin down (their outputs and inputs) is left
+            assert budget <= (0.25 if dropout else 0.1), budget
+        if previous is not None:
+            assert decision.bytes_after <= previous.bytes_after, budget
+            assert set(previous.added) <= set(decision.added) and decision.extra_us >= previous.extra_us - 1e-9
+        assert not [n for n in rerun if checkpoint.is_random(n)]
+        previous = decision
+
+
+def test_byte_budget(monkeypatch):
+    torch.manual_seed(0)
+    joint = capture_joint(TwoTower(), monkeypatch)
+    decision, actual, _ = plan_and_partition(joint, 50_000)
+    assert decision.targets == {"*": 50_000} and decision.met
+    assert actual == decision.bytes_after <= 50_000
