@@ -21,8 +21,8 @@ from torch._dynamo.backends.common import aot_autograd
 
 from . import plan as plan_store
 from .devices import DEVICE_SPECS, DeviceSpec, detect_device_spec
-from .options import ApolloOptions, ApolloOptionsError
 from . import logs, pipeline
+from .options import ApolloOptions, ApolloOptionsError
 from .pipeline import GraphContext, run_passes
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
@@ -142,11 +142,42 @@ def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, fami
 
 
 def _partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext, **kwargs):
-    """Our partition hook: the joint passes tag recomputation, then Inductor's min-cut partitions."""
+    """Our partition hook: the joint passes tag recomputation, then Inductor's min-cut partitions.
+
+    If a joint pass fails, its tags are undone (the model's own activation-checkpoint tags are
+    kept) and the graph is partitioned as if it had not run, with one warning."""
     if pipeline.JOINT_PASSES:
-        run_passes(joint_module, ctx, pipeline.JOINT_PASSES)
+        before = {n: n.meta.get("recompute") for n in joint_module.graph.nodes}
+        try:
+            run_passes(joint_module, ctx, pipeline.JOINT_PASSES)
+        except Exception as e:
+            if ctx.options.strict:
+                raise
+            for n, tag in before.items():
+                if tag is None:
+                    n.meta.pop("recompute", None)
+                else:
+                    n.meta["recompute"] = tag
+            _warn_fallback(ctx.name, "the default partition (no apollo recompute tags)", e)
     return min_cut_rematerialization_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                **kwargs)
+
+
+def _run_pre_grad_passes(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
+    """The pre-autograd passes, on a copy of the graph: if one fails, the untouched original is
+    compiled instead (one warning), never a half-rewritten graph."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    work = torch.fx.GraphModule(gm, graph)
+    work.meta = dict(getattr(gm, "meta", {}))  # Dynamo's notes (parameter names, compile id) travel along
+    try:
+        run_passes(work, ctx, pipeline.PRE_GRAD_PASSES)
+    except Exception as e:
+        if ctx.options.strict:
+            raise
+        _warn_fallback(ctx.name, "the graph without apollo's pre-autograd passes", e)
+        return gm
+    return work
 
 
 def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
@@ -172,12 +203,7 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         decompositions = select_decomp_table()
     if pipeline.PRE_GRAD_PASSES:
         pre_ctx = GraphContext(f"{name}_dynamo", "dynamo", opts, spec)
-        try:
-            run_passes(gm, pre_ctx, pipeline.PRE_GRAD_PASSES)
-        except Exception as e:
-            if opts.strict:
-                raise
-            _warn_fallback(f"{name}_dynamo", "the graph without apollo's pre-autograd passes", e)
+        gm = _run_pre_grad_passes(gm, pre_ctx)
         model_plan.pre_grad = pre_ctx.decisions
     joint_ctx = GraphContext(f"{name}_joint", "joint", opts, spec)
     model_plan.joint = joint_ctx.decisions
@@ -193,5 +219,14 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     except Exception as e:
         if opts.strict:
             raise
+        if opts.subgraph_compiler == "inductor":
+            try:
+                from torch._inductor.compile_fx import compile_fx
+
+                compiled = compile_fx(gm, example_inputs)
+                _warn_fallback(name, "Inductor", e)
+                return compiled
+            except Exception:  # Inductor cannot either: eager is always right
+                pass
         _warn_fallback(name, "eager PyTorch (the Dynamo graph as traced)", e)
         return gm.forward
