@@ -1,0 +1,745 @@
+"""Peak memory and step time of the CLIP-style model (benchmarks/clip.py) under mixed precision,
+activation checkpointing and activation memory budgets, and the largest batch within a memory limit.
+
+Variants, run side by side in ONE process (absolute times drift between runs; DESIGN.md):
+
+    eager-fp32               the nn.Module in fp32, TF32 off (true fp32: the numerics reference)
+    eager-bf16               bf16 autocast
+    eager-bf16-ckpt          bf16 autocast + torch.utils.checkpoint(use_reentrant=False) around
+                             every transformer block (each clip.Block is wrapped in a module)
+    inductor-budget-0.5      torch.compile(model) under bf16 autocast, with
+                             torch._functorch.config.activation_memory_budget = 0.5 (config.patch
+                             around compile and run)
+    apollo-bf16              torch.compile(model, backend="apollo", options={"precision": "bf16"});
+                             no autocast (apollo's cast pass lowers the compute-bound ops itself)
+    apollo-bf16-budget-0.5   ... options={"precision": "bf16", "memory_budget": 0.5}
+    apollo-bf16-budget-0.2   ... options={"precision": "bf16", "memory_budget": 0.2}
+
+Method (shared with bench_step.py, whose helpers this script imports): for each batch size, every
+variant gets a deep copy of one fp32 model built on the CPU from a fixed seed, moved to the device;
+``torch._dynamo.reset()``, ``gc`` and ``empty_cache()`` run between variants, and every compile is
+static (``dynamic=False``). A step is zero_grad + forward (the loss) + backward, no optimizer step.
+``--warmup`` steps (compilation, CUDA-graph capture: "compile s"), then ``--steps`` timed steps, each
+from an idle GPU (CUDA events after a synchronize). Memory: ``max_memory_allocated`` ("peak GiB") and
+``max_memory_reserved`` ("reserved GiB") over the timed steps (peak stats reset right before them),
+as in bench_step.py; the JSON also holds the peaks over the whole variant (model copy, compile and
+warm-up included: ``peak_alloc_all_gib``), which is what the batch search compares with its limit.
+The numerics batch stays on the CPU until the numerics step, so it is in no peak.
+
+Numerics, against eager **fp32** on the same weights: one step on a different fixed batch (same
+shapes), |loss - loss_fp32| and every parameter's ||g - g_fp32|| / ||g_fp32||, judged by
+bench_step.compare with the fp32 gradients as the reference: bf16 variants PASS with the loss within
+1% and every parameter within 2e-2; a parameter over 2e-2 still passes ("PASS*") when it is no further
+from fp32 than 2x eager bf16 autocast is (the bf16 noise floor, measured per batch and printed).
+eager-bf16 is therefore PASS* by construction (it *is* the floor, up to nondeterministic kernels);
+eager-fp32 is held to the fp32 tolerance (1e-3) and shows the run-to-run floor.
+
+Largest batch within ``--max-batch-search LIMIT_GIB`` (default 20; CUDA only; ``--skip-search``
+turns it off): for each variant, the allocator is capped with
+``torch.cuda.set_per_process_memory_fraction(LIMIT / total)`` (reset to 1.0 afterwards), and a probe
+at batch B runs ``--warmup`` + ``--search-steps`` steps of a fresh copy (compile included). B passes
+when nothing raises and the peak allocated over the whole probe is <= LIMIT; an out-of-memory error,
+another error, or a peak over LIMIT fails it. Search: powers of two until one passes and one fails
+(the first guess from a linear fit of peak vs batch over what is already measured), then a power of
+two between them if there is one, else the midpoint, until the gap is <= 1/16 of the passing batch or
+``--search-probes`` (default 4) probes have run for the variant. Results of the main phase are
+reused without a probe where they decide the question: reserved <= LIMIT (the cap would never have
+been reached, so a capped run is the same run) passes, allocated > LIMIT fails.
+
+Compiles: each compiled variant (inductor-*, apollo-*) costs one compile per main-phase batch and
+per probe (~40 s each on an H200; Inductor's on-disk caches shorten repeats). One command may run at
+most 10 minutes there: the script prints the number of compiles the flags imply before it starts;
+split a run with ``--variants``, ``--skip-search`` and ``--search-probes``.
+
+Results are written after every variant and every probe to ``<out>/memory_results.json`` and
+``<out>/memory_results.md``; the markdown is printed last. On the CPU (a smoke test only) peak memory
+is not measured ("n/a"; the JSON records the process RSS after the timed steps) and the search is
+skipped.
+
+Usage (from the repo root):
+
+    PYTHONPATH=. python benchmarks/bench_memory.py --batch 64 256 --skip-search
+    PYTHONPATH=. python benchmarks/bench_memory.py --batch 64 --variants eager-fp32 eager-bf16 eager-bf16-ckpt
+    PYTHONPATH=. python benchmarks/bench_memory.py --batch 64 256 --variants apollo-bf16-budget-0.2 --max-batch-search 20
+    python benchmarks/bench_memory.py --device cpu --config tiny --batch 4 --steps 2 --warmup 1 --skip-search \\
+        --variants eager-fp32 eager-bf16 eager-bf16-ckpt apollo-bf16 apollo-bf16-budget-0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # bench_step.py, clip.py (already first when run as a script)
+sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
+
+import bench_step as bs  # noqa: E402
+import clip  # noqa: E402
+
+log = bs.log
+GiB = bs.GiB
+COMPILE_S_ESTIMATE = 40  # one compile of the base model on the H200 (RESULTS.md: 38-53 s)
+REFERENCE = "eager-fp32"  # the memory ratio's denominator and the numerics reference
+
+
+# --------------------------------------------------------------------------------------------
+# variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    autocast: bool  # forward under torch.autocast(bf16)
+    compiler: str | None = None  # None (eager), "inductor" or "apollo"
+    options: dict = field(default_factory=dict)  # apollo options
+    checkpoint_blocks: bool = False  # torch.utils.checkpoint around every clip.Block
+    functorch_budget: float | None = None  # torch._functorch.config.activation_memory_budget
+    tf32: bool = True  # False: TF32 off for matmuls and convolutions (true fp32)
+
+    @property
+    def compiled(self) -> bool:
+        return self.compiler is not None
+
+    @property
+    def tolerance(self) -> str:  # bench_step.GRAD_RTOL / LOSS_RTOL key
+        return "fp32" if self.name == "eager-fp32" else "bf16"
+
+    def describe(self) -> str:
+        parts = ["bf16 autocast" if self.autocast else "no autocast"]
+        if self.checkpoint_blocks:
+            parts.append("checkpoint(use_reentrant=False) per block")
+        if self.compiler == "inductor":
+            parts.append("torch.compile (Inductor, default mode)")
+        if self.functorch_budget is not None:
+            parts.append(f"activation_memory_budget={self.functorch_budget}")
+        if self.compiler == "apollo":
+            parts.append(f"backend=apollo, options={self.options}")
+        if not self.tf32:
+            parts.append("TF32 off")
+        return ", ".join(parts)
+
+    @contextlib.contextmanager
+    def context(self):
+        """Active around the variant's compile and every call (compilation is lazy: first call)."""
+        with contextlib.ExitStack() as stack:
+            if not self.tf32:
+                stack.enter_context(bs.no_tf32())
+            if self.functorch_budget is not None:
+                import torch._functorch.config as functorch_config
+
+                stack.enter_context(functorch_config.patch(activation_memory_budget=self.functorch_budget))
+            yield
+
+    def prepare(self, model: nn.Module) -> Callable[..., torch.Tensor]:
+        """The step function for `model` (already on the device); wraps blocks in place."""
+        if self.checkpoint_blocks:
+            n = wrap_blocks_in_checkpoint(model)
+            if n == 0:
+                raise RuntimeError("no clip.Block found to checkpoint")
+        if self.compiler is None:
+            return model
+        if self.compiler == "inductor":
+            return torch.compile(model, dynamic=False)
+        if self.compiler == "apollo":
+            import apollo_compile  # noqa: F401  (importing registers backend="apollo")
+
+            return torch.compile(model, backend="apollo", options=dict(self.options), dynamic=False)
+        raise ValueError(self.compiler)
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("eager-fp32", autocast=False, tf32=False),
+        Variant("eager-bf16", autocast=True),
+        Variant("eager-bf16-ckpt", autocast=True, checkpoint_blocks=True),
+        Variant("inductor-budget-0.5", autocast=True, compiler="inductor", functorch_budget=0.5),
+        Variant("apollo-bf16", autocast=False, compiler="apollo", options={"precision": "bf16"}),
+        Variant("apollo-bf16-budget-0.5", autocast=False, compiler="apollo",
+                options={"precision": "bf16", "memory_budget": 0.5}),
+        Variant("apollo-bf16-budget-0.2", autocast=False, compiler="apollo",
+                options={"precision": "bf16", "memory_budget": 0.2}),
+    )
+}
+
+
+class CheckpointedBlock(nn.Module):
+    """Recompute the wrapped block's forward in the backward (non-reentrant checkpoint)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def wrap_blocks_in_checkpoint(model: nn.Module) -> int:
+    """Replace every clip.Block held in an nn.ModuleList (both towers' ``blocks``) by a
+    CheckpointedBlock around it. Parameter names gain ``.block``; the numerics keys gradients by
+    the names taken before wrapping."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    n = 0
+    for blocks in lists:
+        for i, block in enumerate(blocks):
+            if isinstance(block, clip.Block):
+                blocks[i] = CheckpointedBlock(block)
+                n += 1
+    return n
+
+
+# --------------------------------------------------------------------------------------------
+# measurement helpers
+
+
+def is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def rss_gib() -> float | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GiB
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def loss_and_grads(model: nn.Module, step_fn: Callable, batch: tuple, device: torch.device, amp: bool,
+                   names: dict[int, str]):
+    """One step; the loss as a float and every parameter's gradient on the CPU in fp32, keyed by
+    the parameter's name in the unwrapped model (`names`)."""
+    loss = bs.train_step(model, step_fn, batch, device, amp)
+    loss_value = float(loss.detach().float().cpu())
+    grads = {names[id(p)]: None if p.grad is None else p.grad.detach().float().cpu().clone()
+             for p in model.parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss_value, grads
+
+
+def reference(base: nn.Module, batch_cpu: tuple, device: torch.device) -> dict:
+    """Eager fp32 (TF32 off) loss and gradients on the numerics batch — the reference — and eager
+    bf16 autocast's per-parameter distance from them (the bf16 noise floor), in the layout
+    bench_step.compare reads ("grads" = "grads_fp32" = the fp32 gradients)."""
+    model = copy.deepcopy(base).to(device)
+    names = param_names(model)
+    batch = tuple(t.to(device) for t in batch_cpu)
+    with bs.no_tf32():
+        loss32, grads32 = loss_and_grads(model, model, batch, device, False, names)
+    loss16, grads16 = loss_and_grads(model, model, batch, device, True, names)
+    floor = {n: bs.rel_err(g, grads32[n]) for n, g in grads16.items() if g is not None and grads32[n] is not None}
+    worst = max(floor, key=floor.get)
+    del model, batch, grads16
+    bs.free_device_memory(device)
+    return {
+        "loss": loss32, "grads": grads32, "grads_fp32": grads32, "noise_floor": floor,
+        "noise_summary": {"loss_fp32": loss32, "loss_bf16": loss16, "loss_abs_diff": abs(loss16 - loss32),
+                          "grad_rel_err_max": floor[worst], "grad_rel_err_worst_param": worst},
+    }
+
+
+def read_peaks(device: torch.device) -> tuple[float | None, float | None]:
+    if not is_cuda(device):
+        return None, None
+    return torch.cuda.max_memory_allocated(device) / GiB, torch.cuda.max_memory_reserved(device) / GiB
+
+
+def error_row(exc: BaseException, **fields_) -> dict:
+    tb = traceback.format_exc()
+    status = "OOM" if bs.is_oom(exc) else "FAILED"
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return {**fields_, "status": status, "error": f"{type(exc).__name__}: {first}", "traceback": tb}
+
+
+# --------------------------------------------------------------------------------------------
+# main phase: one variant at one batch size
+
+
+def run_variant(spec: Variant, base: nn.Module, batch: tuple, numerics_cpu: tuple, ref: dict, args,
+                device: torch.device) -> dict:
+    row: dict[str, Any] = {"variant": spec.name, "status": "ok", "setup": spec.describe()}
+    if is_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+    with spec.context():
+        model = copy.deepcopy(base).to(device)
+        names = param_names(model)  # before prepare() wraps blocks
+        step_fn = spec.prepare(model)
+
+        def run_step() -> None:
+            bs.train_step(model, step_fn, batch, device, spec.autocast)
+
+        bs.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            run_step()
+        bs.synchronize(device)
+        row["compile_s"] = time.perf_counter() - t0
+        warm_alloc, warm_reserved = read_peaks(device)
+        log(f"  [{spec.name}] compile + {args.warmup} warm-up steps: {row['compile_s']:.1f} s"
+            + (f", peak so far {warm_alloc:.2f} GiB allocated / {warm_reserved:.2f} reserved" if warm_alloc else ""))
+
+        if is_cuda(device):
+            torch.cuda.reset_peak_memory_stats(device)
+        times = bs.time_steps(run_step, args.steps, device)
+        row["peak_alloc_gib"], row["peak_reserved_gib"] = read_peaks(device)
+        if is_cuda(device):
+            row["peak_alloc_all_gib"] = max(warm_alloc, row["peak_alloc_gib"])
+            row["peak_reserved_all_gib"] = max(warm_reserved, row["peak_reserved_gib"])
+        else:
+            row["rss_gib"] = rss_gib()
+        p10, median, p90 = np.percentile(times, [10, 50, 90])
+        row.update(times_ms=times, median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90))
+        log(f"  [{spec.name}] {args.steps} steps: median {median:.2f} ms (p10 {p10:.2f}, p90 {p90:.2f})"
+            + (f", peak {row['peak_alloc_gib']:.2f} GiB allocated / {row['peak_reserved_gib']:.2f} reserved"
+               if row["peak_alloc_gib"] is not None else f", RSS {fmt(row.get('rss_gib'), '.2f')} GiB"))
+
+        numerics_batch = tuple(t.to(device) for t in numerics_cpu)
+        loss, grads = loss_and_grads(model, step_fn, numerics_batch, device, spec.autocast, names)
+    check_ref = ref if spec.tolerance == "bf16" else dict(ref, noise_floor=None)  # fp32: no bf16 excuse
+    row["numerics"] = n = bs.compare(loss, grads, check_ref, spec.tolerance)
+    log(f"  [{spec.name}] numerics vs eager fp32 {bs.verdict(n)}: |dloss| {n['loss_abs_diff']:.2e}, "
+        f"max grad rel err {n['grad_rel_err_max']:.2e} ({n['grad_rel_err_worst_param']}); "
+        f"{len(n['params_over_tol'])} params over {n['tolerance']['grad_rel']:g}, "
+        f"{len(n['params_within_bf16_noise'])} more within bf16 noise"
+        + "".join(f"\n    {p}" for p in n["problems"] + n["params_over_tol"][:10]))
+    return row
+
+
+def run_variant_guarded(spec: Variant, *args_) -> dict:
+    try:
+        return run_variant(spec, *args_)
+    except Exception as exc:  # noqa: BLE001  (one variant's failure must not lose the run)
+        row = error_row(exc, variant=spec.name, setup=spec.describe())
+    log(f"  [{spec.name}] {row['status']}: {row['error']}")
+    log(row["traceback"])
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# largest batch within a memory limit
+
+
+def probe(spec: Variant, base: nn.Module, batch_size: int, args, device: torch.device) -> dict:
+    """One capped run at `batch_size`: --warmup + --search-steps steps of a fresh copy."""
+    limit = args.max_batch_search
+    rec: dict[str, Any] = {"batch": batch_size, "source": "probe"}
+    bs.free_device_memory(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    rec["baseline_alloc_gib"] = torch.cuda.memory_allocated(device) / GiB
+    rec["baseline_reserved_gib"] = torch.cuda.memory_reserved(device) / GiB
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit * GiB / total), device)
+    torch.cuda.reset_peak_memory_stats(device)
+    model = step_fn = batch = None
+    t0 = time.perf_counter()
+    try:
+        with spec.context():
+            batch = tuple(t.to(device) for t in clip.make_batch(batch_size, "cpu", args.config, seed=args.seed))
+            model = copy.deepcopy(base).to(device)
+            step_fn = spec.prepare(model)
+            for _ in range(args.warmup + args.search_steps):
+                bs.train_step(model, step_fn, batch, device, spec.autocast)
+            bs.synchronize(device)
+        rec["peak_alloc_gib"], rec["peak_reserved_gib"] = read_peaks(device)
+        rec["status"] = "ok" if rec["peak_alloc_gib"] <= limit else "over limit"
+    except Exception as exc:  # noqa: BLE001
+        rec.update(error_row(exc, **rec))
+        rec["peak_alloc_gib"], rec["peak_reserved_gib"] = read_peaks(device)
+        if rec["status"] == "FAILED":  # not recognisably an OOM: show why
+            log(rec["traceback"])
+        del rec["traceback"]
+    finally:
+        model = step_fn = batch = None
+        bs.free_device_memory(device)
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    rec["wall_s"] = time.perf_counter() - t0
+    rec["pass"] = rec["status"] == "ok"
+    return rec
+
+
+def pow2_floor(x: float) -> int:
+    return 1 << max(0, int(math.floor(math.log2(max(x, 1)))))
+
+
+def predict_max_batch(points: list[tuple[int, float]], limit: float, fixed_guess: float) -> float | None:
+    """Largest batch whose predicted peak is <= limit, from (batch, peak GiB) measurements: a least
+    squares line through them, or with one point a line through it and `fixed_guess` at batch 0."""
+    xs = np.array([b for b, _ in points], dtype=float)
+    ys = np.array([p for _, p in points], dtype=float)
+    if len(set(xs.tolist())) >= 2:
+        slope, intercept = np.polyfit(xs, ys, 1)
+    elif len(xs) == 1 and ys[0] > fixed_guess:
+        slope, intercept = (ys[0] - fixed_guess) / xs[0], fixed_guess
+    else:
+        return None
+    if slope <= 0:
+        return None
+    return float(min(max((limit - intercept) / slope, 1.0), 1 << 16))
+
+
+def next_candidate(lo: int | None, hi: int | None, pred: float | None, start: int) -> int | None:
+    """The next batch to probe; None when the bracket is resolved. lo passes, hi fails."""
+    if lo is not None and hi is not None:
+        if hi - lo <= max(1, lo // 16):
+            return None
+        pows = [1 << k for k in range(17) if lo < (1 << k) < hi]
+        if pows:  # a power of two between them, the one nearest the geometric mean
+            mid = (math.log2(lo) + math.log2(hi)) / 2
+            return min(pows, key=lambda p: abs(math.log2(p) - mid))
+        return (lo + hi) // 2
+    if lo is None and hi is None:
+        return pow2_floor(pred) if pred else start
+    if hi is None:  # only passes: the next power of two up, or further if the fit says so
+        nxt = pow2_floor(lo) * 2
+        return max(nxt, pow2_floor(pred)) if pred else nxt
+    if hi <= 1:  # only fails, down to batch 1
+        return None
+    prv = pow2_floor(hi - 1)
+    return min(prv, pow2_floor(pred)) if pred else prv
+
+
+def bracket(known: dict[int, bool]) -> tuple[int | None, int | None]:
+    """(largest passing batch, smallest failing batch above it)."""
+    passing = [b for b, ok in known.items() if ok]
+    lo = max(passing) if passing else None
+    failing = [b for b, ok in known.items() if not ok and (lo is None or b > lo)]
+    return lo, min(failing) if failing else None
+
+
+def search_variant(spec: Variant, base: nn.Module, args, device: torch.device, main_rows: list[tuple[int, dict]],
+                   fixed_guess: float, res: dict, on_update: Callable[[], None]) -> dict:
+    """Fill `res` (the variant's search record, reported after every probe through on_update)."""
+    limit = args.max_batch_search
+    res.update({"variant": spec.name, "limit_gib": limit, "records": [], "probes_run": 0})
+    known: dict[int, bool] = {}
+    points: list[tuple[int, float]] = []
+    for b, row in main_rows:
+        rec = {"batch": b, "source": "main", "status": row["status"],
+               "peak_alloc_gib": row.get("peak_alloc_all_gib"), "peak_reserved_gib": row.get("peak_reserved_all_gib")}
+        if row["status"] == "ok" and row.get("peak_alloc_all_gib") is not None:
+            points.append((b, row["peak_alloc_all_gib"]))
+            if row["peak_reserved_all_gib"] <= limit:
+                rec["pass"] = True
+            elif row["peak_alloc_all_gib"] > limit:
+                rec.update({"pass": False, "status": "over limit"})
+        elif row["status"] == "OOM" and limit <= torch.cuda.get_device_properties(device).total_memory / GiB:
+            rec["pass"] = False  # out of memory on the whole device
+        if "pass" in rec:
+            known[b] = rec["pass"]
+            res["records"].append(rec)
+            log(f"  [{spec.name}] batch {b}: {'passes' if rec['pass'] else 'fails'} (main phase: "
+                f"{fmt(rec['peak_alloc_gib'], '.2f')} GiB allocated / {fmt(rec['peak_reserved_gib'], '.2f')} reserved)")
+
+    while True:
+        lo, hi = bracket(known)
+        res["largest_ok"], res["smallest_fail"] = lo, hi
+        pred = predict_max_batch(points, limit, fixed_guess) if points else None
+        b = next_candidate(lo, hi, pred, args.search_start)
+        if b is None or b in known:
+            res["stop"] = "resolved" if b is None else "repeat"
+            break
+        if res["probes_run"] >= args.search_probes:
+            res["stop"] = "probe budget spent"
+            break
+        log(f"  [{spec.name}] probe batch {b} (bracket {lo}..{hi}"
+            + (f", fit predicts {pred:.0f}" if pred else "") + ")")
+        rec = probe(spec, base, b, args, device)
+        res["probes_run"] += 1
+        res["records"].append(rec)
+        known[b] = rec["pass"]
+        if rec.get("peak_alloc_gib") is not None and rec["status"] in ("ok", "over limit"):
+            points.append((b, rec["peak_alloc_gib"]))
+        log(f"  [{spec.name}] batch {b}: {'passes' if rec['pass'] else 'fails'} ({rec['status']}"
+            + (f": {rec['error']}" if "error" in rec else "")
+            + f"; peak {fmt(rec.get('peak_alloc_gib'), '.2f')} GiB allocated / "
+              f"{fmt(rec.get('peak_reserved_gib'), '.2f')} reserved; {rec['wall_s']:.0f} s)")
+        res["largest_ok"], res["smallest_fail"] = bracket(known)
+        on_update()
+    ok_recs = [r for r in res["records"] if r.get("pass") and r["batch"] == lo]
+    res["peak_at_largest_gib"] = ok_recs[-1]["peak_alloc_gib"] if ok_recs else None
+    log(f"  [{spec.name}] largest batch within {limit:g} GiB: {lo} (smallest failing: {hi}; "
+        f"{res['probes_run']} probes; {res['stop']})")
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# reporting
+
+
+def fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def environment(device: torch.device, args) -> dict:
+    env = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if is_cuda(device) else platform.processor() or "cpu",
+        "cuda": torch.version.cuda,
+        "config": args.config,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "optimizer_step": False,
+        "variants": {name: VARIANTS[name].describe() for name in args.variants},
+        "search": None if args.skip_search else {
+            "limit_gib": args.max_batch_search, "probes_per_variant": args.search_probes,
+            "steps_per_probe": f"{args.warmup} warm-up + {args.search_steps}"},
+    }
+    if is_cuda(device):
+        props = torch.cuda.get_device_properties(device)
+        env["sm_count"] = props.multi_processor_count
+        env["total_memory_gib"] = props.total_memory / GiB
+    return env
+
+
+def main_table(results: list[dict], cuda: bool) -> str:
+    header = ["batch", "variant", "median ms", "peak GiB", "reserved GiB", f"vs {REFERENCE} peak",
+              "vs fastest apollo time", "numerics"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    na = "-" if cuda else "n/a"
+    for entry in results:
+        rows = entry["variants"]
+        ok = [r for r in rows if r["status"] == "ok"]
+        ref = next((r for r in ok if r["variant"] == REFERENCE and r.get("peak_alloc_gib")), None)
+        apollo = [r["median_ms"] for r in ok if r["variant"].startswith("apollo")]
+        fastest = min(apollo) if apollo else None
+        for r in rows:
+            if r["status"] != "ok":
+                error = r.get("error", "").splitlines()[0][:80].replace("|", "/") if r.get("error") else ""
+                cells = [str(entry["batch"]), r["variant"], r["status"], "", "", "", "", error]
+            else:
+                n = r["numerics"]
+                peak, reserved = r.get("peak_alloc_gib"), r.get("peak_reserved_gib")
+                mem_ratio = peak / ref["peak_alloc_gib"] if ref and peak is not None else None
+                time_ratio = r["median_ms"] / fastest if fastest else None
+                check = f"{bs.verdict(n)} (dloss {n['loss_abs_diff']:.1e}, grad {n['grad_rel_err_max']:.1e})"
+                cells = [
+                    str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}",
+                    na if peak is None else f"{peak:.2f}", na if reserved is None else f"{reserved:.2f}",
+                    fmt(mem_ratio, ".2f") + ("x" if mem_ratio is not None else ""),
+                    fmt(time_ratio, ".2f") + ("x" if time_ratio is not None else ""), check,
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def search_table(searches: list[dict], limit: float) -> str:
+    header = ["variant", f"largest batch within {limit:g} GiB", "smallest failing", "peak GiB at largest",
+              "probes (+ reused)", "note"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for s in searches:
+        lo, hi = s.get("largest_ok"), s.get("smallest_fail")
+        reused = sum(1 for r in s["records"] if r["source"] == "main")
+        failed = sorted({r["status"] for r in s["records"] if r["status"] not in ("ok", "over limit")})
+        if s.get("stop") == "resolved" and lo is None:
+            note = "nothing fits (batch 1 fails)"
+        elif s.get("stop") == "resolved":
+            note = "resolved (gap <= 1/16)"
+        elif hi is None:
+            note = f"no failing batch found: >= {lo}" if lo else "no result"
+        elif s.get("stop"):
+            note = f"{s['stop']}: the limit lies in [{fmt(lo, 'd')}, {hi})"
+        else:
+            note = "in progress"
+        if failed:
+            note += "; failures: " + ", ".join(failed)
+        lines.append("| " + " | ".join([
+            s["variant"], fmt(lo, "d"), fmt(hi, "d"), fmt(s.get("peak_at_largest_gib"), ".2f"),
+            f"{s['probes_run']} (+{reused})", note]) + " |")
+    return "\n".join(lines)
+
+
+def report(env: dict, results: list[dict], searches: list[dict], out_dir: Path, args) -> str:
+    cuda = env["device"].startswith("cuda")
+    head = [
+        f"# apollo memory benchmark: CLIP-style ({env['config']})",
+        "",
+        f"{env['date']} | torch {env['torch']} | python {env['python']} | {env['device_name']}"
+        + (f" ({env['sm_count']} SMs, {env['total_memory_gib']:.0f} GiB)" if "sm_count" in env else ""),
+        f"{env['warmup']} warm-up + {env['steps']} timed steps of zero_grad + forward + backward (no optimizer "
+        f"step). peak / reserved GiB = max_memory_allocated / max_memory_reserved over the timed steps"
+        + ("" if cuda else " (not measured on the CPU: n/a; RSS is in the JSON)")
+        + f". vs {REFERENCE} peak = variant peak / {REFERENCE} peak (<1: less memory); vs fastest apollo time "
+        f"= variant median / the fastest apollo variant's median at that batch (>1: slower). Numerics vs eager "
+        f"fp32 (TF32 off): PASS if every param's relative grad error <= {bs.GRAD_RTOL['bf16']:g} "
+        f"({bs.GRAD_RTOL['fp32']:g} for eager-fp32) and |dloss| <= {bs.LOSS_RTOL['bf16']:g} * max(1, |loss|); "
+        f"PASS*: some params over it but no further from fp32 than {bs.NOISE_MULTIPLIER:g}x eager bf16 is.",
+        "",
+        "Variants: " + "; ".join(f"`{k}`: {v}" for k, v in env["variants"].items()) + ".",
+    ]
+    for entry in results:
+        floor = entry.get("bf16_noise_floor")
+        if floor:
+            head.append(f"- batch {entry['batch']}: loss fp32 {floor['loss_fp32']:.4f}; bf16 noise floor (eager bf16 "
+                        f"vs eager fp32): dloss {floor['loss_abs_diff']:.1e}, grad {floor['grad_rel_err_max']:.1e} "
+                        f"({floor['grad_rel_err_worst_param']})")
+        if entry.get("error"):
+            head.append(f"- batch {entry['batch']}: {entry['error'].splitlines()[0]}")
+    text = "\n".join(head) + "\n\n" + main_table(results, cuda) + "\n"
+    if searches:
+        text += (f"\nLargest batch whose step (with compile and {args.warmup} warm-up + {args.search_steps} steps) "
+                 f"stays within {args.max_batch_search:g} GiB peak allocated, the allocator capped at that limit; "
+                 f"batches tried: powers of two, then midpoints; main-phase results reused where they decide.\n\n"
+                 + search_table(searches, args.max_batch_search) + "\n")
+    (out_dir / "memory_results.md").write_text(text)
+    (out_dir / "memory_results.json").write_text(
+        json.dumps({"environment": env, "results": results, "max_batch_search": searches}, indent=1))
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="*", default=[64, 256],
+                   help="main-phase batch sizes (none: only the batch search)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps (compile, CUDA-graph capture)")
+    p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-batch-search", type=float, default=20.0, metavar="LIMIT_GIB",
+                   help="find each variant's largest batch within this peak allocated memory (default 20)")
+    p.add_argument("--skip-search", action="store_true", help="no largest-batch search")
+    p.add_argument("--search-probes", type=int, default=4, help="most probe runs per variant (default 4)")
+    p.add_argument("--search-steps", type=int, default=2, help="steps after the warm-up in a probe (default 2)")
+    p.add_argument("--search-start", type=int, default=64, help="first probe when nothing is measured yet")
+    p.add_argument("--no-compile-cache", action="store_true", help="disable Inductor's on-disk caches")
+    args = p.parse_args(argv)
+    args.variants = [v for v in VARIANTS if v in args.variants]  # eager first, apollo last
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1")
+    if args.max_batch_search <= 0 or args.search_probes < 0 or args.search_steps < 1 or args.search_start < 1:
+        p.error("--max-batch-search must be > 0, --search-probes >= 0, --search-steps and --search-start >= 1")
+    if args.device == "cpu" and not args.skip_search:
+        args.skip_search = True
+        args.search_skipped_reason = "the batch search needs CUDA (allocator cap); skipped on the CPU"
+    if not args.batch and args.skip_search:
+        p.error("nothing to do: no --batch and no search")
+    return args
+
+
+def announce_plan(args) -> None:
+    compiled = [v for v in args.variants if VARIANTS[v].compiled]
+    main_compiles = len(args.batch) * len(compiled)
+    search_compiles = 0 if args.skip_search else args.search_probes * len(compiled)
+    total = main_compiles + search_compiles
+    log(f"compiles: {main_compiles} in the main phase ({len(args.batch)} batches x {len(compiled)} compiled variants)"
+        + ("" if args.skip_search else
+           f" + up to {search_compiles} in the search ({args.search_probes} probes x {len(compiled)}; fewer where "
+           f"main-phase results decide)")
+        + f" = up to {total}; at ~{COMPILE_S_ESTIMATE} s each on an H200 ~{total * COMPILE_S_ESTIMATE / 60:.1f} min "
+        f"of compiling, plus the steps")
+    if not args.skip_search:
+        eager = [v for v in args.variants if not VARIANTS[v].compiled]
+        if eager:
+            log(f"search: up to {args.search_probes} probes for each of {len(eager)} eager variants too (seconds each)")
+    if total * COMPILE_S_ESTIMATE > 480:
+        log("  note: more than ~8 min of compiling; a device command may run at most 10 min: "
+            "split with --variants / --skip-search / --search-probes")
+    if getattr(args, "search_skipped_reason", None):
+        log(args.search_skipped_reason)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        log("CUDA is not available; use --device cpu")
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    if args.no_compile_cache:
+        torch._inductor.config.force_disable_caches = True
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    env = environment(device, args)
+    log(f"date {env['date']} | torch {env['torch']} | python {env['python']} | device {env['device_name']}")
+    log(f"config {args.config} | batches {args.batch} | variants {args.variants} | out {out_dir}")
+    announce_plan(args)
+
+    base = clip.build(args.config, device="cpu", seed=args.seed)  # stays on the CPU; copies go to the device
+    n_params = sum(p.numel() for p in base.parameters())
+    log(f"model: {n_params / 1e6:.1f} M parameters")
+
+    results: list[dict] = []
+    searches: list[dict] = []
+    for batch_size in args.batch:
+        log(f"\n=== batch {batch_size} ===")
+        entry: dict[str, Any] = {"batch": batch_size, "variants": []}
+        results.append(entry)
+        batch = clip.make_batch(batch_size, device, args.config, seed=args.seed)
+        numerics_cpu = clip.make_batch(batch_size, "cpu", args.config, seed=args.seed + 1)
+        try:
+            ref = reference(base, numerics_cpu, device)
+        except Exception as exc:  # noqa: BLE001
+            log(f"  eager fp32 reference failed ({type(exc).__name__}); skipping batch {batch_size}")
+            log(traceback.format_exc())
+            entry["error"] = f"reference: {type(exc).__name__}: {exc}"
+            del batch
+            bs.free_device_memory(device)
+            continue
+        entry["loss_ref_fp32"] = ref["loss"]
+        entry["bf16_noise_floor"] = f = ref["noise_summary"]
+        log(f"  reference: loss fp32 {f['loss_fp32']:.5f}, bf16 {f['loss_bf16']:.5f}; bf16 noise floor: "
+            f"|dloss| {f['loss_abs_diff']:.2e}, max grad rel err {f['grad_rel_err_max']:.2e} "
+            f"({f['grad_rel_err_worst_param']})")
+        for name in args.variants:
+            log(f"--- batch {batch_size}, {name}")
+            entry["variants"].append(run_variant_guarded(VARIANTS[name], base, batch, numerics_cpu, ref, args, device))
+            bs.free_device_memory(device)
+            report(env, results, searches, out_dir, args)  # after every variant: a crash keeps what was measured
+        del batch, ref
+        bs.free_device_memory(device)
+
+    if not args.skip_search:
+        log(f"\n=== largest batch within {args.max_batch_search:g} GiB ===")
+        fixed_guess = 2 * n_params * 4 / GiB  # fp32 weights + grads, with one main-phase point only
+        for name in args.variants:
+            log(f"--- search, {name}")
+            main_rows = [(e["batch"], r) for e in results for r in e["variants"] if r["variant"] == name]
+            res: dict[str, Any] = {"variant": name, "records": [], "probes_run": 0}
+            searches.append(res)
+            try:
+                search_variant(VARIANTS[name], base, args, device, main_rows, fixed_guess, res,
+                               on_update=lambda: report(env, results, searches, out_dir, args))
+            except Exception as exc:  # noqa: BLE001  (a bug in the search itself)
+                log(f"  [{name}] search failed: {type(exc).__name__}: {exc}")
+                log(traceback.format_exc())
+                res["stop"] = f"search error: {type(exc).__name__}"
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            bs.free_device_memory(device)
+            report(env, results, searches, out_dir, args)
+
+    text = report(env, results, searches, out_dir, args)
+    log(f"\nwrote {out_dir / 'memory_results.json'} and {out_dir / 'memory_results.md'}\n")
+    log(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
