@@ -106,7 +106,9 @@ sys.path.insert(0, str(HERE))  # benchmarks/clip.py, bench_step.py
 sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 
 import clip  # noqa: E402  (benchmarks/clip.py)
-from bench_step import GRAD_RTOL, LOSS_RTOL, compare, is_oom, no_tf32, rel_err, verdict  # noqa: E402
+from bench_step import (  # noqa: E402
+    GRAD_RTOL, LOSS_RTOL, compare, is_oom, no_tf32, rel_err, synchronize, time_steps, train_step, verdict,
+)
 
 VARIANTS = ("single-apollo", "ddp-eager", "ddp-inductor", "ddp-apollo", "ddp-apollo-1graph", "fsdp2-eager",
             "fsdp2-apollo")
@@ -224,42 +226,6 @@ def build_variant(name: str, base: nn.Module, device: torch.device, args) -> tup
 # steps, timing, numerics
 
 
-def autocast(device: torch.device, amp: bool):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def train_step(model: nn.Module, step_fn: Callable, batch: tuple, device: torch.device, amp: bool) -> torch.Tensor:
-    model.zero_grad(set_to_none=True)
-    with autocast(device, amp):
-        loss = step_fn(*batch)
-    loss.backward()
-    return loss
-
-
-def time_steps(run_step: Callable[[], Any], steps: int, device: torch.device) -> list[float]:
-    times = []
-    for _ in range(steps):
-        synchronize(device)
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run_step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            run_step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     """fp32 CPU copy; an FSDP2 DTensor is gathered to its full tensor first (a collective)."""
     if hasattr(t, "full_tensor"):
@@ -338,7 +304,7 @@ def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple,
         compile_s = time.perf_counter() - t0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        times = time_steps(run_step, args.steps, device)
+        times = time_steps(run_step, args.steps, device, before_step=dist.barrier)
         mem = None
         if device.type == "cuda":
             mem = {"peak_alloc_gib": torch.cuda.max_memory_allocated(device) / GiB,

@@ -150,11 +150,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(run_step: Callable[[], Any], steps: int, device: torch.device) -> list[float]:
-    """Per-step milliseconds: CUDA events after a synchronize on CUDA, perf_counter on the CPU."""
+def time_steps(run_step: Callable[[], Any], steps: int, device: torch.device,
+               before_step: Callable[[], Any] | None = None) -> list[float]:
+    """Per-step milliseconds: CUDA events after a synchronize on CUDA, perf_counter on the CPU.
+    `before_step` runs after the synchronize, untimed (bench_distributed.py lines ranks up)."""
     times = []
     for _ in range(steps):
         synchronize(device)
+        if before_step is not None:
+            before_step()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
