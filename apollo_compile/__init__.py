@@ -11,7 +11,8 @@ point is not installed (running from a source tree).
 from __future__ import annotations
 
 from . import logs as _logs
-from .backend import ApolloFallbackWarning, apollo_backend
+from .backend import apollo_backend
+from .fallback import ApolloFallbackWarning
 from .options import ApolloOptions, ApolloOptionsError
 from .plan import GraphPlan, ModelPlan, clear_plans, last_plan, plans
 from .report import Report, explain

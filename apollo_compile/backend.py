@@ -18,10 +18,12 @@ import torch
 import torch.fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import RestartAnalysis
 
 from . import plan as plan_store
 from .devices import DEVICE_SPECS, DeviceSpec, detect_device_spec
 from . import logs, pipeline
+from .fallback import ApolloFallbackWarning
 from .options import ApolloOptions, ApolloOptionsError
 from .pipeline import GraphContext, run_passes
 from .plan import GraphPlan, ModelPlan
@@ -31,10 +33,6 @@ from .runtime.runner import build_runtime
 log = logging.getLogger("apollo_compile")
 
 REPORT_HINT = "please report it with the dump (options={'dump_dir': ...}) at the apollo_compile issue tracker"
-
-
-class ApolloFallbackWarning(UserWarning):
-    """apollo ran a graph through a fallback path; the message says why."""
 
 
 def _input_device(example_inputs) -> torch.device:
@@ -102,8 +100,12 @@ def compile_graph(
     model_plan.graphs[kind] = graph_plan
     try:
         run_passes(gm, ctx)
-        runtimes = build_runtime(gm, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
-                                 options.subgraph_compiler, device)
+        try:
+            runtimes = build_runtime(gm, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
+                                     options.subgraph_compiler, device)
+        except Exception as e:  # name the stage, as PassError names the pass
+            raise RuntimeError(f"building the runtime (compiling its subgraphs with {options.subgraph_compiler}) "
+                               f"failed: {type(e).__name__}: {e}") from e
         graph_plan.runtimes = runtimes
         if family is not None:
             fn = _cudagraphed(runtimes, graph_name, kind, family)
@@ -190,7 +192,6 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     spec = DEVICE_SPECS[opts.device] if opts.device else detect_device_spec(device)
     name = _graph_name()
     model_plan = ModelPlan(name)
-    plan_store.record(model_plan)
     use_cudagraphs = device.type == "cuda" and opts.cudagraphs in ("auto", True)
     if opts.cudagraphs is True and device.type != "cuda":
         log.warning("apollo: cudagraphs=True ignored for %s: CUDA graphs need a CUDA device", device)
@@ -215,8 +216,14 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         decompositions=decompositions,
     )
     try:
-        return aot(gm, example_inputs)
+        compiled = aot(gm, example_inputs)
+    except RestartAnalysis:
+        # Dynamo's own control flow, not a failure: e.g. with dynamic=True, AOTAutograd asks Dynamo
+        # to retrace with a symbolic float (an attention scale) as a tensor; the retrace calls us
+        # again, and only that attempt's plan is kept
+        raise
     except Exception as e:
+        plan_store.record(model_plan)
         if opts.strict:
             raise
         if opts.subgraph_compiler == "inductor":
@@ -230,3 +237,5 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
                 pass
         _warn_fallback(name, "eager PyTorch (the Dynamo graph as traced)", e)
         return gm.forward
+    plan_store.record(model_plan)
+    return compiled

@@ -31,6 +31,8 @@ from typing import Callable
 
 import torch
 
+from ..fallback import ApolloFallbackWarning
+
 log = logging.getLogger("apollo_compile")
 
 
@@ -115,7 +117,7 @@ class CudaGraphRunner:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"apollo: {self.name} runs without its CUDA graph because {why} "
-                          "(correct, but slower)", stacklevel=3)
+                          "(correct, but slower)", ApolloFallbackWarning, stacklevel=3)
 
     def _eager(self, args: list) -> list:
         return self.fn(args)

@@ -1,0 +1,526 @@
+"""Every fallback path: what apollo does when it meets something it cannot plan, and that training
+stays correct (loss and every gradient equal to eager PyTorch) whichever path a graph takes.
+
+(a) ops without a cost formula, (b) dynamic shapes, (c) a failure in a pass or in subgraph
+compilation, (d) recompilation, (e) a failing pre-autograd (casts) pass, (f) the CUDA-graph
+runner's degrade paths (decision logic only: capture itself needs a GPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import apollo_compile
+from apollo_compile import pipeline
+from apollo_compile.backend import REPORT_HINT, ApolloFallbackWarning
+from apollo_compile.devices import DEVICE_SPECS
+from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+from helpers import TOLERANCE, assert_trains_like_eager
+from models import MLP, TwoTower, two_tower_inputs
+
+EAGER = {"subgraph_compiler": "eager"}
+
+
+def fallback_messages(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, ApolloFallbackWarning)]
+
+
+def train_like_eager(model, batches, options=None, lr=0.1, **compile_kwargs):
+    """One SGD step per batch (batches may change shape): loss and every gradient match eager.
+    Returns the ApolloFallbackWarning messages raised meanwhile."""
+    options = dict(options or EAGER)
+    tol = TOLERANCE[options.get("subgraph_compiler", "inductor")]
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="apollo", options=options, **compile_kwargs)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, inputs in enumerate(batches):
+            loss, ref_loss = compiled(*inputs), ref(*inputs)
+            loss.backward()
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"step {step} loss: {m}")
+            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+                torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"step {step} grad {name}: {m}")
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+    return fallback_messages(caught)
+
+
+def assert_apollo_ran(plan):
+    """The graphs of `plan` ran apollo's own runtime (no fallback)."""
+    assert plan.forward is not None and plan.backward is not None, plan.name
+    assert plan.forward.fallback is None and plan.backward.fallback is None, (plan.forward.fallback, plan.backward.fallback)
+    assert plan.forward.runtimes and plan.backward.runtimes
+
+
+def mlp_batches(*sizes):
+    return [(torch.randn(b, 32, generator=torch.Generator().manual_seed(i)),) for i, b in enumerate(sizes)]
+
+
+def two_tower_batches(*sizes):
+    return [two_tower_inputs(batch=b, seed=i) for i, b in enumerate(sizes)]
+
+
+# ------------------------------------------------------------------------ (a) ops without a cost formula
+
+@torch.library.custom_op("apollo_fallback_tests::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.tanh(x) * scale
+
+
+@scaled_tanh.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("apollo_fallback_tests::scaled_tanh_backward", mutates_args=())
+def scaled_tanh_backward(grad: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    return grad * (scale - y * y / scale)
+
+
+@scaled_tanh_backward.register_fake
+def _(grad, y, scale):
+    return torch.empty_like(grad)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.scale = inputs[1]
+
+
+def _backward(ctx, grad):
+    (y,) = ctx.saved_tensors
+    return scaled_tanh_backward(grad, y, ctx.scale), None
+
+
+scaled_tanh.register_autograd(_backward, setup_context=_setup_context)
+
+
+class TwoBranchCustom(nn.Module):
+    """Two independent branches, each through the custom op (forward) and its custom backward,
+    and an exotic ATen op (logcumsumexp) that neither flop_registry nor apollo has a formula for."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.left = nn.Linear(width, width)
+        self.right = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = scaled_tanh(self.left(x), 1.5)
+        b = torch.logcumsumexp(scaled_tanh(self.right(y), 0.5), dim=-1)
+        return (a * b).mean()
+
+
+def custom_batches(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_op_without_cost_formula_compiles_and_trains(compiler):
+    torch.manual_seed(0)
+    options = {"subgraph_compiler": compiler, "device": "H200"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_trains_like_eager(TwoBranchCustom(), custom_batches, options)
+    assert fallback_messages(caught) == []
+    plan = apollo_compile.last_plan()
+    assert_apollo_ran(plan)
+    spec = DEVICE_SPECS["H200"]
+    seen = set()
+    for graph in (plan.forward, plan.backward):
+        for node in graph.gm.graph.nodes:
+            name = getattr(node.target, "__name__", "")
+            if not name.startswith(("scaled_tanh", "logcumsumexp")):
+                continue
+            seen.add(name.split(".")[0])
+            ann = node.meta["apollo"]
+            vals = [n.meta["val"] for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+            out = node.meta["val"]
+            # the generic rule: one FLOP per element touched, bytes = every tensor read + written,
+            # and the roofline time is the bytes' (memory-bound) time plus one launch
+            assert ann.flops == max([out.numel()] + [v.numel() for v in vals]), node
+            assert ann.bytes == sum(v.nbytes for v in vals) + out.nbytes, node
+            assert ann.bound == "memory", node
+            assert ann.est_us == pytest.approx(ann.bytes / spec.bandwidth * 1e6 + spec.launch_us), node
+            assert ann.subgraph is not None, node
+    # the forward has both custom ops' forward; the backward the custom backward and logcumsumexp's
+    assert {"scaled_tanh", "scaled_tanh_backward", "logcumsumexp"} <= seen, seen
+
+
+def test_a_raising_flop_formula_falls_back_to_the_generic_rule(monkeypatch):
+    """flop_registry formulas that raise (a new op overload, an odd signature) cost the generic
+    rule instead; the cost pass itself never raises."""
+    from apollo_compile.passes import cost
+
+    def raising(*args, **kwargs):
+        raise TypeError("synthetic: formula does not understand these arguments")
+
+    monkeypatch.setattr(cost, "flop_registry", {k: raising for k in cost.flop_registry})
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_trains_like_eager(MLP(), lambda s: mlp_batches(8)[0], EAGER, steps=2)
+    assert fallback_messages(caught) == []
+    plan = apollo_compile.last_plan()
+    assert_apollo_ran(plan)
+    mms = [n for n in plan.forward.gm.graph.nodes if getattr(n.target, "__name__", "").startswith("addmm")]
+    assert mms
+    for n in mms:  # generic: max(out numel, largest input numel), not 2*M*N*K
+        vals = [a.meta["val"] for a in n.all_input_nodes]
+        assert n.meta["apollo"].flops == max([n.meta["val"].numel()] + [v.numel() for v in vals])
+
+
+# ------------------------------------------------------------------------ (b) dynamic shapes
+
+def test_dynamic_true_two_tower_trains_across_batch_sizes():
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    messages = train_like_eager(TwoTower(), two_tower_batches(4, 6, 5), dynamic=True)
+    # With dynamic=True, scaled_dot_product_attention's scale 1/sqrt(head_dim) is a symbolic float:
+    # AOTAutograd asks Dynamo to restart with it as a tensor (TensorifyScalarRestartAnalysis), which
+    # apollo lets through instead of treating as a failure; the retrace is planned as usual.
+    assert messages == [], messages
+    assert_apollo_ran(apollo_compile.last_plan())
+
+
+def test_dynamic_true_runs_apollo_when_no_symbolic_float_appears():
+    """With no float computed from a size (no attention scale), dynamic=True plans one graph
+    with a symbolic batch and apollo's runtime runs it for every batch size."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    assert train_like_eager(MLP(), mlp_batches(4, 6, 5, 4), dynamic=True) == []
+    assert len(apollo_compile.plans()) == 1  # one compile for every size
+    plan = apollo_compile.last_plan()
+    assert_apollo_ran(plan)
+    sizes = [n.meta["val"].shape[0] for n in plan.forward.gm.graph.nodes
+             if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 2
+             and n.meta["val"].shape[1] == 32]
+    assert any(isinstance(s, torch.SymInt) for s in sizes), sizes
+
+
+# ------------------------------------------------------------------------ (c) failures in a pass / in subgraph compilation
+
+def _broken_pass(message, kinds=("forward", "backward", "inference")):
+    def broken(gm, ctx):
+        if ctx.kind in kinds:
+            raise RuntimeError(message)
+        return orig(gm, ctx)
+
+    orig = dict(pipeline.GRAPH_PASSES)["codegen"]
+    return broken
+
+
+def _replace_pass(monkeypatch, name, fn):
+    monkeypatch.setattr(pipeline, "GRAPH_PASSES", [(n, fn if n == name else f) for n, f in pipeline.GRAPH_PASSES])
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_codegen_failure_falls_back_once_per_graph(monkeypatch, compiler):
+    _replace_pass(monkeypatch, "codegen", _broken_pass("synthetic codegen failure"))
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), {"subgraph_compiler": compiler})
+    messages = fallback_messages(caught)
+    assert len(messages) == 2, messages  # forward and backward, once each, not once per step
+    path = "Inductor" if compiler == "inductor" else "eager ATen"
+    for kind, m in zip(("forward", "backward"), messages):
+        assert f"_{kind} runs on {path}" in m, m
+        assert "pass 'codegen'" in m and "synthetic codegen failure" in m and REPORT_HINT in m, m
+    plan = apollo_compile.last_plan()
+    assert "codegen" in plan.forward.fallback and "codegen" in plan.backward.fallback
+
+
+def test_failure_in_the_backward_only_falls_back_for_that_graph(monkeypatch):
+    _replace_pass(monkeypatch, "codegen", _broken_pass("synthetic backward failure", kinds=("backward",)))
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), EAGER)
+    messages = fallback_messages(caught)
+    assert len(messages) == 1 and "_backward runs on eager ATen" in messages[0], messages
+    plan = apollo_compile.last_plan()
+    assert plan.forward.fallback is None and plan.forward.runtimes
+    assert plan.backward.fallback and not plan.backward.runtimes
+
+
+def _break_subgraph_compilation(monkeypatch):
+    # build_runtime calls the name runner.py imported (`from .subgraphs import compile_subgraph`),
+    # so patching apollo_compile.runtime.subgraphs.compile_subgraph would not reach it.
+    from apollo_compile.runtime import runner
+
+    def broken(sub, inputs, compiler, kind):
+        raise RuntimeError("synthetic compiler failure")
+
+    monkeypatch.setattr(runner, "compile_subgraph", broken)
+
+
+def test_subgraph_compilation_failure_falls_back_once_per_graph(monkeypatch):
+    _break_subgraph_compilation(monkeypatch)
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), EAGER)
+    messages = fallback_messages(caught)
+    assert len(messages) == 2, messages
+    for kind, m in zip(("forward", "backward"), messages):
+        assert f"_{kind} runs on eager ATen" in m and "synthetic compiler failure" in m, m
+        assert REPORT_HINT in m, m
+    plan = apollo_compile.last_plan()
+    assert plan.forward.fallback and plan.backward.fallback
+    assert plan.forward.lanes is not None  # every pass ran; only building the runtime failed
+
+
+def test_subgraph_compilation_failure_warning_names_the_stage(monkeypatch):
+    _break_subgraph_compilation(monkeypatch)
+    compiled = torch.compile(MLP(), backend="apollo", options=EAGER)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(4, 32)).backward()
+    messages = fallback_messages(caught)
+    assert messages and all("subgraph" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("where", ["codegen", "subgraph"])
+def test_strict_raises_for_codegen_and_subgraph_failures(monkeypatch, where):
+    if where == "codegen":
+        _replace_pass(monkeypatch, "codegen", _broken_pass("synthetic codegen failure"))
+        expected = "synthetic codegen failure"
+    else:
+        _break_subgraph_compilation(monkeypatch)
+        expected = "synthetic compiler failure"
+    compiled = torch.compile(MLP(), backend="apollo", options={**EAGER, "strict": True})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(Exception, match=expected):
+            compiled(torch.randn(4, 32))
+    assert fallback_messages(caught) == []
+
+
+def test_inductor_failing_too_runs_eager_aten(monkeypatch, caplog):
+    """A graph apollo cannot plan goes to Inductor; when Inductor fails as well, eager ATen."""
+    import torch._inductor.compile_fx as compile_fx
+
+    _replace_pass(monkeypatch, "codegen", _broken_pass("synthetic codegen failure"))
+
+    def no_inductor(*args, **kwargs):
+        raise RuntimeError("synthetic: Inductor unavailable")
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", no_inductor)
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="apollo_compile"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_trains_like_eager(MLP(), lambda s: mlp_batches(8)[0], {"subgraph_compiler": "inductor"}, steps=2)
+    assert len(fallback_messages(caught)) == 2
+    assert sum("Inductor fallback failed too" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_dynamo_graph_aotautograd_cannot_handle_runs_eager_pytorch(monkeypatch):
+    """A failure outside the per-graph passes (here: the partitioner) drops the whole Dynamo graph
+    to eager PyTorch (subgraph_compiler="eager") with one warning naming that graph."""
+    from apollo_compile import backend
+
+    def broken_partition(*args, **kwargs):
+        raise RuntimeError("synthetic partitioner failure")
+
+    monkeypatch.setattr(backend, "min_cut_rematerialization_partition", broken_partition)
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), EAGER)
+    messages = fallback_messages(caught)
+    assert len(messages) == 1, messages
+    assert "eager PyTorch" in messages[0] and "synthetic partitioner failure" in messages[0]
+    assert REPORT_HINT in messages[0]
+
+
+# ------------------------------------------------------------------------ (d) recompilation
+
+@pytest.mark.parametrize("dynamic", [False, None])
+def test_recompiles_on_new_shapes_and_trains(dynamic):
+    """dynamic=False: one graph per batch size; None (the default): the second size recompiles
+    with a symbolic batch (automatic dynamic), which serves every later size. apollo plans each."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    assert train_like_eager(TwoTower(), two_tower_batches(4, 6, 4, 5), dynamic=dynamic) == []
+    plans = apollo_compile.plans()
+    assert len(plans) == (3 if dynamic is False else 2), [p.name for p in plans]
+    assert len({p.name for p in plans}) == len(plans)
+    for plan in plans:
+        assert_apollo_ran(plan)
+        assert len(plan.forward.lanes.lanes) == 3
+
+
+def test_dynamo_reset_between_two_compiles():
+    torch.manual_seed(0)
+    model = TwoTower()
+    apollo_compile.clear_plans()
+    assert train_like_eager(model, two_tower_batches(4, 4)) == []
+    first = apollo_compile.last_plan()
+    torch._dynamo.reset()
+    # same module, compiled again from scratch after the reset, now with parameters SGD moved
+    assert train_like_eager(model, two_tower_batches(4, 6)) == []
+    plans = apollo_compile.plans()
+    assert len(plans) == 3 and plans[0] is first  # a fresh compile, then a recompile for batch 6
+    for plan in plans:
+        assert_apollo_ran(plan)
+
+
+# ------------------------------------------------------------------------ (e) the pre-autograd (casts) pass
+
+def test_casts_failure_falls_back_to_the_uncast_graph(monkeypatch):
+    """The cast pass fails after it has inserted its casts into the graph (before it syncs the
+    metadata): the Dynamo graph is compiled without them, fp32, with one warning."""
+    from apollo_compile.passes import casts
+
+    def broken(self):
+        assert any(n.op == "call_method" and n.target == "to" for n in self.graph.nodes)  # half-applied
+        raise RuntimeError("synthetic cast failure")
+
+    monkeypatch.setattr(casts._Rewriter, "sync_meta", broken)
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    options = {**EAGER, "precision": "bf16"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # fp32 eager's own tolerance: a graph still (half-)cast to bf16 would miss it by ~1e-3
+        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), options, tol=TOLERANCE["eager"])
+    messages = fallback_messages(caught)
+    assert len(messages) == 1, messages
+    assert "_dynamo runs on the graph without apollo's pre-autograd passes" in messages[0]
+    assert "pass 'casts'" in messages[0] and "synthetic cast failure" in messages[0] and REPORT_HINT in messages[0]
+    plan = apollo_compile.last_plan()
+    assert "casts" not in plan.pre_grad
+    assert_apollo_ran(plan)  # only the pre-autograd pass fell back; the graphs run apollo's runtime
+    for graph in (plan.forward, plan.backward):
+        dtypes = {n.meta["val"].dtype for n in graph.gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+        assert torch.bfloat16 not in dtypes, graph.name
+
+
+def test_casts_failure_with_strict_raises(monkeypatch):
+    from apollo_compile.passes import casts
+
+    def broken(self):
+        raise RuntimeError("synthetic cast failure")
+
+    monkeypatch.setattr(casts._Rewriter, "sync_meta", broken)
+    compiled = torch.compile(TwoTower(), backend="apollo", options={**EAGER, "precision": "bf16", "strict": True})
+    with pytest.raises(Exception, match="synthetic cast failure"):
+        compiled(*two_tower_inputs())
+
+
+# ------------------------------------------------------------------------ (f) the CUDA-graph runner's decisions
+
+class FakeRuntimes:
+    """Two candidate runtimes that return which one ran; boxed like the real ones."""
+
+    def __init__(self):
+        self.calls = {"lanes": 0, "one_lane": 0}
+
+    def candidates(self):
+        def make(name):
+            def run(args):
+                self.calls[name] += 1
+                out = [args[0] * 2, name]
+                args.clear()
+                return out
+            return run
+        return {"lanes": make("lanes"), "one_lane": make("one_lane")}
+
+
+def _runner(kind="forward", family=None):
+    fake = FakeRuntimes()
+    runner = CudaGraphRunner(fake.candidates(), f"frame0_0_{kind}", kind, family or GraphFamily(), set(), None)
+    return runner, fake
+
+
+def _graph_warnings(caught):
+    return [str(w.message) for w in caught if "runs without its CUDA graph" in str(w.message)]
+
+
+def test_cudagraph_capture_failure_runs_the_runtime_and_warns_once(monkeypatch):
+    # The real capture needs a GPU; its failure path also calls torch.cuda.synchronize(), which a
+    # CPU build of torch refuses ("Torch not compiled with CUDA enabled"), so it is a no-op here.
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    runner, fake = _runner()
+    attempts = []
+
+    def capture(args):
+        attempts.append(len(args))
+        raise RuntimeError("synthetic capture failure")
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    x = torch.arange(3.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [runner([x]) for _ in range(3)]
+    for out in outs:  # call 1: eager warm-up; call 2: capture fails -> eager; call 3: disabled -> eager
+        torch.testing.assert_close(out[0], x * 2)
+        assert out[1] == "one_lane"  # un-graphed, the single-stream candidate runs
+    assert fake.calls == {"lanes": 0, "one_lane": 3}
+    assert len(attempts) == 1  # capture tried once, on call 2, never again
+    messages = _graph_warnings(caught)
+    assert len(messages) == 1 and "synthetic capture failure" in messages[0], messages
+    assert runner.disabled and runner.summary()["disabled"] == runner.disabled and runner.replays == 0
+    assert fallback_messages(caught) == messages  # filterable as ApolloFallbackWarning
+
+
+def test_cudagraph_pending_forward_runs_eager_and_warns_once(monkeypatch):
+    """Two forwards before a backward: while the last forward's saved activations are alive the
+    forward runs without its graph (capture is not even tried); once they die, capture is tried."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    family = GraphFamily()
+    runner, fake = _runner(family=family)
+    attempts = []
+
+    def capture(args):
+        attempts.append(1)
+        raise RuntimeError("synthetic capture failure")
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    saved = torch.ones(1)
+    family.pending = [weakref.ref(saved)]
+    x = torch.arange(3.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert runner([x])[1] == "one_lane"
+        assert attempts == [] and len(_graph_warnings(caught)) == 1
+        assert "still alive" in _graph_warnings(caught)[0]
+        del saved  # the pending backward ran: its activations are released
+        assert runner([x])[1] == "one_lane"
+    assert attempts == [1]
+    assert len(_graph_warnings(caught)) == 2 and "capture failed" in _graph_warnings(caught)[1]
+    assert fake.calls["one_lane"] == 4
+
+
+def test_cudagraph_moved_input_runs_eager_and_warns_once(monkeypatch):
+    """An input captured in place (a parameter) that later lives elsewhere: no replay, one warning."""
+    runner, fake = _runner(kind="backward")
+    elsewhere = torch.zeros(3)
+
+    def capture(args):  # a capture that used `elsewhere` in place as input 0
+        runner.graph = object()
+        runner.fixed_ptrs = {0: elsewhere.data_ptr()}
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    monkeypatch.setattr(runner, "_replay", lambda args: pytest.fail("replayed with a moved input"))
+    x = torch.arange(3.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [runner([x]) for _ in range(3)]
+    assert all(o[1] == "one_lane" for o in outs) and fake.calls["one_lane"] == 3
+    messages = _graph_warnings(caught)
+    assert len(messages) == 1 and "another address" in messages[0], messages
