@@ -165,21 +165,27 @@ def _partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext
                                                **kwargs)
 
 
-def _run_pre_grad_passes(gm: torch.fx.GraphModule, ctx: GraphContext) -> torch.fx.GraphModule:
-    """The pre-autograd passes, on a copy of the graph: if one fails, the untouched original is
-    compiled instead (one warning), never a half-rewritten graph."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    work = torch.fx.GraphModule(gm, graph)
-    work.meta = dict(getattr(gm, "meta", {}))  # Dynamo's notes (parameter names, compile id) travel along
+def _run_pre_grad_passes(gm: torch.fx.GraphModule, ctx: GraphContext) -> None:
+    """The pre-autograd passes, in place; if one fails, the graph is put back as it was (one
+    warning), never left half-rewritten. In place, because AOTAutograd reads what Dynamo left on
+    this very module and its placeholder nodes (which inputs are parameters, their sources)."""
+    before = [(n, n.args, n.kwargs, dict(n.meta)) for n in gm.graph.nodes]
     try:
-        run_passes(work, ctx, pipeline.PRE_GRAD_PASSES)
+        run_passes(gm, ctx, pipeline.PRE_GRAD_PASSES)
     except Exception as e:
         if ctx.options.strict:
             raise
+        originals = set()
+        for node, args, kwargs, meta in before:  # restoring args restores every use
+            node.args, node.kwargs = args, kwargs
+            node.meta.clear()
+            node.meta.update(meta)
+            originals.add(node)
+        for node in reversed(list(gm.graph.nodes)):  # what the pass inserted, users first
+            if node not in originals:
+                gm.graph.erase_node(node)
+        gm.recompile()
         _warn_fallback(ctx.name, "the graph without apollo's pre-autograd passes", e)
-        return gm
-    return work
 
 
 def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
@@ -204,7 +210,7 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         decompositions = select_decomp_table()
     if pipeline.PRE_GRAD_PASSES:
         pre_ctx = GraphContext(f"{name}_dynamo", "dynamo", opts, spec)
-        gm = _run_pre_grad_passes(gm, pre_ctx)
+        _run_pre_grad_passes(gm, pre_ctx)
         model_plan.pre_grad = pre_ctx.decisions
     joint_ctx = GraphContext(f"{name}_joint", "joint", opts, spec)
     model_plan.joint = joint_ctx.decisions
