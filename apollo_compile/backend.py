@@ -101,8 +101,10 @@ def compile_graph(
     try:
         run_passes(gm, ctx)
         try:
+            # quota candidates only pay off, and are only measured, as CUDA graphs
+            quotas = _quota_candidates(ctx) if family is not None else None
             runtimes = build_runtime(gm, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
-                                     options.subgraph_compiler, device)
+                                     options.subgraph_compiler, device, quotas)
         except Exception as e:  # name the stage, as PassError names the pass
             raise RuntimeError(f"building the runtime (compiling its subgraphs with {options.subgraph_compiler}) "
                                f"failed: {type(e).__name__}: {e}") from e
@@ -128,6 +130,20 @@ def compile_graph(
     log.info("apollo: %s planned: %s", graph_name, summary)
     logs.emit_plan(graph_name, summary)
     return fn
+
+
+def _quota_candidates(ctx: GraphContext) -> dict[str, dict[int, int]]:
+    """The SM-quota candidates the planner proposed (name -> side lane -> SMs), where this torch
+    can make green contexts; without them, one warning and none."""
+    wanted = {c.name: c.quotas for c in ctx.decisions["quotas"].candidates if c.quotas}
+    if wanted:
+        from torch.cuda import green_contexts
+
+        if not green_contexts.SUPPORTED:
+            warnings.warn(f"apollo: {ctx.name} is measured without its SM-quota candidates: this PyTorch "
+                          "build has no green-context support", ApolloFallbackWarning, stacklevel=2)
+            return {}
+    return wanted
 
 
 def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, family: GraphFamily) -> CudaGraphRunner:

@@ -17,7 +17,7 @@ import torch.fx
 
 from .devices import DeviceSpec
 from .options import ApolloOptions
-from .passes import casts, checkpoint, codegen, cost, lanes, memory, modality
+from .passes import casts, checkpoint, codegen, cost, lanes, memory, modality, quotas
 
 log = logging.getLogger("apollo_compile")
 
@@ -40,6 +40,7 @@ GRAPH_PASSES: list[tuple[str, Pass]] = [
     ("saved", checkpoint.mark_saved),  # forward values handed to the backward (with a memory_budget)
     ("cost", cost.run),          # FLOPs, bytes, compute/memory bound, roofline time per node
     ("lanes", lanes.run),        # concurrent subgraphs, one lane per independent branch
+    ("quotas", quotas.run),      # candidate runtimes (one lane, lanes, SM quotas) the CUDA runner measures
     ("memory", memory.run),      # arena offsets from lifetimes over the concurrent schedule
     ("codegen", codegen.run),    # the readable Python runtime that launches the subgraphs
 ]

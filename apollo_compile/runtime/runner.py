@@ -6,11 +6,13 @@ The program that runs is exactly ``RuntimeSource.text`` (dumped as ``*.runtime.p
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 import torch.fx
 
+from ..fallback import ApolloFallbackWarning
 from ..passes.codegen import RuntimeSource
 from ..passes.lanes import LanePlan
 from .streams import LaneRuntime
@@ -25,9 +27,12 @@ def build_runtime(
     kind: str,
     compiler: str,
     device: torch.device,
+    quotas: dict[str, dict[int, int]] | None = None,
 ) -> dict[str, Callable[[list], list]]:
     """Boxed callables (take a list of inputs, clear it) that run the graph's plan: "lanes", and
-    "one_lane" when the plan has side lanes. Both call the same compiled subgraphs."""
+    "one_lane" when the plan has side lanes, and one per SM-quota candidate in `quotas` (name ->
+    lane -> SMs: the lane program with its side lanes on green-context streams). All call the same
+    compiled subgraphs."""
     compiled = {}
     for sg in plan.subgraphs:
         sub = extract(gm, sg)
@@ -35,13 +40,20 @@ def build_runtime(
     runtimes = {"lanes": _load(source, compiled, name, device)}
     if source.one_lane is not None:
         runtimes["one_lane"] = _load(source.one_lane, compiled, f"{name} (one lane)", device)
+    for candidate, lane_sms in (quotas or {}).items():
+        try:
+            runtimes[candidate] = _load(source, compiled, f"{name} ({candidate})", device, lane_sms)
+        except Exception as e:  # a green context the driver refuses: that candidate is not measured
+            warnings.warn(f"apollo: {name} is measured without candidate {candidate}: {type(e).__name__}: {e}",
+                          ApolloFallbackWarning, stacklevel=2)
     return runtimes
 
 
-def _load(source: RuntimeSource, compiled: dict, name: str, device: torch.device) -> Callable[[list], list]:
+def _load(source: RuntimeSource, compiled: dict, name: str, device: torch.device,
+          quotas: dict[int, int] | None = None) -> Callable[[list], list]:
     """exec the generated program in a namespace of compiled subgraphs and a lane runtime."""
     recorded = sorted({op.subgraph for op in source.ops if op.kind in ("wait", "join")})
-    namespace = dict(compiled, rt=LaneRuntime(source.side_lanes, recorded, device))
+    namespace = dict(compiled, rt=LaneRuntime(source.side_lanes, recorded, device, quotas))
     exec(compile(source.text, f"<apollo runtime {name}>", "exec"), namespace)
     run = namespace["run"]
     run._boxed_call = True  # type: ignore[attr-defined]

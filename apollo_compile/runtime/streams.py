@@ -2,7 +2,9 @@
 
 On CUDA each side lane is a CUDA stream and cross-lane dependencies are events; lane 0 is
 whatever stream is current when the graph runs (the caller's, or the CUDA-graph capture stream).
-On CPU every call is a no-op, so the same generated program runs its subgraphs in launch order.
+With SM quotas, a side lane's stream belongs to a green context limited to that many SMs (lane 0
+always runs on the whole device). On CPU every call is a no-op, so the same generated program
+runs its subgraphs in launch order.
 """
 
 from __future__ import annotations
@@ -12,13 +14,33 @@ import contextlib
 import torch
 
 
+def quota_stream(sms: int, device: torch.device):
+    """A green context of `sms` SMs and its stream (kept together: the stream needs its context)."""
+    from torch.cuda.green_contexts import GreenContext
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        ctx = GreenContext.create(num_sms=sms, device_id=index)  # torch >= 2.12: keyword-only
+    except TypeError:
+        ctx = GreenContext.create(sms, index)  # torch 2.11: positional
+    return ctx, ctx.Stream()
+
+
 class LaneRuntime:
-    def __init__(self, side_lanes: list[int], recorded: list[int], device: torch.device) -> None:
+    def __init__(self, side_lanes: list[int], recorded: list[int], device: torch.device,
+                 quotas: dict[int, int] | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.streams: dict[int, torch.cuda.Stream] = {}
         self.events: dict[int, torch.cuda.Event] = {}
+        self.green_contexts: list = []
         if self.cuda:
-            self.streams = {lane: torch.cuda.Stream(device=device) for lane in side_lanes}
+            for lane in side_lanes:
+                sms = (quotas or {}).get(lane)
+                if sms:
+                    ctx, self.streams[lane] = quota_stream(sms, device)
+                    self.green_contexts.append(ctx)
+                else:
+                    self.streams[lane] = torch.cuda.Stream(device=device)
             self.events = {sg: torch.cuda.Event() for sg in recorded}
 
     def fork(self, lanes: list[int]) -> None:
