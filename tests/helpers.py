@@ -13,6 +13,15 @@ import torch
 TOLERANCE = {"eager": dict(rtol=1e-5, atol=1e-6), "inductor": dict(rtol=1e-4, atol=1e-5)}
 
 
+def assert_same_loss_and_grads(loss, ref_loss, model, ref, tol: dict, step: int) -> None:
+    """The loss and every parameter's gradient of `model` equal `ref`'s within `tol`."""
+    torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"step {step} loss: {m}")
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"step {step} grad {name}: {m}")
+
+
 def assert_trains_like_eager(model, make_inputs, options=None, steps=3, lr=0.1, tol=None):
     """Several SGD steps: loss and every parameter gradient match eager at every step."""
     options = dict(options or {})
@@ -27,11 +36,7 @@ def assert_trains_like_eager(model, make_inputs, options=None, steps=3, lr=0.1, 
         ref_loss = ref(*inputs)
         loss.backward()
         ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"step {step} loss: {m}")
-        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            assert (p.grad is None) == (q.grad is None), name
-            if q.grad is not None:
-                torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"step {step} grad {name}: {m}")
+        assert_same_loss_and_grads(loss, ref_loss, model, ref, tol, step)
         opt.step()
         ref_opt.step()
         opt.zero_grad()

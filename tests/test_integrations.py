@@ -28,7 +28,7 @@ import torch
 
 import apollo_compile
 from apollo_compile.backend import ApolloFallbackWarning
-from helpers import TOLERANCE
+from helpers import TOLERANCE, assert_same_loss_and_grads
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need `pip install -e '.[test]'`")
 
@@ -190,11 +190,7 @@ def test_hand_written_loop_matches_eager_loss_and_gradients():
             loss, ref_loss = compiled(**batch).loss, ref(**batch).loss
             loss.backward()
             ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"step {step} loss: {m}")
-            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-                assert (p.grad is None) == (q.grad is None), name
-                if q.grad is not None:
-                    torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"step {step} {name}: {m}")
+            assert_same_loss_and_grads(loss, ref_loss, model, ref, tol, step)
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
