@@ -92,6 +92,8 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..annotations import KEY, info
+from ..shapes import concrete_numel as _numel
+from ..shapes import concrete_shape as _shape
 
 __all__ = ["CUSTOM_KEY", "LOW_DTYPES", "MIN_LOW_FLOPS", "cast_mark", "run"]
 
@@ -190,24 +192,6 @@ def _classify(node: torch.fx.Node) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------- dtypes and shapes
-
-
-def _hint(x: Any) -> int:
-    if isinstance(x, int):
-        return x
-    hint = getattr(getattr(x, "node", None), "hint", None)
-    try:
-        return int(hint if hint is not None else x)
-    except Exception:
-        return 1
-
-
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(_hint(d) for d in t.shape)
-
-
-def _numel(t: torch.Tensor) -> int:
-    return math.prod(_shape(t))
 
 
 def _val(node: Any) -> Any:

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -70,6 +69,7 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..annotations import KEY, info
+from ..shapes import concrete_numel
 from . import modality
 from .cost import node_cost
 
@@ -187,20 +187,11 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return []
 
 
-def _hint(d: Any) -> int:
-    if isinstance(d, int):
-        return d
-    try:
-        return int(d.node.hint) if d.node.hint is not None else 1
-    except Exception:
-        return 1
-
-
 def nbytes(node: torch.fx.Node) -> int:
     """Bytes of the tensor(s) a node produces (symbolic sizes at their hints)."""
     total = 0
     for t in _tensors(node.meta.get("val")):
-        total += math.prod(_hint(d) for d in t.shape) * t.element_size()
+        total += concrete_numel(t) * t.element_size()
     return total
 
 

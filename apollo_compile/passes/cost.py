@@ -46,6 +46,9 @@ from torch.utils.flop_counter import flop_registry
 
 from ..annotations import info
 from ..devices import DeviceSpec
+from ..shapes import concrete_int as _int
+from ..shapes import concrete_numel as _numel
+from ..shapes import concrete_shape as _shape
 
 __all__ = ["node_cost", "run"]
 
@@ -89,34 +92,6 @@ _MATMUL_NAMES = frozenset(
 
 
 # ---------------------------------------------------------------------------- small helpers
-
-
-def _int(x: Any) -> int:
-    """A concrete int for an int or SymInt (its hint; 1 when it has none)."""
-    if isinstance(x, bool):
-        return int(x)
-    if isinstance(x, int):
-        return x
-    if isinstance(x, torch.SymInt):
-        hint = getattr(getattr(x, "node", None), "hint", None)
-        if hint is None:
-            return 1
-        try:
-            return int(hint)
-        except Exception:
-            return 1
-    try:
-        return int(x)
-    except Exception:
-        return 1
-
-
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(_int(d) for d in t.shape)
-
-
-def _numel(t: torch.Tensor) -> int:
-    return math.prod(_shape(t))
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -13,18 +13,11 @@ import torch
 import torch.fx
 
 from ..annotations import info
+from ..shapes import concrete_numel
 from .lanes import LanePlan
 from .memory_plan import Buffer, MemoryPlan, plan_memory
 
 OUTPUT = "output"
-
-
-def _hint(size) -> int:
-    """A concrete size: symbolic sizes (dynamic shapes) plan with the value they were traced at."""
-    if isinstance(size, torch.SymInt):
-        hint = getattr(size.node, "hint", None)
-        return int(hint) if hint is not None else 1
-    return int(size)
 
 
 def value_nbytes(node: torch.fx.Node) -> int:
@@ -34,14 +27,7 @@ def value_nbytes(node: torch.fx.Node) -> int:
     if isinstance(target, torch._ops.OpOverload) and target.is_view:
         return 0
     vals = val if isinstance(val, (list, tuple)) else [val]
-    total = 0
-    for v in vals:
-        if isinstance(v, torch.Tensor):
-            numel = 1
-            for size in v.shape:
-                numel *= _hint(size)
-            total += numel * v.element_size()
-    return total
+    return sum(concrete_numel(v) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
 def buffers_of(plan: LanePlan) -> list[Buffer]:
