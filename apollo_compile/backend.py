@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx

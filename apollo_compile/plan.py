@@ -1,8 +1,8 @@
 """What apollo decided, kept for the user: one :class:`GraphPlan` per compiled ATen graph.
 
 ``apollo_compile.last_plan()`` returns the :class:`ModelPlan` of the most recently compiled
-Dynamo graph; ``apollo_compile.plans()`` all of them in this process (until
-``torch._dynamo.reset()``-independent ``apollo_compile.clear_plans()``).
+Dynamo graph; ``apollo_compile.plans()`` all of them in this process, kept across
+``torch._dynamo.reset()`` until ``apollo_compile.clear_plans()``.
 """
 
 from __future__ import annotations

@@ -42,3 +42,10 @@ def assert_trains_like_eager(model, make_inputs, options=None, steps=3, lr=0.1, 
         opt.zero_grad()
         ref_opt.zero_grad()
     return compiled
+
+
+def replace_pass(monkeypatch, name: str, fn) -> None:
+    """Run `fn` in place of the pipeline's graph pass `name` for one test."""
+    from apollo_compile import pipeline
+
+    monkeypatch.setattr(pipeline, "GRAPH_PASSES", [(n, fn if n == name else f) for n, f in pipeline.GRAPH_PASSES])

@@ -15,7 +15,6 @@ import weakref
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import apollo_compile
@@ -23,7 +22,7 @@ from apollo_compile import pipeline
 from apollo_compile.backend import REPORT_HINT, ApolloFallbackWarning
 from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
-from helpers import TOLERANCE, assert_trains_like_eager
+from helpers import TOLERANCE, assert_trains_like_eager, replace_pass
 from models import MLP, TwoTower, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -221,13 +220,9 @@ def _broken_pass(message, kinds=("forward", "backward", "inference")):
     return broken
 
 
-def _replace_pass(monkeypatch, name, fn):
-    monkeypatch.setattr(pipeline, "GRAPH_PASSES", [(n, fn if n == name else f) for n, f in pipeline.GRAPH_PASSES])
-
-
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_codegen_failure_falls_back_once_per_graph(monkeypatch, compiler):
-    _replace_pass(monkeypatch, "codegen", _broken_pass("synthetic codegen failure"))
+    replace_pass(monkeypatch, "codegen", _broken_pass("synthetic codegen failure"))
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -243,7 +238,7 @@ def test_codegen_failure_falls_back_once_per_graph(monkeypatch, compiler):
 
 
 def test_failure_in_the_backward_only_falls_back_for_that_graph(monkeypatch):
-    _replace_pass(monkeypatch, "codegen", _broken_pass("synthetic backward failure", kinds=("backward",)))
+    replace_pass(monkeypatch, "codegen", _broken_pass("synthetic backward failure", kinds=("backward",)))
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -295,7 +290,7 @@ def test_subgraph_compilation_failure_warning_names_the_stage(monkeypatch):
 @pytest.mark.parametrize("where", ["codegen", "subgraph"])
 def test_strict_raises_for_codegen_and_subgraph_failures(monkeypatch, where):
     if where == "codegen":
-        _replace_pass(monkeypatch, "codegen", _broken_pass("synthetic codegen failure"))
+        replace_pass(monkeypatch, "codegen", _broken_pass("synthetic codegen failure"))
         expected = "synthetic codegen failure"
     else:
         _break_subgraph_compilation(monkeypatch)
@@ -312,7 +307,7 @@ def test_inductor_failing_too_runs_eager_aten(monkeypatch, caplog):
     """A graph apollo cannot plan goes to Inductor; when Inductor fails as well, eager ATen."""
     import torch._inductor.compile_fx as compile_fx
 
-    _replace_pass(monkeypatch, "codegen", _broken_pass("synthetic codegen failure"))
+    replace_pass(monkeypatch, "codegen", _broken_pass("synthetic codegen failure"))
 
     def no_inductor(*args, **kwargs):
         raise RuntimeError("synthetic: Inductor unavailable")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import apollo_compile
-from apollo_compile import pipeline
+from helpers import replace_pass
 from apollo_compile.annotations import info
 from apollo_compile.passes import lanes
 from apollo_compile.verify import verify
@@ -31,8 +31,7 @@ def test_a_lanes_pass_that_forgets_a_node_is_caught(monkeypatch):
         info(victim).subgraph = None
         return plan
 
-    monkeypatch.setattr(pipeline, "GRAPH_PASSES",
-                        [(n, broken if n == "lanes" else f) for n, f in pipeline.GRAPH_PASSES])
+    replace_pass(monkeypatch, "lanes", broken)
     with pytest.raises(Exception, match="pass 'lanes' failed.*in no subgraph"):
         compile_two_tower()
 
@@ -43,8 +42,7 @@ def test_a_cyclic_subgraph_order_is_caught(monkeypatch):
         plan.order = list(reversed(plan.order))
         return plan
 
-    monkeypatch.setattr(pipeline, "GRAPH_PASSES",
-                        [(n, broken if n == "lanes" else f) for n, f in pipeline.GRAPH_PASSES])
+    replace_pass(monkeypatch, "lanes", broken)
     with pytest.raises(Exception, match="pass 'lanes' failed.*against launch order"):
         compile_two_tower()
 
@@ -57,7 +55,6 @@ def test_an_unlabelled_node_is_caught(monkeypatch):
         info(next(iter(gm.graph.nodes))).modality = None
         return out
 
-    monkeypatch.setattr(pipeline, "GRAPH_PASSES",
-                        [(n, broken if n == "modality" else f) for n, f in pipeline.GRAPH_PASSES])
+    replace_pass(monkeypatch, "modality", broken)
     with pytest.raises(Exception, match="pass 'modality' failed.*no modality"):
         compile_two_tower()
