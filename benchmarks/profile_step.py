@@ -8,8 +8,9 @@ replays are traced by CUPTI) and reports, per replayed graph:
 - busy time per stream (union of its kernels' intervals) and the step's wall time on the GPU;
 - overlap: time during which kernels of two or more streams run at once, as a share of the
   GPU-busy time — the spatial multiplexing actually achieved;
-- host time per step outside the GPU (launch, autograd, copies) = wall - GPU-busy, which shows
-  whether a step is bound by the host (batch 8 was: DESIGN.md) rather than by the GPU.
+- host time per step outside the GPU (launch, autograd, copies) = wall - GPU-busy, and the host
+  time to issue one step against the step's latency from an idle GPU: close numbers mean the
+  step is bound by the host (batch 8 was: DESIGN.md) rather than by the GPU.
 
 Outputs under --out: ``trace_b<batch>.json`` (Perfetto or chrome://tracing), ``profile.json``
 and ``profile.md`` (the table, printed last), and the plan report (``report_b<batch>.html``).
@@ -23,7 +24,9 @@ import argparse
 import ast
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -87,6 +90,18 @@ def profile_batch(batch: int, args) -> dict:
     for _ in range(args.warmup):  # compile, warm up, capture (and measure the runtime candidates)
         step()
     torch.cuda.synchronize()
+    # Host time to issue one step (returns before the GPU is done) vs the step's latency from an
+    # idle GPU: when the two are close, the step is bound by the host, not by the GPU.
+    issue_ms, latency_ms = [], []
+    for _ in range(max(args.steps, 10)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        issue_ms.append((t1 - t0) * 1e3)
+        latency_ms.append((t2 - t0) * 1e3)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):
@@ -104,6 +119,8 @@ def profile_batch(batch: int, args) -> dict:
     return {
         "batch": batch,
         "streams": {str(k): round(union_us(v) / args.steps, 1) for k, v in sorted(per_stream.items())},
+        "host_issue_ms": round(statistics.median(issue_ms), 2),
+        "step_latency_ms": round(statistics.median(latency_ms), 2),
         "gpu_wall_us": round(wall, 1),
         "gpu_busy_us": round(busy, 1),
         "overlap_us": round(overlap_us(per_stream) / args.steps, 1),
@@ -133,11 +150,11 @@ def main(argv=None) -> int:
         rows.append(profile_batch(batch, args))
         print(json.dumps(rows[-1]), flush=True)
     (Path(args.out) / "profile.json").write_text(json.dumps(rows, indent=1))
-    lines = ["| batch | GPU wall us | GPU busy us | overlap us | overlap share | busy per stream us | runtime chosen |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| batch | host issue ms | step latency ms | GPU wall us | GPU busy us | overlap us | overlap share | busy per stream us | runtime chosen |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         chosen = "; ".join(f"{k}: {v['chosen']} {v['measured_ms']}" for k, v in r["runners"].items())
-        lines.append(f"| {r['batch']} | {r['gpu_wall_us']} | {r['gpu_busy_us']} | {r['overlap_us']} | "
+        lines.append(f"| {r['batch']} | {r['host_issue_ms']} | {r['step_latency_ms']} | {r['gpu_wall_us']} | {r['gpu_busy_us']} | {r['overlap_us']} | "
                      f"{r['overlap_share']} | {r['streams']} | {chosen} |")
     table = "\n".join(lines)
     (Path(args.out) / "profile.md").write_text(table + "\n")

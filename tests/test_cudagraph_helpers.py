@@ -20,9 +20,15 @@ def test_fresh_copies_keep_values_and_strides_in_new_memory():
         assert dst.data_ptr() != src.data_ptr()
         if is_dense(src):
             assert dst.stride() == src.stride()
-    # dense float32 copies share one allocation, so a later write to the source changes nothing
-    tensors[0].add_(1)
-    assert not torch.equal(tensors[0], copies[0])
+    # the copies live in new memory: a later write to a source changes no copy
+    for src in tensors:
+        src.add_(1)
+    assert not any(torch.equal(src, dst) for src, dst in zip(tensors, copies))
+    # contiguous float32 copies share one allocation (one copy kernel for all of them)
+    many = [torch.randn(3), torch.randn(2, 2), torch.randn(1)]
+    copies = fresh_copies(many)
+    assert len({c.untyped_storage().data_ptr() for c in copies}) == 1
+    assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(many, copies))
 
 
 def test_is_non_overlapping():

@@ -574,6 +574,7 @@ def run(args):
     (arange, _log_softmax, getitem_23, _log_softmax_1, getitem_25, div_2) = subgraph_2([mul, t_10])
     rt.keep_alive(0, mul, t_10)
     del (t_10)
+    rt.release()  # every lane has joined: values read across lanes may be freed
     return (
         div_2, primals_1, primals_3, primals_5, primals_6, primals_7, primals_9, primals_11,
         primals_12, primals_13, primals_15, primals_17, primals_18, primals_19, primals_21,

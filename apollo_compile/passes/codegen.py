@@ -17,9 +17,12 @@ lane waits on, so an event nothing waits on never appears.
 Each lane keeps, per other lane, the last launch it is known to be ordered after; waiting on an
 event inherits what the recording lane knew when it recorded.
 
-[NOTE] Freeing across lanes: a value produced on one stream and read on another is released only
-after ``record_stream`` on the reading stream, so the caching allocator (and the CUDA-graph pool
-during capture) never hands its bytes to a new tensor while the reader may still run.
+[NOTE] Freeing across lanes: a value produced on one stream and read on another is held by the
+lane runtime (``rt.keep_alive``) until the main lane has joined every side lane
+(``rt.release()``), so the caching allocator (and the CUDA-graph pool during capture) never hands
+its bytes to a new tensor while the reader may still run. Such values are few (a tower's inputs
+and outputs, parameters, which are never freed anyway); the memory plan's tighter lifetimes
+(``memory_plan.py``) take effect with the arena.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ HEADER = '''\
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # "launch" | "wait" | "record" | "keep" | "free" | "join"
+    kind: str  # "launch" | "wait" | "record" | "keep" | "free" | "join" | "release"
     lane: int
     subgraph: int | None = None
     names: tuple[str, ...] = ()
@@ -111,6 +114,8 @@ def schedule(plan: LanePlan, output_nodes: list[torch.fx.Node]) -> list[Op]:
         if clock[0][lane] < pos[last]:
             ops.append(Op("join", 0, last))
             clock[0][lane] = pos[last]
+    if any(op.kind == "keep" for op in ops):
+        ops.append(Op("release", 0))
     return ops
 
 
@@ -165,6 +170,8 @@ def _render_op(plan: LanePlan, op: Op, waited: set[int]) -> str:
         return _wrap(f"rt.keep_alive({op.lane}, ", list(op.names), ")")
     if op.kind == "free":
         return _wrap("del (", list(op.names), ")")
+    if op.kind == "release":
+        return "rt.release()  # every lane has joined: values read across lanes may be freed"
     sg = plan.subgraphs[op.subgraph]
     mods = ", ".join(sorted({info(n).modality for n in sg.nodes}))
     args = _wrap(f"subgraph_{sg.id}([", [n.name for n in sg.inputs], "])")

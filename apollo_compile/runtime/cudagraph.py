@@ -30,6 +30,7 @@ import weakref
 from typing import Callable
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..fallback import ApolloFallbackWarning
 
@@ -57,24 +58,28 @@ def is_dense(x: torch.Tensor) -> bool:
 
 
 def fresh_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` with the same sizes and strides, in one allocation per dtype and one
-    batched copy: cloning each gradient separately costs a launch per parameter."""
-    out: list = [None] * len(tensors)
+    """Copies of `tensors` in new memory with the same sizes and strides.
+
+    A backward hands out one gradient per parameter (hundreds), and at small batches the step is
+    bound by the host (profile_step.py: 7.9 ms to issue an 8.2 ms step at batch 8), so the
+    contiguous ones of each dtype are copied by one ``cat`` into one allocation and handed out as
+    views made in C++ (``_flatten/_unflatten_dense_tensors``): no Python work per tensor. The
+    views keep the shared allocation alive until the last of them dies. Other layouts are cloned
+    one by one (``clone`` keeps a dense layout's strides)."""
+    out = list(tensors)
     groups: dict[tuple, list[int]] = {}
     for k, t in enumerate(tensors):
-        if is_dense(t):
+        if t.is_contiguous():
             groups.setdefault((t.dtype, t.device), []).append(k)
         else:
             out[k] = t.clone()
-    for (dtype, device), ks in groups.items():
-        flat = torch.empty(sum(tensors[k].numel() for k in ks), dtype=dtype, device=device)
-        offset, dsts = 0, []
-        for k in ks:
-            t = tensors[k]
-            out[k] = flat.as_strided(t.size(), t.stride(), offset)
-            dsts.append(out[k])
-            offset += t.numel()
-        torch._foreach_copy_(dsts, [tensors[k] for k in ks])
+    for ks in groups.values():
+        if len(ks) == 1:  # flattening one tensor returns a view of it, not a copy
+            out[ks[0]] = tensors[ks[0]].clone()
+            continue
+        src = [tensors[k] for k in ks]
+        for k, view in zip(ks, _unflatten_dense_tensors(_flatten_dense_tensors(src), src)):
+            out[k] = view
     return out
 
 
@@ -102,6 +107,7 @@ class CudaGraphRunner:
         # add launch work (DESIGN.md: 68 vs 48 ms), so the un-graphed path is single-stream
         self.fn = candidates.get("one_lane", candidates["lanes"])
         self.measured_ms: dict[str, float] = {}  # candidate -> ms per replay, once measured
+        self.measuring_left_bytes = 0  # memory still allocated after the candidates were measured
         self.chosen: str | None = None
         self.static_input_idxs = static_input_idxs
         self.user_visible_outputs = user_visible_outputs  # None: all outputs
@@ -124,7 +130,7 @@ class CudaGraphRunner:
 
     def summary(self) -> dict:
         return {"replays": self.replays, "chosen": self.chosen, "measured_ms": dict(self.measured_ms),
-                "disabled": self.disabled}
+                "measuring_left_bytes": self.measuring_left_bytes, "disabled": self.disabled}
 
     def _is_user_visible(self, i: int) -> bool:
         return self.user_visible_outputs is None or i in self.user_visible_outputs
@@ -188,6 +194,8 @@ class CudaGraphRunner:
         other masks afterwards than an untimed run would (still random)."""
         if len(self.candidates) == 1:
             return next(iter(self.candidates))
+        torch.cuda.synchronize()
+        allocated_before = torch.cuda.memory_allocated()
         for name, fn in self.candidates.items():
             graph, outputs = self._capture_one(fn, torch.cuda.graph_pool_handle())
             graph.replay()  # first replay pays one-time costs (lazy module loads, page faults)
@@ -201,6 +209,8 @@ class CudaGraphRunner:
             self.measured_ms[name] = start.elapsed_time(end) / self.timing_replays
             del graph, outputs
             torch.cuda.synchronize()
+        # should be 0: a candidate's graph, pool and outputs die with it (summary() reports it)
+        self.measuring_left_bytes = torch.cuda.memory_allocated() - allocated_before
         best = min(self.measured_ms, key=self.measured_ms.get)
         log.info("apollo: %s measured %s; replaying %r", self.name,
                  ", ".join(f"{k} {v:.3f} ms" for k, v in self.measured_ms.items()), best)

@@ -33,6 +33,7 @@ class LaneRuntime:
         self.streams: dict[int, torch.cuda.Stream] = {}
         self.events: dict[int, torch.cuda.Event] = {}
         self.green_contexts: list = []
+        self.held: list[tuple] = []  # values read across lanes, until the join (keep_alive)
         if self.cuda:
             for lane in side_lanes:
                 sms = (quotas or {}).get(lane)
@@ -62,10 +63,15 @@ class LaneRuntime:
             torch.cuda.current_stream().wait_event(self.events[subgraph])
 
     def keep_alive(self, lane: int, *values) -> None:
-        """Tell the allocator that `lane`'s stream reads these, so freeing them waits for it."""
-        if not self.cuda:
-            return
-        stream = self.streams[lane] if lane else torch.cuda.current_stream()
-        for v in values:
-            if isinstance(v, torch.Tensor) and v.is_cuda:
-                v.record_stream(stream)
+        """Hold values that `lane` reads but another lane made until :meth:`release`.
+
+        Not ``record_stream``: under CUDA-graph capture the allocator defers a recorded block's
+        free until capture ends and keeps its events, and each call costs host time per tensor
+        (parameters included). Holding a reference until the main lane has joined every side
+        lane is exact in both modes and costs one append."""
+        if self.cuda:
+            self.held.append(values)
+
+    def release(self) -> None:
+        """Called after the join: every cross-lane reader is done, in stream order."""
+        self.held.clear()
