@@ -279,6 +279,12 @@ def error_row(exc: BaseException, **fields_) -> dict:
 def run_variant(spec: Variant, base: nn.Module, batch: tuple, numerics_cpu: tuple, ref: dict, args,
                 device: torch.device) -> dict:
     row: dict[str, Any] = {"variant": spec.name, "status": "ok", "setup": spec.describe()}
+    with bs.apollo_diagnostics(row, spec.name) if spec.compiler == "apollo" else contextlib.nullcontext():
+        return _run_variant(row, spec, base, batch, numerics_cpu, ref, args, device)
+
+
+def _run_variant(row: dict, spec: Variant, base: nn.Module, batch: tuple, numerics_cpu: tuple, ref: dict, args,
+                 device: torch.device) -> dict:
     if is_cuda(device):
         torch.cuda.reset_peak_memory_stats(device)
     with spec.context():

@@ -290,6 +290,12 @@ def reference(base: nn.Module, batch: tuple, device: torch.device, amp: bool) ->
 
 def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args, device) -> dict:
     row: dict[str, Any] = {"variant": name, "status": "ok"}
+    with apollo_diagnostics(row, name) if name.startswith("apollo") else contextlib.nullcontext():
+        return _run_variant(row, name, base, batch, numerics_batch, ref, args, device)
+
+
+def _run_variant(row: dict, name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args,
+                 device) -> dict:
     model = copy.deepcopy(base).to(device)
     step_fn = compile_variant(name, model)
 
@@ -329,6 +335,37 @@ def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple,
         f"{len(n['params_within_bf16_noise'])} more within bf16 noise"
         + "".join(f"\n    {p}" for p in n["problems"] + n["params_over_tol"][:10]))
     return row
+
+
+@contextlib.contextmanager
+def apollo_diagnostics(row: dict, name: str):
+    """Record in `row` what apollo decided and how its CUDA-graph runners ran (runtime chosen, candidate
+    times, graph-less calls, memory held by captures), the checkpoint pass's predicted activation bytes,
+    and every warning the variant raised (an ApolloFallbackWarning explains a slow or large row)."""
+    import apollo_compile
+
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            row["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+            row["apollo"] = []
+            for plan in apollo_compile.plans():
+                entry: dict[str, Any] = {"plan": plan.name}
+                ckpt = plan.joint.get("checkpoint")
+                if ckpt is not None:
+                    entry["checkpoint"] = {"bytes_before": ckpt.bytes_before, "bytes_after": ckpt.bytes_after}
+                entry["graphs"] = {k: {key: g.summary().get(key) for key in ("lanes", "cuda_graph", "fallback")}
+                                   for k, g in plan.graphs.items()}
+                row["apollo"].append(entry)
+            for w in row["warnings"]:
+                log(f"  [{name}] warning: {w.splitlines()[0][:300]}")
+            for entry in row["apollo"]:
+                for kind, g in entry["graphs"].items():
+                    if g.get("cuda_graph"):
+                        log(f"  [{name}] {entry['plan']} {kind}: {json.dumps(g['cuda_graph'])}")
 
 
 def is_oom(exc: BaseException) -> bool:

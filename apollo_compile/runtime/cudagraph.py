@@ -108,6 +108,8 @@ class CudaGraphRunner:
         self.fn = candidates.get("one_lane", candidates["lanes"])
         self.measured_ms: dict[str, float] = {}  # candidate -> ms per replay, once measured
         self.measuring_left_bytes = 0  # memory still allocated after the candidates were measured
+        self.captured_bytes = 0  # allocated by the winner's capture and held: its outputs
+        self.ungraphed_calls = 0  # calls after the first that ran without the CUDA graph
         self.chosen: str | None = None
         self.static_input_idxs = static_input_idxs
         self.user_visible_outputs = user_visible_outputs  # None: all outputs
@@ -126,11 +128,14 @@ class CudaGraphRunner:
                           "(correct, but slower)", ApolloFallbackWarning, stacklevel=3)
 
     def _eager(self, args: list) -> list:
+        if self.calls > 1:
+            self.ungraphed_calls += 1
         return self.fn(args)
 
     def summary(self) -> dict:
         return {"replays": self.replays, "chosen": self.chosen, "measured_ms": dict(self.measured_ms),
-                "measuring_left_bytes": self.measuring_left_bytes, "disabled": self.disabled}
+                "measuring_left_bytes": self.measuring_left_bytes, "captured_bytes": self.captured_bytes,
+                "ungraphed_calls": self.ungraphed_calls, "disabled": self.disabled}
 
     def _is_user_visible(self, i: int) -> bool:
         return self.user_visible_outputs is None or i in self.user_visible_outputs
@@ -158,7 +163,9 @@ class CudaGraphRunner:
         self.chosen = self._choose_candidate()
         if self.family.pool is None:
             self.family.pool = torch.cuda.graph_pool_handle()
+        allocated_before = torch.cuda.memory_allocated()
         graph, outputs = self._capture_one(self.candidates[self.chosen], self.family.pool)
+        self.captured_bytes = torch.cuda.memory_allocated() - allocated_before
         self.static_outputs = list(outputs)
         # an output that *is* a fixed input (a parameter saved for backward) is returned as the
         # caller's own tensor, not the capture-time one
