@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -111,7 +112,7 @@ def compile_graph(
         graph_plan.runtimes = runtimes
         if family is not None:
             fn = _cudagraphed(runtimes, graph_name, kind, family)
-            graph_plan.runner = fn
+            graph_plan.runner_ref = weakref.ref(fn)
         elif device.type == "cuda":  # un-graphed CUDA: extra streams only add launches
             fn = runtimes.get("one_lane", runtimes["lanes"])
         else:  # CPU: the lane program itself runs, sequentially, so CI exercises it

@@ -24,8 +24,16 @@ class GraphPlan:
     gm: torch.fx.GraphModule
     decisions: dict[str, Any]
     fallback: str | None = None  # why this graph did not run apollo's runtime, if it did not
-    runner: Any = None  # the CUDA-graph runner on CUDA: which runtime it measured and replays
     runtimes: dict[str, Any] = field(default_factory=dict)  # "lanes" (and "one_lane") callables
+    runner_ref: Any = None  # weakref to the CUDA-graph runner (see `runner`)
+
+    @property
+    def runner(self):
+        """The CUDA-graph runner on CUDA (which runtime it measured and replays) while the compiled
+        graph lives. Plans outlive ``torch._dynamo.reset()`` and recompiles, so they hold the
+        runner weakly: a strong reference kept every replaced graph's CUDA graph, pool and static
+        outputs allocated (gigabytes: it inflated every later peak in the H200 benchmarks)."""
+        return self.runner_ref() if self.runner_ref is not None else None
 
     @property
     def title(self) -> str:

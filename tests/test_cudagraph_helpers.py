@@ -40,3 +40,20 @@ def test_is_non_overlapping():
     assert not is_non_overlapping(torch.randn(10).as_strided((3, 3), (2, 1)))  # rows overlap
     buf = torch.empty_strided((4, 4, 4, 8), (384, 8, 96, 1))
     buf.copy_(torch.randn(4, 4, 4, 8))  # what the runner does with such an input
+
+
+def test_plans_hold_the_cuda_graph_runner_weakly():
+    """A plan outlives dynamo.reset() and recompiles; it must not keep a replaced graph's CUDA graph,
+    pool and static outputs allocated (it did, and inflated every later peak in the H200 runs)."""
+    import gc
+    import weakref
+
+    from apollo_compile.plan import GraphPlan
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+
+    runner = CudaGraphRunner({"lanes": lambda args: args}, "g_forward", "forward", GraphFamily(), set(), None)
+    plan = GraphPlan("g_forward", "forward", "cuda", gm=None, decisions={}, runner_ref=weakref.ref(runner))
+    assert plan.runner is runner and plan.summary()["cuda_graph"]["replays"] == 0
+    del runner
+    gc.collect()
+    assert plan.runner is None and "cuda_graph" not in plan.summary()
