@@ -10,6 +10,7 @@ cannot handle falls back, for that graph alone, to Inductor (or eager ATen) with
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
 import weakref
@@ -23,9 +24,10 @@ from torch._dynamo.exc import RestartAnalysis
 
 from . import plan as plan_store
 from .devices import DEVICE_SPECS, DeviceSpec, detect_device_spec
-from . import logs, pipeline
+from . import calibration, logs, pipeline
 from .fallback import ApolloFallbackWarning
 from .options import ApolloOptions, ApolloOptionsError
+from .passes.quotas import MIN_GAIN
 from .pipeline import GraphContext, run_passes
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
@@ -111,7 +113,7 @@ def compile_graph(
                                f"failed: {type(e).__name__}: {e}") from e
         graph_plan.runtimes = runtimes
         if family is not None:
-            fn = _cudagraphed(runtimes, graph_name, kind, family)
+            fn = _cudagraphed(runtimes, graph_name, kind, family, ctx)
             graph_plan.runner_ref = weakref.ref(fn)
         elif device.type == "cuda":  # un-graphed CUDA: extra streams only add launches
             fn = runtimes.get("one_lane", runtimes["lanes"])
@@ -136,7 +138,11 @@ def compile_graph(
 def _quota_candidates(ctx: GraphContext) -> dict[str, dict[int, int]]:
     """The SM-quota candidates the planner proposed (name -> side lane -> SMs), where this torch
     can make green contexts; without them, one warning and none."""
-    wanted = {c.name: c.quotas for c in ctx.decisions["quotas"].candidates if c.quotas}
+    cands = ctx.decisions["quotas"].candidates
+    plain = min((c.predicted_us for c in cands if c.quotas is None), default=None)
+    # only a split predicted to beat plain streams is captured and timed (calibration.py says why)
+    wanted = {c.name: c.quotas for c in cands
+              if c.quotas and (plain is None or c.predicted_us < plain * (1 - MIN_GAIN))}
     if wanted:
         from torch.cuda import green_contexts
 
@@ -147,7 +153,8 @@ def _quota_candidates(ctx: GraphContext) -> dict[str, dict[int, int]]:
     return wanted
 
 
-def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, family: GraphFamily) -> CudaGraphRunner:
+def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, family: GraphFamily,
+                 ctx: GraphContext) -> CudaGraphRunner:
     """Wrap a CUDA runtime for CUDA-graph replay, telling it which inputs and outputs are whose."""
     static_idxs: set[int] = set()
     user_visible: set[int] | None = None  # None: every output is the user's (inference, backward)
@@ -157,14 +164,56 @@ def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, fami
         static_idxs = set(meta.static_input_indices or ())
     if meta is not None and kind == "forward" and hasattr(meta, "num_forward_returns"):
         user_visible = set(range(meta.num_forward_returns))
-    return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible)
+    return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
+                           on_measured=functools.partial(_calibrate, ctx))
+
+
+def _calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:
+    """The runner measured this graph's candidates: refit the performance model for the device."""
+    quotas = ctx.decisions.get("quotas")
+    try:
+        fitted = calibration.record(ctx.device, ctx.decisions.get("lanes"), quotas.model if quotas else None,
+                                    measured_ms)
+    except Exception as e:  # calibration is advice: never lose a training step to it
+        log.warning("apollo: %s could not calibrate the performance model: %s: %s", ctx.name, type(e).__name__, e)
+        return
+    if quotas is not None and fitted:
+        quotas.calibrated = fitted
+
+
+def _inductor_joint_passes(gm: torch.fx.GraphModule, joint_inputs) -> torch.fx.GraphModule:
+    """Inductor's joint-graph passes (no-op and pointless-cast removal, pattern rewrites, random ops
+    made replayable from a seed), run as Inductor's own ``partition_fn`` runs them: our subgraphs
+    are compiled by Inductor and should get the graph it would compile. The signature moved
+    between torch releases, hence the introspection."""
+    from torch._inductor import compile_fx as cfx
+
+    fn = cfx._recursive_joint_graph_passes
+    params = inspect.signature(fn).parameters
+    kwargs: dict = {}
+    if "skip_invoke_subgraph" in params:
+        kwargs["skip_invoke_subgraph"] = True
+    if "input_device" in params and hasattr(cfx, "get_inputs_devices"):
+        kwargs["input_device"] = next(iter(cfx.get_inputs_devices(joint_inputs, gm)), None)
+    with cfx.get_cuda_device_context(gm):
+        out = fn(gm, **kwargs)
+    return out if out is not None else gm  # older releases rewrite in place and return None
 
 
 def _partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext, **kwargs):
-    """Our partition hook: the joint passes tag recomputation, then Inductor's min-cut partitions.
+    """Our partition hook: Inductor's joint-graph passes (when it compiles the subgraphs), our joint
+    passes tag recomputation, then Inductor's min-cut partitions.
 
     If a joint pass fails, its tags are undone (the model's own activation-checkpoint tags are
     kept) and the graph is partitioned as if it had not run, with one warning."""
+    if ctx.options.subgraph_compiler == "inductor":
+        try:
+            joint_module = _inductor_joint_passes(joint_module, joint_inputs)
+        except Exception as e:
+            if ctx.options.strict:
+                raise
+            warnings.warn(f"apollo: {ctx.name} is partitioned without Inductor's joint-graph passes because "
+                          f"{type(e).__name__}: {e} (correct, maybe slower)", ApolloFallbackWarning, stacklevel=2)
     if pipeline.JOINT_PASSES:
         before = {n: n.meta.get("recompute") for n in joint_module.graph.nodes}
         try:

@@ -64,6 +64,8 @@ class GraphPlan:
             out["cost"] = self.decisions["cost"]
         if self.lanes is not None:
             out["lanes"] = self.lanes.summary()
+        if self.decisions.get("quotas") is not None:  # predicted candidates, and fits from measuring them
+            out["quotas"] = self.decisions["quotas"].summary()
         if self.memory is not None:
             out["memory"] = {"arena_bytes": self.memory.arena_bytes, "total_bytes": self.memory.total_bytes}
         if self.fallback:

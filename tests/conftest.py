@@ -21,3 +21,14 @@ def _verify_every_pass(monkeypatch):
     from apollo_compile import pipeline
 
     monkeypatch.setattr(pipeline, "VERIFY", True)
+
+
+@pytest.fixture(autouse=True)
+def _no_calibration_from_disk(monkeypatch, tmp_path):
+    """Plans must not depend on performance-model fits a GPU run left in this machine's cache."""
+    from apollo_compile import calibration
+
+    monkeypatch.setenv("APOLLO_CALIBRATION_FILE", str(tmp_path / "calibration.json"))
+    calibration.reset()
+    yield
+    calibration.reset()

@@ -172,3 +172,37 @@ def test_registered_without_import_when_installed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+def test_inductor_subgraphs_get_inductors_joint_graph_passes(monkeypatch):
+    """With Inductor compiling the subgraphs, the joint graph goes through Inductor's own joint
+    passes first (as in torch.compile's default backend): here a pointless bf16->fp32->bf16 cast
+    pair disappears. Gradients stay those of eager."""
+    import apollo_compile
+    from apollo_compile import backend
+
+    class CastPair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x).to(torch.bfloat16)
+            return h.to(torch.float32).to(torch.bfloat16).float().square().sum()
+
+    def casts_in_forward() -> int:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = CastPair(), torch.randn(4, 8)
+        ref = CastPair()
+        ref.load_state_dict(model.state_dict())
+        torch.compile(model, backend="apollo", options={"subgraph_compiler": "inductor"})(x).backward()
+        ref(x).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        gm = apollo_compile.last_plan().forward.gm
+        return sum("convert_element_type" in str(n.target) for n in gm.graph.nodes)
+
+    with_passes = casts_in_forward()
+    monkeypatch.setattr(backend, "_inductor_joint_passes", lambda gm, joint_inputs: gm)
+    assert with_passes < casts_in_forward()

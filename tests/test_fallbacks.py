@@ -519,3 +519,26 @@ def test_cudagraph_moved_input_runs_eager_and_warns_once(monkeypatch):
     assert all(o[1] == "one_lane" for o in outs) and fake.calls["one_lane"] == 3
     messages = _graph_warnings(caught)
     assert len(messages) == 1 and "another address" in messages[0], messages
+
+
+def test_inductor_joint_passes_failure_partitions_without_them(monkeypatch):
+    """Inductor's joint-graph passes fail: the joint graph is partitioned as it is, apollo's runtime
+    still runs every graph, one warning names the cause; strict raises."""
+    from apollo_compile import backend
+
+    def broken(gm, joint_inputs):
+        raise RuntimeError("synthetic joint-pass failure")
+
+    monkeypatch.setattr(backend, "_inductor_joint_passes", broken)
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), {"subgraph_compiler": "inductor"})
+    messages = fallback_messages(caught)
+    assert len(messages) == 1, messages
+    assert "without Inductor's joint-graph passes" in messages[0] and "synthetic joint-pass failure" in messages[0]
+    assert_apollo_ran(apollo_compile.last_plan())
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="synthetic joint-pass failure"):
+        torch.compile(TwoTower(), backend="apollo", options={"strict": True})(*two_tower_inputs()).sum().backward()

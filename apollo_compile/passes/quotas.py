@@ -670,6 +670,7 @@ class QuotaDecision:
     reason: str = ""
     greedy: Candidate | None = None  # the quota split before refinement, when there was one
     model: PerfModel | None = field(default=None, repr=False)
+    calibrated: dict[str, float] = field(default_factory=dict)  # fits from this graph's measured candidates
 
     @property
     def best(self) -> Candidate | None:
@@ -681,12 +682,16 @@ class QuotaDecision:
                 "greedy": self.greedy.to_dict() if self.greedy else None,
                 "lane0": "full device (no quota); when concurrent, the SMs the side lanes leave",
                 "reason": self.reason,
-                "model": self.model.summary() if self.model else None}
+                "model": self.model.summary() if self.model else None,
+                "calibrated_from_measurement": dict(self.calibrated)}
 
 
 def run(gm: torch.fx.GraphModule, ctx, model: PerfModel | None = None) -> QuotaDecision:
     plan = ctx.decisions.get("lanes")
-    model = model or PerfModel(ctx.device)
+    if model is None:  # DESIGN.md's priors, refitted by what the runner measured on this device
+        from ..calibration import defaults
+
+        model = PerfModel(ctx.device, **defaults(ctx.device))
     if plan is None:
         return QuotaDecision([], "no lane plan", None, model)
     cands, reason, greedy = _plan(plan, model)

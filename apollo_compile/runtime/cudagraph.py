@@ -101,8 +101,10 @@ class CudaGraphRunner:
     timing_replays = 5
 
     def __init__(self, candidates: dict[str, Callable[[list], list]], name: str, kind: str, family: GraphFamily,
-                 static_input_idxs: set[int], user_visible_outputs: set[int] | None) -> None:
+                 static_input_idxs: set[int], user_visible_outputs: set[int] | None,
+                 on_measured: Callable[[dict[str, float]], None] | None = None) -> None:
         self.candidates, self.name, self.kind, self.family = candidates, name, kind, family
+        self.on_measured = on_measured  # gets {candidate: ms} once measured (the model calibrates from it)
         # without the CUDA graph, launching from Python is the bottleneck and extra streams only
         # add launch work (DESIGN.md: 68 vs 48 ms), so the un-graphed path is single-stream
         self.fn = candidates.get("one_lane", candidates["lanes"])
@@ -219,6 +221,8 @@ class CudaGraphRunner:
         # should be 0: a candidate's graph, pool and outputs die with it (summary() reports it)
         self.measuring_left_bytes = torch.cuda.memory_allocated() - allocated_before
         best = min(self.measured_ms, key=self.measured_ms.get)
+        if self.on_measured is not None:
+            self.on_measured(dict(self.measured_ms))
         log.info("apollo: %s measured %s; replaying %r", self.name,
                  ", ".join(f"{k} {v:.3f} ms" for k, v in self.measured_ms.items()), best)
         return best
