@@ -9,6 +9,7 @@ cannot handle falls back, for that graph alone, to Inductor (or eager ATen) with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -32,6 +33,7 @@ from .pipeline import GraphContext, run_passes
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
 from .runtime.runner import build_runtime
+from .runtime.subgraphs import inductor_config
 
 log = logging.getLogger("apollo_compile")
 
@@ -78,8 +80,9 @@ def fallback_compile(gm: torch.fx.GraphModule, example_inputs, kind: str, compil
         try:
             from torch._inductor.compile_fx import compile_fx_inner
 
-            return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
-                                    is_inference=kind == "inference")
+            with inductor_config():
+                return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
+                                        is_inference=kind == "inference")
         except Exception as e:  # pragma: no cover - Inductor unavailable
             log.warning("apollo: Inductor fallback failed too (%s); running eager ATen", e)
     return make_boxed_func(gm.forward)
@@ -182,11 +185,15 @@ def _calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:
 
 
 def _inductor_joint_passes(gm: torch.fx.GraphModule, joint_inputs) -> torch.fx.GraphModule:
-    """Inductor's joint-graph passes (no-op and pointless-cast removal, pattern rewrites, random ops
-    made replayable from a seed), run as Inductor's own ``partition_fn`` runs them: our subgraphs
-    are compiled by Inductor and should get the graph it would compile. The signature moved
-    between torch releases, hence the introspection."""
+    """Inductor's joint-graph passes (no-op and pointless-cast removal, pattern rewrites), run as
+    Inductor's own ``partition_fn`` runs them: our subgraphs are compiled by Inductor and should
+    get the graph it would compile. They rewrite in place, so they run on a copy that is adopted
+    only if they finish (a failure must not leave a half-rewritten graph), under the graph's fake
+    mode (some passes trace), and with random ops left alone (``inductor_config``). The signature
+    moved between torch releases, hence the introspection."""
+    from torch._guards import detect_fake_mode
     from torch._inductor import compile_fx as cfx
+    from torch._inductor.virtualized import V
 
     fn = cfx._recursive_joint_graph_passes
     params = inspect.signature(fn).parameters
@@ -195,9 +202,15 @@ def _inductor_joint_passes(gm: torch.fx.GraphModule, joint_inputs) -> torch.fx.G
         kwargs["skip_invoke_subgraph"] = True
     if "input_device" in params and hasattr(cfx, "get_inputs_devices"):
         kwargs["input_device"] = next(iter(cfx.get_inputs_devices(joint_inputs, gm)), None)
-    with cfx.get_cuda_device_context(gm):
-        out = fn(gm, **kwargs)
-    return out if out is not None else gm  # older releases rewrite in place and return None
+    graph = torch.fx.Graph()  # a copy: nodes get copies of their meta dicts; fake values are shared
+    result, output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(result).meta.update(output.meta)
+    work = torch.fx.GraphModule(gm, graph)
+    fake_mode = detect_fake_mode(joint_inputs)
+    with cfx.get_cuda_device_context(work), inductor_config(), \
+            (V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext()):
+        out = fn(work, **kwargs)
+    return out if out is not None else work  # older releases rewrite in place and return None
 
 
 def _partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext, **kwargs):

@@ -219,3 +219,33 @@ def test_byte_budget(monkeypatch):
     decision, actual, _ = plan_and_partition(joint, 50_000)
     assert decision.targets == {"*": 50_000} and decision.met
     assert actual == decision.bytes_after <= 50_000
+
+
+def test_dropout_under_inductor_compiles_and_recompute_changes_no_gradient():
+    """With Inductor compiling the subgraphs, random ops stay ATen calls on torch's generator
+    (subgraphs.inductor_config): a dropout model runs apollo's runtime (Inductor's seeded random
+    ops failed to lower in apollo's subgraphs, and such models fell back to eager ATen), and a
+    budget that recomputes changes no gradient: the backward uses the forward's masks. (The masks
+    are not eager's: Inductor decomposes dropout into rand < p where eager draws bernoulli; the
+    eager-compiler tests above check equality with eager.)"""
+    from helpers import TOLERANCE
+
+    torch.manual_seed(0)
+    base = TwoTower(dropout=0.3)
+    results = []
+    for options in ({}, {"memory_budget": 0.2}):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ApolloFallbackWarning)  # no graph falls back
+            compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "inductor", **options})
+            torch.manual_seed(7)
+            loss = compiled(*batches(0))
+            loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert apollo_compile.last_plan().joint["checkpoint"].added
+    (loss_full, grads_full), (loss_small, grads_small) = results
+    tol = TOLERANCE["inductor"]
+    torch.testing.assert_close(loss_small, loss_full, **tol)
+    for name, g in grads_full.items():
+        torch.testing.assert_close(grads_small[name], g, **tol, msg=lambda m: f"{name}: {m}")

@@ -36,6 +36,18 @@ def example_inputs(sg: Subgraph) -> list:
     return [n.meta.get("val") for n in sg.inputs]
 
 
+def inductor_config():
+    """The Inductor settings apollo compiles with: random ops stay ATen calls on torch's generator.
+
+    Inductor otherwise lowers ``rand`` only after its joint-graph pass rewrote it to seeded
+    ``inductor_random`` with one fused seed buffer per graph, and asserts if not; apollo cuts the
+    graph into subgraphs, and its checkpoint pass saves random outputs rather than recompute them.
+    With the fallback, dropout draws exactly the masks eager PyTorch draws."""
+    from torch._inductor import config
+
+    return config.patch(fallback_random=True)
+
+
 def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kind: str) -> Callable[[list], tuple]:
     if compiler == "eager":
         return make_boxed_func(sub.forward)
@@ -48,7 +60,7 @@ def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kin
     isolate = contextlib.nullcontext()
     if torch._guards.TracingContext.try_get() is not None:
         isolate = torch._guards.TracingContext.report_output_strides()
-    with isolate:
+    with isolate, inductor_config():
         return compile_fx_inner(
             sub,
             inputs,
