@@ -15,7 +15,7 @@ replays are traced by CUPTI) and reports, per replayed graph:
 Outputs under --out: ``trace_b<batch>.json`` (Perfetto or chrome://tracing), ``profile.json``
 and ``profile.md`` (the table, printed last), and the plan report (``report_b<batch>.html``).
 
-    PYTHONPATH=. python benchmarks/profile_step.py --batch 8 32
+    PYTHONPATH=. python benchmarks/profile_step.py --batch 8 32 --compare inductor-ro apollo-1lane
 """
 
 from __future__ import annotations
@@ -75,25 +75,11 @@ def kernel_intervals(prof) -> dict[int, list[tuple[float, float]]]:
     return per_stream
 
 
-def profile_batch(batch: int, args) -> dict:
-    device = torch.device(args.device)
-    model = clip.build(args.config, device=device)
-    compiled = torch.compile(model, backend="apollo", options=dict(args.option))
-    data = clip.make_batch(batch, device, args.config, seed=0)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = compiled(*data)
-        loss.backward()
-
-    for _ in range(args.warmup):  # compile, warm up, capture (and measure the runtime candidates)
-        step()
-    torch.cuda.synchronize()
-    # Host time to issue one step (returns before the GPU is done) vs the step's latency from an
-    # idle GPU: when the two are close, the step is bound by the host, not by the GPU.
+def host_and_latency(step, steps: int) -> tuple[float, float]:
+    """Median host time to issue one step (it returns before the GPU is done) and median latency
+    of a step from an idle GPU: when the two are close, the step is bound by the host."""
     issue_ms, latency_ms = [], []
-    for _ in range(max(args.steps, 10)):
+    for _ in range(max(steps, 10)):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
@@ -102,6 +88,43 @@ def profile_batch(batch: int, args) -> dict:
         t2 = time.perf_counter()
         issue_ms.append((t1 - t0) * 1e3)
         latency_ms.append((t2 - t0) * 1e3)
+    return round(statistics.median(issue_ms), 2), round(statistics.median(latency_ms), 2)
+
+
+def make_step(model, compiled, data, device):
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = compiled(*data)
+        loss.backward()
+    return step
+
+
+def compare_variant(name: str, batch: int, args) -> dict:
+    """Host issue time and latency of another variant (bench_step.py's names), same step."""
+    import bench_step
+
+    torch._dynamo.reset()
+    device = torch.device(args.device)
+    model = clip.build(args.config, device=device)
+    step = make_step(model, bench_step.compile_variant(name, model), clip.make_batch(batch, device, args.config, seed=0),
+                     device)
+    for _ in range(args.warmup):
+        step()
+    issue, latency = host_and_latency(step, args.steps)
+    return {"variant": name, "batch": batch, "host_issue_ms": issue, "step_latency_ms": latency}
+
+
+def profile_batch(batch: int, args) -> dict:
+    device = torch.device(args.device)
+    model = clip.build(args.config, device=device)
+    compiled = torch.compile(model, backend="apollo", options=dict(args.option))
+    data = clip.make_batch(batch, device, args.config, seed=0)
+    step = make_step(model, compiled, data, device)
+    for _ in range(args.warmup):  # compile, warm up, capture (and measure the runtime candidates)
+        step()
+    torch.cuda.synchronize()
+    issue, latency = host_and_latency(step, args.steps)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):
@@ -119,8 +142,8 @@ def profile_batch(batch: int, args) -> dict:
     return {
         "batch": batch,
         "streams": {str(k): round(union_us(v) / args.steps, 1) for k, v in sorted(per_stream.items())},
-        "host_issue_ms": round(statistics.median(issue_ms), 2),
-        "step_latency_ms": round(statistics.median(latency_ms), 2),
+        "host_issue_ms": issue,
+        "step_latency_ms": latency,
         "gpu_wall_us": round(wall, 1),
         "gpu_busy_us": round(busy, 1),
         "overlap_us": round(overlap_us(per_stream) / args.steps, 1),
@@ -138,6 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--option", action="append", default=[], type=lambda kv: (kv.split("=")[0], ast.literal_eval(kv.split("=", 1)[1])),
                    help="apollo option as key=python_literal, e.g. --option max_lanes=1")
+    p.add_argument("--compare", nargs="*", default=[], metavar="VARIANT",
+                   help="also time these bench_step.py variants' host issue and latency (e.g. inductor-ro apollo-1lane)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or args.device != "cuda":
@@ -149,13 +174,17 @@ def main(argv=None) -> int:
         torch._dynamo.reset()
         rows.append(profile_batch(batch, args))
         print(json.dumps(rows[-1]), flush=True)
-    (Path(args.out) / "profile.json").write_text(json.dumps(rows, indent=1))
+    compared = [compare_variant(name, batch, args) for batch in args.batch for name in args.compare]
+    (Path(args.out) / "profile.json").write_text(json.dumps({"apollo": rows, "compared": compared}, indent=1))
     lines = ["| batch | host issue ms | step latency ms | GPU wall us | GPU busy us | overlap us | overlap share | busy per stream us | runtime chosen |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         chosen = "; ".join(f"{k}: {v['chosen']} {v['measured_ms']}" for k, v in r["runners"].items())
         lines.append(f"| {r['batch']} | {r['host_issue_ms']} | {r['step_latency_ms']} | {r['gpu_wall_us']} | {r['gpu_busy_us']} | {r['overlap_us']} | "
                      f"{r['overlap_share']} | {r['streams']} | {chosen} |")
+    if compared:
+        lines += ["", "| batch | variant | host issue ms | step latency ms |", "|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['variant']} | {r['host_issue_ms']} | {r['step_latency_ms']} |" for r in compared]
     table = "\n".join(lines)
     (Path(args.out) / "profile.md").write_text(table + "\n")
     print(table)
