@@ -1,7 +1,10 @@
-"""The pieces of the CUDA-graph runner that need no GPU: layout checks and output copies."""
+"""The pieces of the CUDA-graph runner that need no GPU: layout checks, output copies, and capture/replay
+logic against a fake graph that rewrites its outputs in place as a real replay does."""
 
+import pytest
 import torch
 
+from apollo_compile import ApolloFallbackWarning
 from apollo_compile.runtime.cudagraph import fresh_copies, is_dense
 
 
@@ -57,3 +60,101 @@ def test_plans_hold_the_cuda_graph_runner_weakly():
     del runner
     gc.collect()
     assert plan.runner is None and "cuda_graph" not in plan.summary()
+
+
+class FakeGraph:
+    """Stands in for a captured CUDA graph on the CPU: a replay recomputes the runtime from the
+    static inputs and writes the results into the captured output tensors, in place, as a real
+    replay rewrites the same memory."""
+
+    def __init__(self, fn, static_inputs, outputs):
+        self.fn, self.static_inputs, self.outputs = fn, static_inputs, outputs
+
+    def replay(self):
+        for dst, src in zip(self.outputs, self.fn(list(self.static_inputs))):
+            if isinstance(dst, torch.Tensor) and dst is not src:
+                dst.copy_(src)
+
+
+def fake_cuda(monkeypatch, runner):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+
+    def capture_one(fn, pool):
+        outputs = fn(list(runner.static_inputs))
+        return FakeGraph(fn, runner.static_inputs, outputs), outputs
+
+    monkeypatch.setattr(runner, "_capture_one", capture_one)
+
+
+def test_replays_hand_out_copies_the_next_replay_does_not_overwrite(monkeypatch):
+    """The forward of `loss = (w * x).sum(); saved = w * x`: the parameter w is used in place and
+    returned as the caller's tensor, the batch x is copied into a static buffer, the loss (user
+    visible) is a fresh copy each replay, the saved activation is the graph's own buffer."""
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+
+    def forward(args):
+        w, x = args
+        args.clear()
+        saved = w * x
+        return [saved.sum(), w, saved]
+
+    forward._boxed_call = True
+    family = GraphFamily()
+    runner = CudaGraphRunner({"lanes": forward}, "f_forward", "forward", family, static_input_idxs={0},
+                             user_visible_outputs={0})
+    fake_cuda(monkeypatch, runner)
+    w = torch.tensor([1.0, 2.0])
+    losses, saved_ptrs = [], []
+    for step in range(4):
+        x = torch.full((2,), float(step))
+        out = runner([w, x])
+        assert out[1] is w  # a parameter saved for backward comes back as the caller's own tensor
+        torch.testing.assert_close(out[0], (w * x).sum())
+        torch.testing.assert_close(out[2], w * x)
+        losses.append(out[0])
+        saved_ptrs.append(out[2].data_ptr())
+        del out  # the backward ran: the saved activations are released
+    assert runner.replays == 3 and runner.ungraphed_calls == 0 and runner.copy_idxs == [1]
+    # every loss the user kept still holds its own step's value; replays rewrote only the graph's buffers
+    assert [float(l) for l in losses] == [0.0, 3.0, 6.0, 9.0]
+    assert len(set(saved_ptrs[1:])) == 1  # saved activations: the graph's own static buffer
+    assert len({l.data_ptr() for l in losses}) == 4
+    # saved activations still held when the forward runs again (a pending backward): no replay
+    held = runner([w, torch.ones(2)])
+    with pytest.warns(ApolloFallbackWarning, match="still alive"):
+        out = runner([w, torch.full((2,), 5.0)])
+    torch.testing.assert_close(held[2], w * 1)  # not overwritten
+    torch.testing.assert_close(out[2], w * 5)
+    assert runner.replays == 4 and runner.ungraphed_calls == 1
+
+
+def test_backward_replays_hand_out_gradients_in_fresh_memory(monkeypatch):
+    """A backward's gradients are copies in one new allocation per replay: accumulating into a
+    gradient kept from an earlier step (set_to_none=False, or accumulation) never sees the graph
+    rewrite it. The forward's saved activation is read in place, not copied."""
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+
+    def backward(args):
+        saved, grad_out = args
+        args.clear()
+        return [saved * grad_out, grad_out.expand(2).contiguous()]
+
+    backward._boxed_call = True
+    family = GraphFamily()
+    saved = torch.tensor([1.0, 2.0])
+    family.saved_ptrs = {saved.data_ptr()}  # as the forward's capture records it
+    runner = CudaGraphRunner({"lanes": backward}, "f_backward", "backward", family, set(), None)
+    fake_cuda(monkeypatch, runner)
+    accumulated = None
+    for step in range(1, 5):
+        grads = runner([saved, torch.tensor(float(step))])
+        torch.testing.assert_close(grads[0], saved * step)
+        if step == 1:
+            continue  # the eager warm-up call
+        # replays: both gradients share one fresh allocation; the first replay's is kept and grown
+        assert grads[0].untyped_storage().data_ptr() == grads[1].untyped_storage().data_ptr()
+        accumulated = grads[0] if accumulated is None else accumulated.add_(grads[0])
+    torch.testing.assert_close(accumulated, saved * (2 + 3 + 4))
+    assert runner.fixed_ptrs == {0: saved.data_ptr()} and runner.copy_idxs == [1] and runner.replays == 3
