@@ -244,6 +244,12 @@ class Report:
             if timings:
                 span = max(e for _, e in timings.values()) - min(s for s, _ in timings.values())
                 lines.append(f"measured: {name}: {span:.1f} µs over {len(timings)} subgraph(s)")
+        for gp in self.graphs:
+            rows = candidate_rows(gp)
+            if rows:
+                lines.append(f"candidates: {gp.name}: " + ", ".join(
+                    f"{name} {pred} µs" + (f" / measured {ms} ms" if ms != "-" else "") + (f" ({note})" if note else "")
+                    for name, pred, ms, note in rows))
         for s in stats:
             if s.fallback:
                 lines.append(f"fallback: {s.name}: {s.fallback}")
@@ -719,6 +725,22 @@ def _chip(label: str, value: str, cls: str = "") -> str:
             f'<span class="chip-label">{_esc(label)}</span></div>')
 
 
+def candidate_rows(gp: GraphPlan) -> list[tuple[str, str, str, str]]:
+    """(runtime, predicted µs, measured ms, note) for each candidate the quotas pass proposed; the
+    measured column and the replayed mark come from the CUDA-graph runner while the graph lives."""
+    decision = gp.decisions.get("quotas")
+    if decision is None or not decision.candidates:
+        return []
+    runner = gp.runner.summary() if gp.runner is not None else {}
+    measured = runner.get("measured_ms") or {}
+    rows = []
+    for c in decision.candidates:
+        note = "replayed" if runner.get("chosen") == c.name else ("not captured" if measured and c.name not in measured else "")
+        ms = measured.get(c.name)
+        rows.append((c.name, f"{c.predicted_us:.1f}", f"{ms:.3f}" if ms is not None else "-", note))
+    return rows
+
+
 def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
     gname = _slug(gp.name)
     colors = dump.modality_colors(gp.gm)
@@ -759,6 +781,17 @@ def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
                        f'({100 * m.saved_fraction:.0f}% saved), {len(m.placements)} buffers</small></h3>'
                        + _arena_svg(gp, gname, colors) + "</div>")
         out.append("</div>")
+    cands = candidate_rows(gp)
+    if cands:
+        calibrated = gp.decisions["quotas"].calibrated
+        out.append('<div class="panel candidates"><h3>Runtime candidates <small>predicted by the performance '
+                   'model; measured as CUDA-graph replays on the GPU'
+                   + (f"; refitted from them: {_esc(', '.join(f'{k} {v:.3f}' for k, v in calibrated.items()))}"
+                      if calibrated else "") + '</small></h3><table class="summary"><thead><tr>'
+                   + "".join(f"<th>{h}</th>" for h in ("runtime", "predicted µs", "measured ms", ""))
+                   + "</tr></thead><tbody>"
+                   + "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in cands)
+                   + "</tbody></table></div>")
     drawn = sum(_drawn(n) for n in gp.gm.graph.nodes)
     total = len(gp.gm.graph.nodes)
     if drawn <= _NODE_CAP:

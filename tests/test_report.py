@@ -61,6 +61,31 @@ def test_explain_plans_forward_and_backward(two_tower):
     assert all(any(p is q for q in apollo_compile.plans()) for p in report.plans)
 
 
+def test_candidates_show_predicted_and_measured_times(h200_report, monkeypatch):
+    """Each graph's runtime candidates with the model's prediction; once a CUDA-graph runner has
+    measured them (faked here: no GPU), its times and the replayed one appear beside them."""
+    import weakref
+
+    gp = h200_report.graph(h200_report.graphs[0].name)
+    names = [c.name for c in gp.decisions["quotas"].candidates]
+    assert {"lanes", "one_lane"} <= set(names)
+    text = str(h200_report)
+    assert f"candidates: {gp.name}: " in text and "measured" not in text.split(f"candidates: {gp.name}: ")[1].split("\n")[0]
+
+    class Runner:
+        def summary(self):
+            return {"chosen": "lanes", "measured_ms": {"lanes": 1.5, "one_lane": 2.0}}
+
+    runner = Runner()
+    monkeypatch.setattr(gp, "runner_ref", weakref.ref(runner))
+    line = str(h200_report).split(f"candidates: {gp.name}: ")[1].split("\n")[0]
+    assert "lanes" in line and "measured 1.500 ms (replayed)" in line and "measured 2.000 ms" in line
+    if any(n.startswith("quota:") for n in names):
+        assert "(not captured)" in line
+    page = h200_report.to_html()
+    assert _has_class(page, "candidates") and "replayed" in page
+
+
 def test_text_table_names_lanes_modalities_and_predicted_times(two_tower):
     _, report = two_tower
     text = str(report)
