@@ -207,7 +207,8 @@ def _inductor_joint_passes(gm: torch.fx.GraphModule, joint_inputs) -> torch.fx.G
     graph.output(result).meta.update(output.meta)
     work = torch.fx.GraphModule(gm, graph)
     fake_mode = detect_fake_mode(joint_inputs)
-    with cfx.get_cuda_device_context(work), inductor_config(), \
+    device_context = getattr(cfx, "get_cuda_device_context", lambda gm: contextlib.nullcontext())
+    with device_context(work), inductor_config(), \
             (V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext()):
         out = fn(work, **kwargs)
     return out if out is not None else work  # older releases rewrite in place and return None
