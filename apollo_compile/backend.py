@@ -206,6 +206,7 @@ def _inductor_joint_passes(gm: torch.fx.GraphModule, joint_inputs) -> torch.fx.G
     result, output = graph.graph_copy(gm.graph, {}, return_output_node=True)
     graph.output(result).meta.update(output.meta)
     work = torch.fx.GraphModule(gm, graph)
+    work.meta.update(gm.meta)
     fake_mode = detect_fake_mode(joint_inputs)
     device_context = getattr(cfx, "get_cuda_device_context", lambda gm: contextlib.nullcontext())
     with device_context(work), inductor_config(), \

@@ -42,7 +42,7 @@ def inductor_config():
     Inductor otherwise lowers ``rand`` only after its joint-graph pass rewrote it to seeded
     ``inductor_random`` with one fused seed buffer per graph, and asserts if not; apollo cuts the
     graph into subgraphs, and its checkpoint pass saves random outputs rather than recompute them.
-    With the fallback, dropout draws exactly the masks eager PyTorch draws."""
+    With the fallback, random ops draw from torch's generator in graph order, like eager ATen."""
     from torch._inductor import config
 
     return config.patch(fallback_random=True)
