@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The H200 runs the open issues need, cut to fit the device tool: one phase per call (10 minutes
+# at most), results under $OUT, the compile cache carried from call to call (device_cache.sh).
+#
+#   run(command="bash benchmarks/h200_session.sh step",    carry=[".device_cache"])   # issue 3 table
+#   run(command="bash benchmarks/h200_session.sh memory",  carry=[".device_cache"])   # issue 4, batch 64
+#   run(command="bash benchmarks/h200_session.sh memory256 ...")                      # issue 4, batch 256
+#   run(command="bash benchmarks/h200_session.sh profile ...")                        # the timeline
+#
+# Between calls, copy the returned inductor_cache.tar.xz.part* files into .device_cache/ (git
+# ignores it). Each phase guards its benchmark with timeout so the results written so far come back.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.
+: "${OUT:?OUT is not set: run this through the device tool}"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+python -c "import torch; print('torch', torch.__version__)"
+bash benchmarks/device_cache.sh load
+case "${1:-}" in
+  step)      timeout 540 python benchmarks/bench_step.py --batch 8 32 --steps 50 --out "$OUT/step" ;;
+  memory)    timeout 540 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --out "$OUT/mem64" ;;
+  memory256) timeout 540 python benchmarks/bench_memory.py --batch 256 --skip-search --steps 10 --out "$OUT/mem256" ;;
+  search)    timeout 540 python benchmarks/bench_memory.py --batch --search-probes 2 --variants eager-bf16 eager-bf16-ckpt \
+               inductor-budget-0.5 apollo-bf16-budget-0.2 --out "$OUT/search" ;;
+  profile)   timeout 540 python benchmarks/profile_step.py --batch 8 32 --compare inductor-ro apollo-1lane --out "$OUT/prof"
+             status=$?
+             rm -f "$OUT"/prof/trace_b*.json  # ~6 MB each: the 8 returned files are for results and cache
+             bash benchmarks/device_cache.sh save; exit $status ;;
+  *) echo "usage: $0 step|memory|memory256|search|profile" >&2; exit 2 ;;
+esac
+status=$?
+bash benchmarks/device_cache.sh save
+exit $status
