@@ -50,3 +50,14 @@ def test_one_lane_candidate_has_no_streams_and_the_same_launch_order():
     launches = [line.split("= ")[-1].split("(")[0] for line in source.text.splitlines() if "subgraph_" in line and "([" in line]
     single_launches = [line.split("= ")[-1].split("(")[0] for line in single.text.splitlines() if "subgraph_" in line and "([" in line]
     assert launches == single_launches
+
+
+def test_a_run_that_raised_does_not_keep_its_cross_lane_values():
+    """keep_alive holds values until the join; a run that raised never reaches it, so the next
+    run's fork lets them go (a caller retrying after an OOM must get that memory back)."""
+    from apollo_compile.runtime.streams import LaneRuntime
+
+    rt = LaneRuntime([1], [], torch.device("cpu"))
+    rt.held.append((torch.ones(3),))  # as a run on CUDA leaves it when it raises mid-way
+    rt.fork([1])
+    assert rt.held == []

@@ -46,6 +46,11 @@ class LaneRuntime:
 
     def fork(self, lanes: list[int]) -> None:
         """Side lanes wait for everything already queued on the caller's stream (inputs)."""
+        if self.held:  # the last run raised before its join (an OOM, say): once its kernels are
+            # done, what it held may go; otherwise a caller retrying smaller would still hold it
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.held.clear()
         if self.cuda:
             main = torch.cuda.current_stream()
             for lane in lanes:
