@@ -24,7 +24,7 @@ case "${1:-}" in
                inductor-budget-0.5 apollo-bf16-budget-0.2 --out "$OUT/search" ;;
   profile)   timeout 540 python benchmarks/profile_step.py --batch 8 32 --compare inductor-ro apollo-1lane --out "$OUT/prof"
              status=$?
-             rm -f "$OUT"/prof/trace_b*.json  # ~6 MB each: the 8 returned files are for results and cache
+             rm -f "$OUT"/prof/trace_b32.json  # keep batch 8's trace: 8 returned files, 3 go to the cache
              bash benchmarks/device_cache.sh save; exit $status ;;
   *) echo "usage: $0 step|memory|memory256|search|profile" >&2; exit 2 ;;
 esac
