@@ -683,14 +683,9 @@ def announce_plan(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        log("CUDA is not available; use --device cpu")
+    if (setup := bs.device_and_out_dir(args)) is None:
         return 2
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    if args.no_compile_cache:
-        torch._inductor.config.force_disable_caches = True
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    device, out_dir = setup
 
     env = environment(device, args)
     log(f"date {env['date']} | torch {env['torch']} | python {env['python']} | device {env['device_name']}")

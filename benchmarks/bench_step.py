@@ -362,8 +362,9 @@ def apollo_diagnostics(row: dict, name: str):
                 ckpt = plan.joint.get("checkpoint")
                 if ckpt is not None:
                     entry["checkpoint"] = {"bytes_before": ckpt.bytes_before, "bytes_after": ckpt.bytes_after}
-                entry["graphs"] = {k: {key: g.summary().get(key) for key in ("lanes", "cuda_graph", "fallback")}
-                                   for k, g in plan.graphs.items()}
+                summaries = {k: g.summary() for k, g in plan.graphs.items()}
+                entry["graphs"] = {k: {key: summary.get(key) for key in ("lanes", "cuda_graph", "fallback")}
+                                   for k, summary in summaries.items()}
                 row["apollo"].append(entry)
             for w in row["warnings"]:
                 log(f"  [{name}] warning: {w.splitlines()[0][:300]}")
@@ -489,16 +490,25 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def device_and_out_dir(args) -> tuple[torch.device, Path] | None:
+    """The device and the output folder (created) from the flags every benchmark here shares
+    (--device, --out, --no-compile-cache); None, said in the log, when CUDA is asked for and absent."""
     if args.device == "cuda" and not torch.cuda.is_available():
         log("CUDA is not available; use --device cpu")
-        return 2
+        return None
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     if args.no_compile_cache:
         torch._inductor.config.force_disable_caches = True
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    return device, out_dir
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if (setup := device_and_out_dir(args)) is None:
+        return 2
+    device, out_dir = setup
 
     env = environment(device, args)
     log(f"date {env['date']} | torch {env['torch']} | python {env['python']} | device {env['device_name']}")

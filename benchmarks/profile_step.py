@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import os
 import statistics
@@ -35,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
+import bench_step  # noqa: E402  (its train step: zero_grad, forward under bf16 autocast, backward)
 import clip  # noqa: E402
 
 import apollo_compile  # noqa: E402
@@ -91,24 +93,13 @@ def host_and_latency(step, steps: int) -> tuple[float, float]:
     return round(statistics.median(issue_ms), 2), round(statistics.median(latency_ms), 2)
 
 
-def make_step(model, compiled, data, device):
-    def step():
-        model.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = compiled(*data)
-        loss.backward()
-    return step
-
-
 def compare_variant(name: str, batch: int, args) -> dict:
     """Host issue time and latency of another variant (bench_step.py's names), same step."""
-    import bench_step
-
     torch._dynamo.reset()
     device = torch.device(args.device)
     model = clip.build(args.config, device=device)
-    step = make_step(model, bench_step.compile_variant(name, model), clip.make_batch(batch, device, args.config, seed=0),
-                     device)
+    step = functools.partial(bench_step.train_step, model, bench_step.compile_variant(name, model),
+                             clip.make_batch(batch, device, args.config, seed=0), device, device.type == "cuda")
     for _ in range(args.warmup):
         step()
     issue, latency = host_and_latency(step, args.steps)
@@ -120,7 +111,7 @@ def profile_batch(batch: int, args) -> dict:
     model = clip.build(args.config, device=device)
     compiled = torch.compile(model, backend="apollo", options=dict(args.option))
     data = clip.make_batch(batch, device, args.config, seed=0)
-    step = make_step(model, compiled, data, device)
+    step = functools.partial(bench_step.train_step, model, compiled, data, device, device.type == "cuda")
     for _ in range(args.warmup):  # compile, warm up, capture (and measure the runtime candidates)
         step()
     torch.cuda.synchronize()
