@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import statistics
-from typing import Any
 
 import torch
 
@@ -122,11 +121,6 @@ def record(spec: DeviceSpec, plan, model, measured_ms: dict[str, float]) -> dict
     _save()
     log.info("apollo: calibrated %s from %s: %s", device_key(spec), measured_ms, fitted)
     return fitted
-
-
-def summary() -> dict[str, Any]:
-    _load()
-    return {key: dict(params) for key, params in _FITS.items()}
 
 
 def reset() -> None:
