@@ -1,4 +1,5 @@
-"""Train a model eagerly and under apollo side by side; compare loss and every gradient."""
+"""Train a model eagerly and under apollo side by side; compare loss and every gradient. And a fake
+CUDA graph, so the CUDA-graph runner runs on the CPU."""
 
 from __future__ import annotations
 
@@ -49,3 +50,33 @@ def replace_pass(monkeypatch, name: str, fn) -> None:
     from apollo_compile import pipeline
 
     monkeypatch.setattr(pipeline, "GRAPH_PASSES", [(n, fn if n == name else f) for n, f in pipeline.GRAPH_PASSES])
+
+
+class FakeGraph:
+    """Stands in for a captured CUDA graph on the CPU: a replay re-runs the runtime on the static
+    inputs and writes the results into the captured output tensors, in place, as a CUDA-graph
+    replay rewrites the same memory."""
+
+    def __init__(self, fn, static_inputs, outputs):
+        self.fn, self.static_inputs, self.outputs = fn, static_inputs, outputs
+
+    def replay(self):
+        for dst, src in zip(self.outputs, self.fn(list(self.static_inputs))):
+            if isinstance(dst, torch.Tensor) and dst is not src:
+                with torch.no_grad():
+                    dst.copy_(src)
+
+
+def fake_cuda_graphs(monkeypatch) -> None:
+    """CudaGraphRunner captures FakeGraphs, and the CUDA calls around capture are no-ops, for one test."""
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+
+    def capture_one(self, fn, pool):
+        outputs = fn(list(self.static_inputs))
+        return FakeGraph(fn, self.static_inputs, outputs), outputs
+
+    monkeypatch.setattr(CudaGraphRunner, "_capture_one", capture_one)

@@ -6,6 +6,7 @@ import torch
 
 from apollo_compile import ApolloFallbackWarning
 from apollo_compile.runtime.cudagraph import OutputCopier
+from helpers import fake_cuda_graphs
 
 
 def test_fresh_copies_keep_values_and_strides_in_new_memory():
@@ -55,32 +56,6 @@ def test_plans_hold_the_cuda_graph_runner_weakly():
     assert plan.runner is None and "cuda_graph" not in plan.summary()
 
 
-class FakeGraph:
-    """Stands in for a captured CUDA graph on the CPU: a replay recomputes the runtime from the
-    static inputs and writes the results into the captured output tensors, in place, as a real
-    replay rewrites the same memory."""
-
-    def __init__(self, fn, static_inputs, outputs):
-        self.fn, self.static_inputs, self.outputs = fn, static_inputs, outputs
-
-    def replay(self):
-        for dst, src in zip(self.outputs, self.fn(list(self.static_inputs))):
-            if isinstance(dst, torch.Tensor) and dst is not src:
-                dst.copy_(src)
-
-
-def fake_cuda(monkeypatch, runner):
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
-
-    def capture_one(fn, pool):
-        outputs = fn(list(runner.static_inputs))
-        return FakeGraph(fn, runner.static_inputs, outputs), outputs
-
-    monkeypatch.setattr(runner, "_capture_one", capture_one)
-
-
 def test_replays_hand_out_copies_the_next_replay_does_not_overwrite(monkeypatch):
     """The forward of `loss = (w * x).sum(); saved = w * x`: the parameter w is used in place and
     returned as the caller's tensor, the batch x is copied into a static buffer, the loss (user
@@ -97,7 +72,7 @@ def test_replays_hand_out_copies_the_next_replay_does_not_overwrite(monkeypatch)
     family = GraphFamily()
     runner = CudaGraphRunner({"lanes": forward}, "f_forward", "forward", family, static_input_idxs={0},
                              user_visible_outputs={0})
-    fake_cuda(monkeypatch, runner)
+    fake_cuda_graphs(monkeypatch)
     w = torch.tensor([1.0, 2.0])
     losses, saved_ptrs = [], []
     for step in range(4):
@@ -139,7 +114,7 @@ def test_backward_replays_hand_out_gradients_in_fresh_memory(monkeypatch):
     saved = torch.tensor([1.0, 2.0])
     family.saved_ptrs = {saved.data_ptr()}  # as the forward's capture records it
     runner = CudaGraphRunner({"lanes": backward}, "f_backward", "backward", family, set(), None)
-    fake_cuda(monkeypatch, runner)
+    fake_cuda_graphs(monkeypatch)
     accumulated = None
     for step in range(1, 5):
         grads = runner([saved, torch.tensor(float(step))])

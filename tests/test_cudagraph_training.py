@@ -16,38 +16,16 @@ import torch
 
 from apollo_compile import backend
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
-from helpers import TOLERANCE, assert_same_loss_and_grads
+from helpers import TOLERANCE, assert_same_loss_and_grads, fake_cuda_graphs
 from models import TwoTower, two_tower_inputs
-
-
-class FakeGraph:
-    """Replays by re-running the runtime on the static inputs and writing the results into the
-    captured output tensors, in place, as a CUDA-graph replay rewrites the same memory."""
-
-    def __init__(self, fn, static_inputs, outputs):
-        self.fn, self.static_inputs, self.outputs = fn, static_inputs, outputs
-
-    def replay(self):
-        for dst, src in zip(self.outputs, self.fn(list(self.static_inputs))):
-            if isinstance(dst, torch.Tensor) and dst is not src:
-                with torch.no_grad():
-                    dst.copy_(src)
 
 
 @pytest.fixture
 def runners(monkeypatch):
     """Every apollo graph compiled in the test gets a CUDA-graph runner with a fake graph."""
     made: list[CudaGraphRunner] = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    fake_cuda_graphs(monkeypatch)
     monkeypatch.setattr(backend, "_quota_candidates", lambda ctx: {})  # no green contexts on a CPU
-
-    def capture_one(self, fn, pool):
-        outputs = fn(list(self.static_inputs))
-        return FakeGraph(fn, self.static_inputs, outputs), outputs
-
-    monkeypatch.setattr(CudaGraphRunner, "_capture_one", capture_one)
     monkeypatch.setattr(CudaGraphRunner, "_choose_candidate", lambda self: "lanes")  # timing needs CUDA events
     families: dict[int, GraphFamily] = {}
     original = backend.compile_graph

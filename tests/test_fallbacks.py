@@ -22,7 +22,7 @@ from apollo_compile import pipeline
 from apollo_compile.backend import REPORT_HINT, ApolloFallbackWarning
 from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
-from helpers import TOLERANCE, assert_trains_like_eager, replace_pass
+from helpers import TOLERANCE, assert_same_loss_and_grads, assert_trains_like_eager, replace_pass
 from models import MLP, TwoTower, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -46,12 +46,21 @@ def train_like_eager(model, batches, options=None, lr=0.1, **compile_kwargs):
             loss, ref_loss = compiled(*inputs), ref(*inputs)
             loss.backward()
             ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"step {step} loss: {m}")
-            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-                torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"step {step} grad {name}: {m}")
+            assert_same_loss_and_grads(loss, ref_loss, model, ref, tol, step)
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
+    return fallback_messages(caught)
+
+
+def two_tower_fallbacks(options, tol=None) -> list[str]:
+    """Train TwoTower like eager (a few SGD steps, loss and every gradient compared) from a fixed
+    seed; the ApolloFallbackWarning messages raised meanwhile."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), options, tol=tol)
     return fallback_messages(caught)
 
 
@@ -223,11 +232,7 @@ def _broken_pass(message, kinds=("forward", "backward", "inference")):
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_codegen_failure_falls_back_once_per_graph(monkeypatch, compiler):
     replace_pass(monkeypatch, "codegen", _broken_pass("synthetic codegen failure"))
-    torch.manual_seed(0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), {"subgraph_compiler": compiler})
-    messages = fallback_messages(caught)
+    messages = two_tower_fallbacks({"subgraph_compiler": compiler})
     assert len(messages) == 2, messages  # forward and backward, once each, not once per step
     path = "Inductor" if compiler == "inductor" else "eager ATen"
     for kind, m in zip(("forward", "backward"), messages):
@@ -239,11 +244,7 @@ def test_codegen_failure_falls_back_once_per_graph(monkeypatch, compiler):
 
 def test_failure_in_the_backward_only_falls_back_for_that_graph(monkeypatch):
     replace_pass(monkeypatch, "codegen", _broken_pass("synthetic backward failure", kinds=("backward",)))
-    torch.manual_seed(0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), EAGER)
-    messages = fallback_messages(caught)
+    messages = two_tower_fallbacks(EAGER)
     assert len(messages) == 1 and "_backward runs on eager ATen" in messages[0], messages
     plan = apollo_compile.last_plan()
     assert plan.forward.fallback is None and plan.forward.runtimes
@@ -263,11 +264,7 @@ def _break_subgraph_compilation(monkeypatch):
 
 def test_subgraph_compilation_failure_falls_back_once_per_graph(monkeypatch):
     _break_subgraph_compilation(monkeypatch)
-    torch.manual_seed(0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), EAGER)
-    messages = fallback_messages(caught)
+    messages = two_tower_fallbacks(EAGER)
     assert len(messages) == 2, messages
     for kind, m in zip(("forward", "backward"), messages):
         assert f"_{kind} runs on eager ATen" in m and "synthetic compiler failure" in m, m
@@ -330,12 +327,7 @@ def test_dynamo_graph_aotautograd_cannot_handle_runs_eager_pytorch(monkeypatch):
         raise RuntimeError("synthetic partitioner failure")
 
     monkeypatch.setattr(backend, "min_cut_rematerialization_partition", broken_partition)
-    torch.manual_seed(0)
-    apollo_compile.clear_plans()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), EAGER)
-    messages = fallback_messages(caught)
+    messages = two_tower_fallbacks(EAGER)
     assert len(messages) == 1, messages
     assert "eager PyTorch" in messages[0] and "synthetic partitioner failure" in messages[0]
     assert REPORT_HINT in messages[0]
@@ -385,14 +377,9 @@ def test_casts_failure_falls_back_to_the_uncast_graph(monkeypatch):
         raise RuntimeError("synthetic cast failure")
 
     monkeypatch.setattr(casts._Rewriter, "sync_meta", broken)
-    torch.manual_seed(0)
-    apollo_compile.clear_plans()
     options = {**EAGER, "precision": "bf16"}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        # fp32 eager's own tolerance: a graph still (half-)cast to bf16 would miss it by ~1e-3
-        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), options, tol=TOLERANCE["eager"])
-    messages = fallback_messages(caught)
+    # fp32 eager's own tolerance: a graph still (half-)cast to bf16 would miss it by ~1e-3
+    messages = two_tower_fallbacks(options, tol=TOLERANCE["eager"])
     assert len(messages) == 1, messages
     assert "_dynamo runs on the graph without apollo's pre-autograd passes" in messages[0]
     assert "pass 'casts'" in messages[0] and "synthetic cast failure" in messages[0] and REPORT_HINT in messages[0]
@@ -530,12 +517,7 @@ def test_inductor_joint_passes_failure_partitions_without_them(monkeypatch):
         raise RuntimeError("synthetic joint-pass failure")
 
     monkeypatch.setattr(backend, "_inductor_joint_passes", broken)
-    torch.manual_seed(0)
-    apollo_compile.clear_plans()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert_trains_like_eager(TwoTower(), lambda s: two_tower_inputs(seed=s), {"subgraph_compiler": "inductor"})
-    messages = fallback_messages(caught)
+    messages = two_tower_fallbacks({"subgraph_compiler": "inductor"})
     assert len(messages) == 1, messages
     assert "without Inductor's joint-graph passes" in messages[0] and "synthetic joint-pass failure" in messages[0]
     assert_apollo_ran(apollo_compile.last_plan())
