@@ -139,12 +139,6 @@ class SubgraphStats:
     def total_us(self) -> float:
         return self.compute_us + self.memory_us + self.fixed_us + sum(us for us, _ in self.capped)
 
-    @property
-    def compute_share(self) -> float:
-        """Share of the estimate in compute-bound work (capped included)."""
-        total = self.total_us
-        return (self.compute_us + sum(us for us, _ in self.capped)) / total if total else 0.0
-
 
 def _tiles(node: torch.fx.Node) -> int | None:
     """Output tiles of a matmul-like node (how many SMs it can keep busy), or None."""
