@@ -283,21 +283,19 @@ def error_row(exc: BaseException, **fields_) -> dict:
 def run_variant(spec: Variant, base: nn.Module, batch: tuple, numerics_cpu: tuple, ref: dict, args,
                 device: torch.device) -> dict:
     row: dict[str, Any] = {"variant": spec.name, "status": "ok", "setup": spec.describe()}
-    try:
-        with bs.apollo_diagnostics(row, spec.name) if spec.compiler == "apollo" else contextlib.nullcontext():
-            return _run_variant(row, spec, base, batch, numerics_cpu, ref, args, device)
-    finally:
-        row.pop("_compiled", None)
+    with bs.apollo_diagnostics(row, spec.name) if spec.compiler == "apollo" else contextlib.nullcontext([]) as keep:
+        return _run_variant(row, spec, base, batch, numerics_cpu, ref, args, device, keep)
 
 
 def _run_variant(row: dict, spec: Variant, base: nn.Module, batch: tuple, numerics_cpu: tuple, ref: dict, args,
-                 device: torch.device) -> dict:
+                 device: torch.device, keep: list) -> dict:
     if is_cuda(device):
         torch.cuda.reset_peak_memory_stats(device)
     with spec.context():
         model = copy.deepcopy(base).to(device)
         names = param_names(model)  # before prepare() wraps blocks
-        step_fn = row["_compiled"] = spec.prepare(model)  # read by bench_step.apollo_diagnostics
+        step_fn = spec.prepare(model)
+        keep.append(step_fn)  # see bench_step.apollo_diagnostics
 
         def run_step() -> None:
             bs.train_step(model, step_fn, batch, device, spec.autocast)

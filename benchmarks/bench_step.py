@@ -290,19 +290,15 @@ def reference(base: nn.Module, batch: tuple, device: torch.device, amp: bool) ->
 
 def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args, device) -> dict:
     row: dict[str, Any] = {"variant": name, "status": "ok"}
-    try:
-        with apollo_diagnostics(row, name) if name.startswith("apollo") else contextlib.nullcontext():
-            return _run_variant(row, name, base, batch, numerics_batch, ref, args, device)
-    finally:
-        row.pop("_compiled", None)  # parked by _run_variant for apollo_diagnostics
+    with apollo_diagnostics(row, name) if name.startswith("apollo") else contextlib.nullcontext([]) as keep:
+        return _run_variant(row, name, base, batch, numerics_batch, ref, args, device, keep)
 
 
 def _run_variant(row: dict, name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args,
-                 device) -> dict:
+                 device, keep: list) -> dict:
     model = copy.deepcopy(base).to(device)
-    # parked in the row until apollo_diagnostics has read the plans: they hold the CUDA-graph
-    # runners only weakly, and this compiled step owns them
-    step_fn = row["_compiled"] = compile_variant(name, model)
+    step_fn = compile_variant(name, model)
+    keep.append(step_fn)  # see apollo_diagnostics
 
     def run_step() -> None:
         train_step(model, step_fn, batch, device, args.amp)
@@ -346,14 +342,18 @@ def _run_variant(row: dict, name: str, base: nn.Module, batch: tuple, numerics_b
 def apollo_diagnostics(row: dict, name: str):
     """Record in `row` what apollo decided and how its CUDA-graph runners ran (runtime chosen, candidate
     times, graph-less calls, memory held by captures), the checkpoint pass's predicted activation bytes,
-    and every warning the variant raised (an ApolloFallbackWarning explains a slow or large row)."""
+    and every warning the variant raised (an ApolloFallbackWarning explains a slow or large row).
+
+    Yields a list in which the variant keeps its compiled step until the plans are read here: the
+    plans hold the CUDA-graph runners only weakly, and the compiled step owns them."""
     import apollo_compile
 
     apollo_compile.clear_plans()
+    keep: list = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            yield
+            yield keep
         finally:
             row["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
             row["apollo"] = []
