@@ -98,10 +98,8 @@ def test_replays_hand_out_copies_the_next_replay_does_not_overwrite(monkeypatch)
     assert runner.replays == 4 and runner.ungraphed_calls == 1
 
 
-def test_backward_replays_hand_out_gradients_in_fresh_memory(monkeypatch):
-    """A backward's gradients are copies in one new allocation per replay: accumulating into a
-    gradient kept from an earlier step (set_to_none=False, or accumulation) never sees the graph
-    rewrite it. The forward's saved activation is read in place, not copied."""
+def _backward_runner(monkeypatch):
+    """A backward runner (saved activation read in place, a grad_output copied in) and its family."""
     from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
 
     def backward(args):
@@ -115,14 +113,78 @@ def test_backward_replays_hand_out_gradients_in_fresh_memory(monkeypatch):
     family.saved_ptrs = {saved.data_ptr()}  # as the forward's capture records it
     runner = CudaGraphRunner({"lanes": backward}, "f_backward", "backward", family, set(), None)
     fake_cuda_graphs(monkeypatch)
-    accumulated = None
+    return runner, family, saved
+
+
+def test_backward_lends_its_gradients_in_place_when_nothing_holds_the_last_ones(monkeypatch):
+    """zero_grad(set_to_none=True) between steps: every replay hands out the graph's own buffers
+    (no copy), as fresh aliases AccumulateGrad can steal."""
+    runner, _, saved = _backward_runner(monkeypatch)
+    ptrs = []
     for step in range(1, 5):
         grads = runner([saved, torch.tensor(float(step))])
         torch.testing.assert_close(grads[0], saved * step)
-        if step == 1:
-            continue  # the eager warm-up call
-        # replays: both gradients share one fresh allocation; the first replay's is kept and grown
-        assert grads[0].untyped_storage().data_ptr() == grads[1].untyped_storage().data_ptr()
-        accumulated = grads[0] if accumulated is None else accumulated.add_(grads[0])
-    torch.testing.assert_close(accumulated, saved * (2 + 3 + 4))
+        torch.testing.assert_close(grads[1], torch.full((2,), float(step)))
+        if step > 1:
+            assert all(g is not s for g, s in zip(grads, runner.static_outputs))  # fresh aliases
+            ptrs.append([g.data_ptr() for g in grads])
+        del grads  # the user dropped them (set_to_none)
+    assert ptrs[0] == [s.data_ptr() for s in runner.static_outputs] and ptrs.count(ptrs[0]) == 3
     assert runner.fixed_ptrs == {0: saved.data_ptr()} and runner.copy_idxs == [1] and runner.replays == 3
+    assert runner.summary()["lent_moved"] == 0 and runner.ungraphed_calls == 0
+
+
+def test_gradients_still_held_at_the_next_replay_move_to_a_copy_first(monkeypatch):
+    """Accumulation: a parameter's .grad kept from the last backward (AccumulateGrad stores a
+    detached alias of what we lent) is moved out of the graph's memory before a replay would
+    overwrite it, by the backward or by the forward that shares the pool."""
+    import weakref
+
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner
+
+    runner, family, saved = _backward_runner(monkeypatch)
+    param = torch.nn.Parameter(torch.zeros(2))
+    family.grad_owners = [weakref.ref(param)]  # as the forward's capture records them
+    runner([saved, torch.tensor(1.0)])  # the eager warm-up call
+    param.grad = runner([saved, torch.tensor(2.0)])[0].detach()  # what AccumulateGrad does
+    user_ref = param.grad  # a reference to the same .grad follows it to the copy
+    assert param.grad.data_ptr() == runner.static_outputs[0].data_ptr()
+    for step in (3, 4):
+        new = runner([saved, torch.tensor(float(step))])[0]
+        assert param.grad.data_ptr() != runner.static_outputs[0].data_ptr()  # moved before the replay
+        param.grad.add_(new)
+        del new
+    torch.testing.assert_close(param.grad, saved * (2 + 3 + 4))
+    assert user_ref is param.grad
+    assert runner.summary()["lent_moved"] == 1 and runner.ungraphed_calls == 0
+
+    # the forward of the same family replays into the same pool: it moves a held gradient too
+    def forward(args):
+        p, x = args
+        args.clear()
+        return [(p.detach() + x).sum()]
+
+    forward._boxed_call = True
+    fw = CudaGraphRunner({"lanes": forward}, "f_forward", "forward", family, {0}, {0})
+    param.grad = runner([saved, torch.tensor(5.0)])[0].detach()
+    for _ in range(3):
+        fw([param, torch.ones(2)])  # the capture (call 2) records param as a gradient owner
+    assert [ref() for ref in family.grad_owners] == [param]
+    assert param.grad.data_ptr() != runner.static_outputs[0].data_ptr()
+    torch.testing.assert_close(param.grad, saved * 5)
+
+
+def test_a_view_of_a_lent_gradient_keeps_the_graph_from_overwriting_it(monkeypatch):
+    """Something other than our alias holds the memory (a view of .grad): the replay would overwrite
+    it and the holder cannot be moved, so that call runs without the CUDA graph, with one warning."""
+    runner, _, saved = _backward_runner(monkeypatch)
+    runner([saved, torch.tensor(1.0)])
+    view = runner([saved, torch.tensor(2.0)])[0].view(2)
+    with pytest.warns(ApolloFallbackWarning, match="still referenced"):
+        grads = runner([saved, torch.tensor(3.0)])
+    torch.testing.assert_close(view, saved * 2)  # not overwritten
+    torch.testing.assert_close(grads[0], saved * 3)
+    assert runner.ungraphed_calls == 1
+    del view, grads
+    runner([saved, torch.tensor(4.0)])  # released: replays again
+    assert runner.replays == 2

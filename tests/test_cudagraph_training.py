@@ -55,6 +55,9 @@ def test_training_through_the_runner_equals_eager(runners, compiler):
         loss.backward()
         ref_loss.backward()
         assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE[compiler], step)
+        if step > 0:  # a replay: AccumulateGrad took the graph's own buffers as .grad, no copy
+            graph_memory = {o.data_ptr() for o in runners[1].static_outputs if isinstance(o, torch.Tensor)}
+            assert {p.grad.data_ptr() for p in model.parameters()} <= graph_memory
         losses.append((loss.detach(), ref_loss.detach()))
         for o in (opt, ref_opt):
             o.step()
@@ -63,13 +66,17 @@ def test_training_through_the_runner_equals_eager(runners, compiler):
     assert forward.replays == 4 and backward.replays == 4  # call 1 eager, then capture + replays
     assert forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
     assert forward.fixed_ptrs and backward.fixed_ptrs  # parameters / saved activations used in place
+    assert backward.summary()["lent_moved"] == 0  # set_to_none: nothing held a gradient at a replay
     for loss, ref_loss in losses:  # kept losses were never rewritten by later replays
         torch.testing.assert_close(loss, ref_loss, **TOLERANCE[compiler])
 
 
-def test_gradient_accumulation_through_the_runner(runners):
-    """Two micro-batches per step, zero_grad(set_to_none=False): the gradients accumulated in .grad
-    are never rewritten by the next backward's replay."""
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_gradient_accumulation_through_the_runner(runners, set_to_none):
+    """Two micro-batches per step: the gradients accumulated in .grad are never rewritten by a later
+    replay. With set_to_none=True the first micro-batch's .grad is the graph's own buffer (stolen by
+    AccumulateGrad), moved out of the graph's memory before the next replay; with False, .grad
+    lives on from the eager first call and the graph's gradients are only added into it."""
     torch.manual_seed(0)
     model = TwoTower()
     ref = copy.deepcopy(model)
@@ -84,6 +91,7 @@ def test_gradient_accumulation_through_the_runner(runners):
             torch.testing.assert_close(p.grad, q.grad, **TOLERANCE["eager"], msg=lambda m: f"step {step} {name}: {m}")
         for o in (opt, ref_opt):
             o.step()
-            o.zero_grad(set_to_none=False)
+            o.zero_grad(set_to_none=set_to_none)
     forward, backward = runners
-    assert backward.replays == 5 and backward.ungraphed_calls == 0
+    assert backward.replays == 5 and backward.ungraphed_calls == 0 and forward.ungraphed_calls == 0
+    assert (backward.summary()["lent_moved"] > 0) == set_to_none
