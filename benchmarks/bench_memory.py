@@ -13,6 +13,7 @@ Variants, run side by side in ONE process (absolute times drift between runs; DE
     apollo-bf16              torch.compile(model, backend="apollo", options={"precision": "bf16"});
                              no autocast (apollo's cast pass lowers the compute-bound ops itself)
     apollo-bf16-budget-0.5   ... options={"precision": "bf16", "memory_budget": 0.5}
+    apollo-bf16-budget-0.3   ... options={"precision": "bf16", "memory_budget": 0.3}
     apollo-bf16-budget-0.2   ... options={"precision": "bf16", "memory_budget": 0.2}
 
 Method (shared with bench_step.py, whose helpers this script imports): for each batch size, every
@@ -53,7 +54,8 @@ been reached, so a capped run is the same run) passes, allocated > LIMIT fails.
 Compiles: each compiled variant (inductor-*, apollo-*) costs one compile per main-phase batch and
 per probe (~40 s each on an H200; Inductor's on-disk caches shorten repeats). One command may run at
 most 10 minutes there: the script prints the number of compiles the flags imply before it starts;
-split a run with ``--variants``, ``--skip-search`` and ``--search-probes``.
+split a run with ``--variants``, ``--skip-search``, ``--search-variants`` (which to search, in order)
+and ``--search-probes``.
 
 Results are written after every variant and every probe to ``<out>/memory_results.json`` and
 ``<out>/memory_results.md``; the markdown is printed last. On the CPU (a smoke test only) peak memory
@@ -179,6 +181,8 @@ VARIANTS: dict[str, Variant] = {
         Variant("apollo-bf16", autocast=False, compiler="apollo", options={"precision": "bf16"}),
         Variant("apollo-bf16-budget-0.5", autocast=False, compiler="apollo",
                 options={"precision": "bf16", "memory_budget": 0.5}),
+        Variant("apollo-bf16-budget-0.3", autocast=False, compiler="apollo",
+                options={"precision": "bf16", "memory_budget": 0.3}),
         Variant("apollo-bf16-budget-0.2", autocast=False, compiler="apollo",
                 options={"precision": "bf16", "memory_budget": 0.2}),
     )
@@ -642,9 +646,12 @@ def parse_args(argv=None):
     p.add_argument("--search-probes", type=int, default=4, help="most probe runs per variant (default 4)")
     p.add_argument("--search-steps", type=int, default=2, help="steps after the warm-up in a probe (default 2)")
     p.add_argument("--search-start", type=int, default=64, help="first probe when nothing is measured yet")
+    p.add_argument("--search-variants", nargs="+", choices=list(VARIANTS), metavar="VARIANT",
+                   help="the variants to search, in this order (default: --variants)")
     p.add_argument("--no-compile-cache", action="store_true", help="disable Inductor's on-disk caches")
     args = p.parse_args(argv)
     args.variants = [v for v in VARIANTS if v in args.variants]  # eager first, apollo last
+    args.search_variants = args.search_variants or args.variants
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be >= 1")
     if args.max_batch_search <= 0 or args.search_probes < 0 or args.search_steps < 1 or args.search_start < 1:
@@ -660,16 +667,17 @@ def parse_args(argv=None):
 def announce_plan(args) -> None:
     compiled = [v for v in args.variants if VARIANTS[v].compiled]
     main_compiles = len(args.batch) * len(compiled)
-    search_compiles = 0 if args.skip_search else args.search_probes * len(compiled)
+    searched = [v for v in args.search_variants if VARIANTS[v].compiled]
+    search_compiles = 0 if args.skip_search else args.search_probes * len(searched)
     total = main_compiles + search_compiles
     log(f"compiles: {main_compiles} in the main phase ({len(args.batch)} batches x {len(compiled)} compiled variants)"
         + ("" if args.skip_search else
-           f" + up to {search_compiles} in the search ({args.search_probes} probes x {len(compiled)}; fewer where "
+           f" + up to {search_compiles} in the search ({args.search_probes} probes x {len(searched)}; fewer where "
            f"main-phase results decide)")
         + f" = up to {total}; at ~{COMPILE_S_ESTIMATE} s each on an H200 ~{total * COMPILE_S_ESTIMATE / 60:.1f} min "
         f"of compiling, plus the steps")
     if not args.skip_search:
-        eager = [v for v in args.variants if not VARIANTS[v].compiled]
+        eager = [v for v in args.search_variants if not VARIANTS[v].compiled]
         if eager:
             log(f"search: up to {args.search_probes} probes for each of {len(eager)} eager variants too (seconds each)")
     if total * COMPILE_S_ESTIMATE > 480:
@@ -727,7 +735,7 @@ def main(argv=None) -> int:
     if not args.skip_search:
         log(f"\n=== largest batch within {args.max_batch_search:g} GiB ===")
         fixed_guess = 2 * n_params * 4 / GiB  # fp32 weights + grads, with one main-phase point only
-        for name in args.variants:
+        for name in args.search_variants:
             log(f"--- search, {name}")
             main_rows = [(e["batch"], r) for e in results for r in e["variants"] if r["variant"] == name]
             res: dict[str, Any] = {"variant": name, "records": [], "probes_run": 0}

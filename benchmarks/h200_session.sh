@@ -19,6 +19,9 @@ bash benchmarks/device_cache.sh load
 case "${1:-}" in
   step)      timeout 540 python benchmarks/bench_step.py --batch 8 32 --steps 50 --out "$OUT/step" ;;
   memory)    timeout 540 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --out "$OUT/mem64" ;;
+  memory+search)  # batch 64, then each listed variant's largest batch in 20 GiB (2 probes each; the guard may cut the last)
+             timeout 550 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 --search-variants \
+               eager-bf16-ckpt apollo-bf16-budget-0.2 eager-bf16 eager-fp32 apollo-bf16 inductor-budget-0.5 --out "$OUT/mem64s" ;;
   memory256) timeout 540 python benchmarks/bench_memory.py --batch 256 --skip-search --steps 10 --out "$OUT/mem256" ;;
   search)    timeout 540 python benchmarks/bench_memory.py --batch --search-probes 2 --variants eager-bf16 eager-bf16-ckpt \
                inductor-budget-0.5 apollo-bf16-budget-0.2 --out "$OUT/search" ;;
@@ -26,7 +29,7 @@ case "${1:-}" in
              status=$?
              rm -f "$OUT"/prof/trace_b32.json  # keep batch 8's trace: 8 returned files, 3 go to the cache
              bash benchmarks/device_cache.sh save; exit $status ;;
-  *) echo "usage: $0 step|memory|memory256|search|profile" >&2; exit 2 ;;
+  *) echo "usage: $0 step|memory|memory+search|memory256|search|profile" >&2; exit 2 ;;
 esac
 status=$?
 bash benchmarks/device_cache.sh save
