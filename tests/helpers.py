@@ -73,6 +73,7 @@ def fake_cuda_graphs(monkeypatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
 
     def capture_one(self, fn, pool):

@@ -168,6 +168,7 @@ class CudaGraphRunner:
         self.measured_ms: dict[str, float] = {}  # candidate -> ms per replay, once measured
         self.measuring_left_bytes = 0  # memory still allocated after the candidates were measured
         self.captured_bytes = 0  # allocated by the winner's capture and held: its outputs
+        self.peak_after_capture = 0  # max_memory_allocated once captured: did capture set the peak?
         self.ungraphed_calls = 0  # calls after the first that ran without the CUDA graph
         self.chosen: str | None = None
         self.static_input_idxs = static_input_idxs
@@ -194,6 +195,7 @@ class CudaGraphRunner:
     def summary(self) -> dict:
         return {"replays": self.replays, "chosen": self.chosen, "measured_ms": dict(self.measured_ms),
                 "measuring_left_bytes": self.measuring_left_bytes, "captured_bytes": self.captured_bytes,
+                "peak_after_capture": self.peak_after_capture,
                 "ungraphed_calls": self.ungraphed_calls, "disabled": self.disabled,
                 "lent_moved": self.lent.moved if getattr(self, "lent", None) is not None else 0}
 
@@ -226,6 +228,7 @@ class CudaGraphRunner:
         allocated_before = torch.cuda.memory_allocated()
         graph, outputs = self._capture_one(self.candidates[self.chosen], self.family.pool)
         self.captured_bytes = torch.cuda.memory_allocated() - allocated_before
+        self.peak_after_capture = torch.cuda.max_memory_allocated()  # since the caller's last reset
         self.static_outputs = list(outputs)
         # an output that *is* a fixed input (a parameter saved for backward) is returned as the
         # caller's own tensor, not the capture-time one
@@ -260,7 +263,13 @@ class CudaGraphRunner:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, pool=pool):
-            outputs = fn(list(self.static_inputs))
+            try:
+                outputs = fn(list(self.static_inputs))
+            except BaseException:
+                lanes = getattr(fn, "lane_runtime", None)
+                if lanes is not None:
+                    lanes.join_all()  # so that capture ends cleanly before the error propagates
+                raise
         return graph, outputs
 
     def _choose_candidate(self) -> str:

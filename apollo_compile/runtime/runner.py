@@ -57,4 +57,5 @@ def _load(source: RuntimeSource, compiled: dict, name: str, device: torch.device
     exec(compile(source.text, f"<apollo runtime {name}>", "exec"), namespace)
     run = namespace["run"]
     run._boxed_call = True  # type: ignore[attr-defined]
+    run.lane_runtime = namespace["rt"]  # type: ignore[attr-defined]  (the CUDA-graph runner joins its lanes on errors)
     return run
