@@ -306,13 +306,16 @@ def _run_variant(row: dict, spec: Variant, base: nn.Module, batch: tuple, numeri
 
         bs.synchronize(device)
         t0 = time.perf_counter()
+        row["warmup_peaks_gib"] = []  # the whole-run peak after each warm-up step: which one set it
         for _ in range(args.warmup):
             run_step()
+            row["warmup_peaks_gib"].append(read_peaks(device)[0])
         bs.synchronize(device)
         row["compile_s"] = time.perf_counter() - t0
         warm_alloc, warm_reserved = read_peaks(device)
         log(f"  [{spec.name}] compile + {args.warmup} warm-up steps: {row['compile_s']:.1f} s"
-            + (f", peak so far {warm_alloc:.2f} GiB allocated / {warm_reserved:.2f} reserved" if warm_alloc else ""))
+            + (f", peak so far {warm_alloc:.2f} GiB allocated / {warm_reserved:.2f} reserved (after each "
+               f"step: {', '.join(f'{p:.2f}' for p in row['warmup_peaks_gib'])})" if warm_alloc else ""))
 
         if is_cuda(device):
             torch.cuda.reset_peak_memory_stats(device)

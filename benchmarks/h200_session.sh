@@ -19,6 +19,11 @@ bash benchmarks/device_cache.sh load
 case "${1:-}" in
   step)      timeout 540 python benchmarks/bench_step.py --batch 8 32 --steps 50 --out "$OUT/step" ;;
   memory)    timeout 540 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --out "$OUT/mem64" ;;
+  memorypeak)  # where apollo's whole-run peak comes from (warm-up step peaks, capture), then a capture OOM
+             # (budget 0.2 at batch 512) followed by eager-bf16's search: memory must come back after it
+             timeout 540 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 \
+               --variants eager-fp32 apollo-bf16-budget-0.3 apollo-bf16-budget-0.2 \
+               --search-variants apollo-bf16-budget-0.2 eager-bf16 --out "$OUT/mempeak" ;;
   memory+search)  # batch 64, then each listed variant's largest batch in 20 GiB (2 probes each; the guard may cut the last)
              timeout 550 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 --search-variants \
                eager-bf16-ckpt apollo-bf16-budget-0.2 eager-bf16 eager-fp32 apollo-bf16 inductor-budget-0.5 --out "$OUT/mem64s" ;;
@@ -29,7 +34,7 @@ case "${1:-}" in
              status=$?
              rm -f "$OUT"/prof/trace_b32.json  # keep batch 8's trace: 8 returned files, 3 go to the cache
              bash benchmarks/device_cache.sh save; exit $status ;;
-  *) echo "usage: $0 step|memory|memory+search|memory256|search|profile" >&2; exit 2 ;;
+  *) echo "usage: $0 step|memory|memorypeak|memory+search|memory256|search|profile" >&2; exit 2 ;;
 esac
 status=$?
 bash benchmarks/device_cache.sh save
