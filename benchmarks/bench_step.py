@@ -253,6 +253,9 @@ def free_device_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_cublas is not None:  # each stream a variant used keeps a cuBLAS workspace (~32 MiB) otherwise
+            clear_cublas()
         torch.cuda.empty_cache()
 
 

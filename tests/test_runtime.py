@@ -52,12 +52,31 @@ def test_one_lane_candidate_has_no_streams_and_the_same_launch_order():
     assert launches == single_launches
 
 
-def test_a_run_that_raised_does_not_keep_its_cross_lane_values():
-    """keep_alive holds values until the join; a run that raised never reaches it, so the next
-    run's fork lets them go (a caller retrying after an OOM must get that memory back)."""
-    from apollo_compile.runtime.streams import LaneRuntime
+def test_a_run_that_raised_lets_go_of_its_cross_lane_values(monkeypatch):
+    """keep_alive holds values until the join; a run that raises (an OOM) never reaches it. The
+    loaded runtime then joins its lanes (so a CUDA-graph capture can end) and drops what it held:
+    plans keep their runtimes, so anything left held stays allocated (1.3 GiB on the H200)."""
+    from apollo_compile.passes.codegen import RuntimeSource
+    from apollo_compile.runtime.runner import _load
 
-    rt = LaneRuntime([1], [], torch.device("cpu"))
-    rt.held.append((torch.ones(3),))  # as a run on CUDA leaves it when it raises mid-way
-    rt.fork([1])
-    assert rt.held == []
+    program = ("def run(args):\n    (x,) = args\n    args.clear()\n    rt.fork([1])\n"
+               "    rt.keep_alive(1, x)\n    raise MemoryError('out of memory midway')\n")
+    run = _load(RuntimeSource(program, side_lanes=[1]), {}, "g", torch.device("cpu"))
+    rt = run.lane_runtime
+    rt.cuda = True  # as on a GPU, with the CUDA calls stubbed: CPU runs keep nothing
+    waits = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            waits.append((self.name, other.name))
+
+    rt.streams = {1: Stream("side")}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream("main"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    with pytest.raises(MemoryError):
+        run([torch.ones(3)])
+    assert rt.held == [] and waits == [("side", "main"), ("main", "side")]  # fork, then the join on the error

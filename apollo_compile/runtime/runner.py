@@ -55,7 +55,15 @@ def _load(source: RuntimeSource, compiled: dict, name: str, device: torch.device
     recorded = sorted({op.subgraph for op in source.ops if op.kind in ("wait", "join")})
     namespace = dict(compiled, rt=LaneRuntime(source.side_lanes, recorded, device, quotas))
     exec(compile(source.text, f"<apollo runtime {name}>", "exec"), namespace)
-    run = namespace["run"]
+    program, rt = namespace["run"], namespace["rt"]
+
+    def run(args: list) -> list:
+        try:
+            return program(args)
+        except BaseException:
+            rt.abandon()  # join the lanes, drop what the failed run held across them
+            raise
+
     run._boxed_call = True  # type: ignore[attr-defined]
-    run.lane_runtime = namespace["rt"]  # type: ignore[attr-defined]  (the CUDA-graph runner joins its lanes on errors)
+    run.lane_runtime = rt  # type: ignore[attr-defined]
     return run

@@ -46,11 +46,6 @@ class LaneRuntime:
 
     def fork(self, lanes: list[int]) -> None:
         """Side lanes wait for everything already queued on the caller's stream (inputs)."""
-        if self.held:  # the last run raised before its join (an OOM, say): once its kernels are
-            # done, what it held may go; otherwise a caller retrying smaller would still hold it
-            if self.cuda:
-                torch.cuda.synchronize()
-            self.held.clear()
         if self.cuda:
             main = torch.cuda.current_stream()
             for lane in lanes:
@@ -77,15 +72,23 @@ class LaneRuntime:
         if self.cuda:
             self.held.append(values)
 
-    def join_all(self) -> None:
-        """The caller's stream waits for every side lane: a capture that raised midway (an OOM)
-        can then end cleanly. Ending it with side work unjoined fails, and the allocator is left
-        routing memory to the graph's pool: the H200 search saw 10 GiB stay "allocated in private
-        pools" for the rest of the process."""
-        if self.cuda:
-            main = torch.cuda.current_stream()
-            for stream in self.streams.values():
-                main.wait_stream(stream)
+    def abandon(self) -> None:
+        """A run raised midway (an OOM): join every side lane into the caller's stream and let go
+        of what the run held across lanes.
+
+        Under CUDA-graph capture the join lets capture end cleanly; ending it with side work
+        unjoined fails and leaves the graph's pool allocated (the H200 batch search saw 10 GiB stay
+        "allocated in private pools" for the rest of the process). Outside capture the held values
+        go once the device is idle; kept, they would stay allocated for as long as the plan that
+        holds this runtime (1.3 GiB after an OOM in that search)."""
+        if not self.cuda:
+            return
+        main = torch.cuda.current_stream()
+        for stream in self.streams.values():
+            main.wait_stream(stream)
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        self.held.clear()
 
     def release(self) -> None:
         """Called after the join: every cross-lane reader is done, in stream order."""
