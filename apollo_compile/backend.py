@@ -24,6 +24,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import RestartAnalysis
 
 from . import plan as plan_store
+from .annotations import info
 from .devices import DEVICE_SPECS, DeviceSpec, detect_device_spec
 from . import calibration, logs, pipeline
 from .fallback import ApolloFallbackWarning
@@ -102,6 +103,9 @@ def compile_graph(
     """Plan and build one ATen graph; on failure fall back for this graph only."""
     graph_name = f"{name}_{kind}"
     ctx = GraphContext(graph_name, kind, options, spec)
+    forward = model_plan.graphs.get("forward")
+    if kind == "backward" and forward is not None:
+        ctx.forward_modalities = {n.name: info(n).modality for n in forward.gm.graph.nodes if n.op != "output"}
     graph_plan = GraphPlan(graph_name, kind, spec.name, gm, ctx.decisions)
     model_plan.graphs[kind] = graph_plan
     try:

@@ -54,6 +54,8 @@ class GraphContext:
     device: DeviceSpec
     decisions: dict[str, Any] = field(default_factory=dict)
     timings_ms: dict[str, float] = field(default_factory=dict)
+    # backward only: the forward graph's labels by node name (saved values, recomputed ops)
+    forward_modalities: dict[str, str] | None = None
 
 
 # Tests turn this on: after every pass, verify.verify() checks the invariants and a violation

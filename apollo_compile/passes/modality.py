@@ -5,6 +5,12 @@ Reads ``nn_module_stack`` (forward, and forward ops recomputed in the backward) 
 Writes ``NodeInfo.modality`` and ``NodeInfo.recomputed``.
 
 Rules, in order:
+0. In a backward, a value the forward computed (a saved activation, an op recomputed under a
+   memory budget) keeps the label the forward gave it, found by node name (the partitioner keeps
+   the joint graph's names). Labelling it afresh would see only backward users: with the
+   contrastive loss recomputed from the saved logits, nothing in the loss region has a module path
+   or a labelled input, the whole region took one tower's label from its users, and the other
+   tower's gradients waited for that tower's lane (the H200 ran lanes no faster than one stream).
 1. A node that ran inside a submodule takes that submodule's modality: with the ``modalities``
    option, the name of the longest matching module-path prefix; without it, the name of the
    top-level submodule (``vision``, ``text``, ...). A path no prefix matches gets no seed.
@@ -71,9 +77,15 @@ def _merge(labels) -> str | None:
 
 def run(gm: torch.fx.GraphModule, ctx) -> dict:
     modalities = ctx.options.modalities
+    from_forward = getattr(ctx, "forward_modalities", None) or {}
     nodes = list(gm.graph.nodes)
     for node in nodes:
         ann = info(node)
+        if node.name in from_forward and (node.op == "placeholder" or node.meta.get("partitioner_tag") == "is_forward"):
+            ann.recomputed = node.op == "call_function"
+            ann.cast = casts.cast_mark(node)
+            ann.modality = from_forward[node.name]
+            continue
         # the partitioner tags forward values it hands the backward too (placeholders): only ops
         # the backward runs are recomputed
         ann.recomputed = (ctx.kind == "backward" and node.op == "call_function"
