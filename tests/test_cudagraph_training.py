@@ -95,3 +95,28 @@ def test_gradient_accumulation_through_the_runner(runners, set_to_none):
     forward, backward = runners
     assert backward.replays == 5 and backward.ungraphed_calls == 0 and forward.ungraphed_calls == 0
     assert (backward.summary()["lent_moved"] > 0) == set_to_none
+
+
+def test_input_gradients_kept_across_steps_are_moved_not_overwritten(runners):
+    """An input that requires grad (saliency maps, adversarial steps): its .grad is the backward
+    graph's memory too. Kept across later steps, it is moved to a copy, never overwritten."""
+    torch.manual_seed(0)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager"})
+    kept, expected = [], []
+    for step in range(4):
+        images, tokens = two_tower_inputs(seed=step)
+        ref_images = images.clone().requires_grad_()
+        images.requires_grad_()
+        compiled(images, tokens).backward()
+        ref(ref_images, tokens).backward()
+        kept.append(images)
+        expected.append(ref_images.grad)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    for step, (images, grad) in enumerate(zip(kept, expected)):
+        torch.testing.assert_close(images.grad, grad, **TOLERANCE["eager"], msg=lambda m: f"step {step}: {m}")
+    forward, backward = runners
+    assert forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
+    assert backward.summary()["lent_moved"] == 2  # steps 1 and 2 were replays kept past the next one

@@ -38,6 +38,7 @@ such path is correct and warns once.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 import weakref
@@ -105,6 +106,7 @@ class GraphFamily:
         self.pending: list[weakref.ref] = []  # aliases handed out by the last forward replay
         self.lent: LentOutputs | None = None  # the backward's gradients, handed out in the pool
         self.grad_owners: list[weakref.ref] = []  # the forward's parameters, whose .grad they become
+        self.input_owners: list[weakref.ref] = []  # the last forward replay's inputs that require grad
 
     def forward_outputs_alive(self) -> bool:
         return any(ref() is not None for ref in self.pending)
@@ -135,15 +137,16 @@ class LentOutputs:
     def lend(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return list(map(torch.Tensor.detach, tensors))
 
-    def reclaim(self, owners: list[weakref.ref]) -> bool:
-        """Make the storages safe to overwrite: move the ``.grad`` of `owners` (the parameters) out
-        of them. False if something else still holds one (a view of a gradient, say)."""
+    def reclaim(self, *owners: list[weakref.ref]) -> bool:
+        """Make the storages safe to overwrite: move the ``.grad`` of `owners` (parameters, inputs
+        that require grad) out of them. False if something else still holds one (a view of a
+        gradient, say)."""
         counts = list(map(_use_count, self.cdatas))
         if counts == self.baseline:
             return True
         held = {c for c, n, base in zip(self.cdatas, counts, self.baseline) if n != base}
         with torch.no_grad():
-            for ref in owners:
+            for ref in itertools.chain(*owners):
                 p = ref()
                 g = None if p is None else p.grad
                 if g is not None and g.untyped_storage()._cdata in held:
@@ -314,6 +317,8 @@ class CudaGraphRunner:
     def _replay(self, args: list) -> list:
         for i in self.copy_idxs:
             self.static_inputs[i].copy_(args[i])
+        if self.kind == "forward":  # a user input's .grad is the backward's memory too (saliency, say)
+            self.family.input_owners = [weakref.ref(args[i]) for i in self.copy_idxs if args[i].requires_grad]
         self.graph.replay()
         self.replays += 1
         outs = list(self.static_outputs)
@@ -356,7 +361,8 @@ class CudaGraphRunner:
             self._warn_once("moved", "an input captured in place (a parameter or a saved activation) "
                                      "now lives at another address")
             return self._eager(args)
-        if self.family.lent is not None and not self.family.lent.reclaim(self.family.grad_owners):
+        if self.family.lent is not None and not self.family.lent.reclaim(self.family.grad_owners,
+                                                                           self.family.input_owners):
             self._warn_once("lent", "a gradient the previous backward handed out in the graph's memory is "
                                     "still referenced through a view or another tensor")
             return self._eager(args)
