@@ -125,12 +125,12 @@ class LentOutputs:
     gradient is found through the parameters it belongs to, not through what we handed out."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.storages = []  # held, so that the counts we compare never lose a holder of ours
+        storages = {}  # cdata -> storage, held so that the counts we compare never lose a holder of ours
         for t in tensors:
             storage = t.untyped_storage()
-            if all(storage._cdata != s._cdata for s in self.storages):
-                self.storages.append(storage)
-        self.cdatas = [s._cdata for s in self.storages]
+            storages.setdefault(storage._cdata, storage)
+        self.storages = list(storages.values())
+        self.cdatas = list(storages)
         self.baseline = list(map(_use_count, self.cdatas))
         self.moved = 0  # gradients moved to a copy because they were still held at a later replay
 
