@@ -22,9 +22,10 @@ handed out in the pool's own memory as fresh aliases that AccumulateGrad can ste
 (a copy would hold every gradient twice: 0.56 GiB and 0.3 ms a step for the benchmark model).
 Before any replay of the family (the forward's temporaries share the pool with them too), the
 lent storages' use counts are compared with their counts at capture, as CUDA-graph trees check
-their outputs' liveness. Dropped (``zero_grad(set_to_none=True)``): nothing to do. Held only by
-our aliases (gradient accumulation, ``set_to_none=False``): each alias is moved to a copy
-(``alias.data = alias.clone()``), the cost the copy-out would have paid every step. Held through
+their outputs' liveness. Dropped (``zero_grad(set_to_none=True)``): nothing to do. Held as the
+``.grad`` of a parameter or of an input that requires grad (gradient accumulation,
+``set_to_none=False``, saliency maps): that ``.grad`` is moved to a copy first
+(``grad.data = grad.clone()``), the cost the copy-out used to pay every step. Held through
 anything else (a view of a ``.grad``): that call runs without the CUDA graph, so nothing is
 overwritten.
 
@@ -120,9 +121,9 @@ class LentOutputs:
     overwrite them (see the NOTE above).
 
     Built once at capture, when only the runner's static outputs hold the storages: their use
-    counts then are the baseline. Each replay lends fresh aliases (one C call per output, no
-    Python loop). AccumulateGrad keeps a detached alias of its own as ``.grad``, so a held
-    gradient is found through the parameters it belongs to, not through what we handed out."""
+    counts then are the baseline. Each replay lends fresh aliases, which AccumulateGrad can steal
+    (it keeps a detached alias of its own as ``.grad``): a held gradient is therefore found through
+    the tensors it is the ``.grad`` of, not through what we handed out."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         storages = {}  # cdata -> storage, held so that the counts we compare never lose a holder of ours
@@ -249,7 +250,6 @@ class CudaGraphRunner:
         self.copied_out_idxs = [j for j in user_visible if j not in set(lend)]
         self.copy_out = OutputCopier([self.static_outputs[j] for j in self.copied_out_idxs])
         self.lent = LentOutputs([self.static_outputs[j] for j in lend]) if lend else None
-        self.lends_all = lend == list(range(len(self.static_outputs)))
         if self.lent is not None:
             self.family.lent = self.lent
         saved = [j for j in tensors if not self._is_user_visible(j)]
@@ -326,9 +326,7 @@ class CudaGraphRunner:
             outs[j] = args[i]
         for j, fresh in zip(self.copied_out_idxs, self.copy_out([outs[j] for j in self.copied_out_idxs])):
             outs[j] = fresh
-        if self.lends_all:  # a backward: hundreds of gradients, no Python loop over them
-            outs = self.lent.lend(outs)
-        elif self.lent is not None:
+        if self.lent is not None:
             for j, alias in zip(self.lent_idxs, self.lent.lend([outs[j] for j in self.lent_idxs])):
                 outs[j] = alias
         if self.sentinel_idx is not None:

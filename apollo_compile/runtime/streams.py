@@ -80,7 +80,8 @@ class LaneRuntime:
         unjoined fails and leaves the graph's pool allocated (the H200 batch search saw 10 GiB stay
         "allocated in private pools" for the rest of the process). Outside capture the held values
         go once the device is idle; kept, they would stay allocated for as long as the plan that
-        holds this runtime (1.3 GiB after an OOM in that search)."""
+        holds this runtime (the likely source of the 1.3 GiB still allocated after that search's
+        OOM, once the capture was fixed)."""
         if not self.cuda:
             return
         main = torch.cuda.current_stream()
