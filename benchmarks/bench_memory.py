@@ -15,6 +15,9 @@ Variants, run side by side in ONE process (absolute times drift between runs; DE
     apollo-bf16-budget-0.5   ... options={"precision": "bf16", "memory_budget": 0.5}
     apollo-bf16-budget-0.3   ... options={"precision": "bf16", "memory_budget": 0.3}
     apollo-bf16-budget-0.2   ... options={"precision": "bf16", "memory_budget": 0.2}
+    apollo-bf16-budget-0.1   ... 0.1 and 0.05: below what checkpointing every block keeps (about
+    apollo-bf16-budget-0.05      0.10 of the plain partition's bytes for the base model), for the
+                                 largest batch within a memory limit
 
 Method (shared with bench_step.py, whose helpers this script imports): for each batch size, every
 variant gets a deep copy of one fp32 model built on the CPU from a fixed seed, moved to the device;
@@ -185,6 +188,10 @@ VARIANTS: dict[str, Variant] = {
                 options={"precision": "bf16", "memory_budget": 0.3}),
         Variant("apollo-bf16-budget-0.2", autocast=False, compiler="apollo",
                 options={"precision": "bf16", "memory_budget": 0.2}),
+        Variant("apollo-bf16-budget-0.1", autocast=False, compiler="apollo",
+                options={"precision": "bf16", "memory_budget": 0.1}),
+        Variant("apollo-bf16-budget-0.05", autocast=False, compiler="apollo",
+                options={"precision": "bf16", "memory_budget": 0.05}),
     )
 }
 

@@ -6,6 +6,7 @@
 #   run(command="bash benchmarks/h200_session.sh memory",  carry=[".device_cache"])   # issue 4, batch 64
 #   run(command="bash benchmarks/h200_session.sh memory+search ...")                  # batch 64 + 20 GiB search
 #   run(command="bash benchmarks/h200_session.sh memorypeak ...")                     # where apollo's peak is set
+#   run(command="bash benchmarks/h200_session.sh lowbudget ...")                      # budget 0.05 vs per-block ckpt
 #   run(command="bash benchmarks/h200_session.sh memory256 ...")                      # issue 4, batch 256
 #   run(command="bash benchmarks/h200_session.sh search ...")                         # 20 GiB search only
 #   run(command="bash benchmarks/h200_session.sh profile ...")                        # the timeline
@@ -30,6 +31,10 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 \
                --variants eager-fp32 apollo-bf16-budget-0.3 apollo-bf16-budget-0.2 \
                --search-variants apollo-bf16-budget-0.2 eager-bf16 --out "$OUT/mempeak" ;;
+  lowbudget)  # issue 4's largest-batch target: budgets below per-block checkpointing, searched against it
+             timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 \
+               --variants eager-fp32 eager-bf16-ckpt apollo-bf16-budget-0.05 \
+               --search-variants eager-bf16-ckpt apollo-bf16-budget-0.05 --out "$OUT/lowbudget" ;;
   memory+search)  # batch 64, then each listed variant's largest batch in 20 GiB (2 probes each; the guard may cut the last)
              timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 --search-variants \
                eager-bf16-ckpt eager-bf16 eager-fp32 inductor-budget-0.5 apollo-bf16-budget-0.2 apollo-bf16 --out "$OUT/mem64s" ;;
@@ -40,7 +45,7 @@ case "${1:-}" in
              status=$?
              rm -f "$OUT"/prof/trace_b32.json  # keep batch 8's trace: 8 returned files, 3 go to the cache
              bash benchmarks/device_cache.sh save; exit $status ;;
-  *) echo "usage: $0 step|memory|memorypeak|memory+search|memory256|search|profile" >&2; exit 2 ;;
+  *) echo "usage: $0 step|memory|memorypeak|lowbudget|memory+search|memory256|search|profile" >&2; exit 2 ;;
 esac
 status=$?
 bash benchmarks/device_cache.sh save

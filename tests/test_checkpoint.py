@@ -49,7 +49,7 @@ def recomputed_rows(listing: str) -> dict[str, str]:
     return {n: m for n, m in mods.items() if m.endswith("*") and ops[n] != "placeholder"}
 
 
-@pytest.mark.parametrize("budget", [1.0, 0.5, 0.2])
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.2, 0.1])
 def test_budget_trains_like_eager_and_is_honoured(budget):
     torch.manual_seed(0)
     with warnings.catch_warnings():
