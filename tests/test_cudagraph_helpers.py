@@ -188,3 +188,17 @@ def test_a_view_of_a_lent_gradient_keeps_the_graph_from_overwriting_it(monkeypat
     del view, grads
     runner([saved, torch.tensor(4.0)])  # released: replays again
     assert runner.replays == 2
+
+
+def test_concurrency_is_replayed_only_where_it_pays():
+    """A candidate with lanes (or SM quotas) must beat one stream by min_gain: within noise, one
+    stream wins, since two lanes hold both towers' temporaries at once."""
+    from apollo_compile.runtime.cudagraph import fastest
+
+    # the H200's budget-0.2 backward (ms per replay) and its forward
+    assert fastest({"lanes": 21.633, "one_lane": 21.636}, 0.01) == "one_lane"
+    assert fastest({"lanes": 7.10, "one_lane": 7.73}, 0.01) == "lanes"
+    assert fastest({"lanes": 15.45, "one_lane": 16.42, "quota:1=24,2=96": 21.24}, 0.01) == "lanes"
+    assert fastest({"lanes": 10.0, "one_lane": 11.0, "quota:1=96,2=32": 9.5}, 0.01) == "quota:1=96,2=32"
+    assert fastest({"lanes": 12.0, "one_lane": 11.0}, 0.01) == "one_lane"
+    assert fastest({"lanes": 3.0}, 0.01) == "lanes"  # no one-stream candidate: the fastest
