@@ -15,6 +15,9 @@ Variants, run side by side in ONE process (absolute times drift between runs; DE
     apollo-bf16-budget-0.5   ... options={"precision": "bf16", "memory_budget": 0.5}
     apollo-bf16-budget-0.3   ... options={"precision": "bf16", "memory_budget": 0.3}
     apollo-bf16-budget-0.2   ... options={"precision": "bf16", "memory_budget": 0.2}
+    apollo-bf16-budget-0.3-bytes-per-us
+                             budget 0.3, recompute chosen by bytes freed per microsecond alone
+                             (checkpoint.MEMORY_BOUND_FIRST = False: matmuls are not kept last)
     apollo-bf16-budget-0.1   ... 0.1 and 0.05: below what checkpointing every block keeps (about
     apollo-bf16-budget-0.05      0.10 of the plain partition's bytes for the base model), for the
                                  largest batch within a memory limit
@@ -87,6 +90,7 @@ import platform
 import sys
 import time
 import traceback
+import unittest.mock
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -122,6 +126,7 @@ class Variant:
     checkpoint_blocks: bool = False  # torch.utils.checkpoint around every clip.Block
     functorch_budget: float | None = None  # torch._functorch.config.activation_memory_budget
     tf32: bool = True  # False: TF32 off for matmuls and convolutions (true fp32)
+    memory_bound_first: bool = True  # apollo's checkpoint order (checkpoint.MEMORY_BOUND_FIRST)
 
     @property
     def compiled(self) -> bool:
@@ -143,6 +148,8 @@ class Variant:
             parts.append(f"backend=apollo, options={self.options}")
         if not self.tf32:
             parts.append("TF32 off")
+        if not self.memory_bound_first:
+            parts.append("recompute order: bytes freed per microsecond alone (matmuls not last)")
         return ", ".join(parts)
 
     @contextlib.contextmanager
@@ -155,6 +162,10 @@ class Variant:
                 import torch._functorch.config as functorch_config
 
                 stack.enter_context(functorch_config.patch(activation_memory_budget=self.functorch_budget))
+            if not self.memory_bound_first:
+                from apollo_compile.passes import checkpoint
+
+                stack.enter_context(unittest.mock.patch.object(checkpoint, "MEMORY_BOUND_FIRST", False))
             yield
 
     def prepare(self, model: nn.Module) -> Callable[..., torch.Tensor]:
@@ -188,6 +199,8 @@ VARIANTS: dict[str, Variant] = {
                 options={"precision": "bf16", "memory_budget": 0.3}),
         Variant("apollo-bf16-budget-0.2", autocast=False, compiler="apollo",
                 options={"precision": "bf16", "memory_budget": 0.2}),
+        Variant("apollo-bf16-budget-0.3-bytes-per-us", autocast=False, compiler="apollo",
+                options={"precision": "bf16", "memory_budget": 0.3}, memory_bound_first=False),
         Variant("apollo-bf16-budget-0.1", autocast=False, compiler="apollo",
                 options={"precision": "bf16", "memory_budget": 0.1}),
         Variant("apollo-bf16-budget-0.05", autocast=False, compiler="apollo",

@@ -25,7 +25,9 @@ python -c "import torch; print('torch', torch.__version__)"
 bash benchmarks/device_cache.sh load
 case "${1:-}" in
   step)      timeout 540 python benchmarks/bench_step.py --batch 8 32 --steps 50 --out "$OUT/step" ;;
-  memory)    timeout 540 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --out "$OUT/mem64" ;;
+  memory)    timeout 520 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
+               eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.5 apollo-bf16-budget-0.3 \
+               apollo-bf16-budget-0.3-bytes-per-us apollo-bf16-budget-0.2 --out "$OUT/mem64" ;;
   memorypeak)  # where apollo's whole-run peak comes from (warm-up step peaks, capture), then a capture OOM
              # (budget 0.2 at batch 512) followed by eager-bf16's search: memory must come back after it
              timeout 540 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 \

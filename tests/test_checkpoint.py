@@ -110,6 +110,18 @@ def test_recomputation_keeps_the_towers_backward_side_by_side(budget):
     assert concurrent < 0.8 * serial
 
 
+def test_bytes_per_microsecond_order_trains_like_eager_and_meets_the_budget(monkeypatch):
+    """MEMORY_BOUND_FIRST = False (matmuls compete on bytes per microsecond; an experiment the
+    benchmark runs): the same guarantees, a plan of its own."""
+    torch.manual_seed(0)
+    monkeypatch.setattr(checkpoint, "MEMORY_BOUND_FIRST", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        assert_trains_like_eager(TwoTower(), batches, {**EAGER, "memory_budget": 0.3}, steps=2)
+    decision = apollo_compile.last_plan().joint["checkpoint"]
+    assert decision.met and decision.added and decision.bytes_after <= decision.targets["*"]
+
+
 def test_cheap_memory_bound_ops_go_first():
     """At a mild budget only memory-bound ops are recomputed; matmuls and attention stay saved."""
     torch.manual_seed(0)
