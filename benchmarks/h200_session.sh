@@ -24,13 +24,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python -c "import torch; print('torch', torch.__version__)"
 bash benchmarks/device_cache.sh load
 case "${1:-}" in
-  step)      timeout 540 python benchmarks/bench_step.py --batch 8 32 --steps 50 --out "$OUT/step" ;;
+  step)      timeout 520 python benchmarks/bench_step.py --batch 8 32 --steps 50 --out "$OUT/step" ;;
   memory)    timeout 520 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
                eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.5 apollo-bf16-budget-0.3 \
                apollo-bf16-budget-0.3-bytes-per-us apollo-bf16-budget-0.2 --out "$OUT/mem64" ;;
   memorypeak)  # where apollo's whole-run peak comes from (warm-up step peaks, capture), then a capture OOM
              # (budget 0.2 at batch 512) followed by eager-bf16's search: memory must come back after it
-             timeout 540 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 \
+             timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 \
                --variants eager-fp32 apollo-bf16-budget-0.3 apollo-bf16-budget-0.2 \
                --search-variants apollo-bf16-budget-0.2 eager-bf16 --out "$OUT/mempeak" ;;
   lowbudget)  # issue 4's largest-batch target: budgets below per-block checkpointing, searched against it
@@ -38,12 +38,15 @@ case "${1:-}" in
                --variants eager-fp32 eager-bf16-ckpt apollo-bf16-budget-0.05 \
                --search-variants eager-bf16-ckpt apollo-bf16-budget-0.05 --out "$OUT/lowbudget" ;;
   memory+search)  # batch 64, then each listed variant's largest batch in 20 GiB (2 probes each; the guard may cut the last)
-             timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 --search-variants \
+             timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 --variants eager-fp32 \
+               eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.2 --search-variants \
                eager-bf16-ckpt eager-bf16 eager-fp32 inductor-budget-0.5 apollo-bf16-budget-0.2 apollo-bf16 --out "$OUT/mem64s" ;;
-  memory256) timeout 540 python benchmarks/bench_memory.py --batch 256 --skip-search --steps 10 --out "$OUT/mem256" ;;
-  search)    timeout 540 python benchmarks/bench_memory.py --batch --search-probes 2 --variants eager-bf16 eager-bf16-ckpt \
+  memory256) timeout 520 python benchmarks/bench_memory.py --batch 256 --skip-search --steps 10 --variants eager-fp32 \
+               eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.5 apollo-bf16-budget-0.2 \
+               --out "$OUT/mem256" ;;
+  search)    timeout 520 python benchmarks/bench_memory.py --batch --search-probes 2 --variants eager-bf16 eager-bf16-ckpt \
                inductor-budget-0.5 apollo-bf16-budget-0.2 --out "$OUT/search" ;;
-  profile)   timeout 540 python benchmarks/profile_step.py --batch 8 32 --compare inductor-ro apollo-1lane --out "$OUT/prof"
+  profile)   timeout 520 python benchmarks/profile_step.py --batch 8 32 --compare inductor-ro apollo-1lane --out "$OUT/prof"
              status=$?
              rm -f "$OUT"/prof/trace_b32.json  # keep batch 8's trace: 8 returned files, 3 go to the cache
              bash benchmarks/device_cache.sh save; exit $status ;;
