@@ -2,6 +2,7 @@
 # The H200 runs the open issues need, cut to fit the device tool: one phase per call (10 minutes
 # at most), results under $OUT, the compile cache carried from call to call (device_cache.sh).
 #
+#   run(command="bash benchmarks/h200_session.sh smoke")                              # 1 min: runner correct?
 #   run(command="bash benchmarks/h200_session.sh step",    carry=[".device_cache"])   # issue 3 table
 #   run(command="bash benchmarks/h200_session.sh memory",  carry=[".device_cache"])   # issue 4, batch 64
 #   run(command="bash benchmarks/h200_session.sh memory+search ...")                  # batch 64 + 20 GiB search
@@ -24,6 +25,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python -c "import torch; print('torch', torch.__version__)"
 bash benchmarks/device_cache.sh load
 case "${1:-}" in
+  smoke)     timeout 120 python benchmarks/smoke_gpu.py; exit $? ;;  # no compile cache needed (eager subgraphs)
   step)      timeout 520 python benchmarks/bench_step.py --batch 8 32 --steps 50 --out "$OUT/step" ;;
   memory)    timeout 520 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
                eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.5 apollo-bf16-budget-0.3 \
@@ -50,7 +52,7 @@ case "${1:-}" in
              status=$?
              rm -f "$OUT"/prof/trace_b32.json  # keep batch 8's trace: 8 returned files, 3 go to the cache
              bash benchmarks/device_cache.sh save; exit $status ;;
-  *) echo "usage: $0 step|memory|memorypeak|lowbudget|memory+search|memory256|search|profile" >&2; exit 2 ;;
+  *) echo "usage: $0 smoke|step|memory|memorypeak|lowbudget|memory+search|memory256|search|profile" >&2; exit 2 ;;
 esac
 status=$?
 bash benchmarks/device_cache.sh save
