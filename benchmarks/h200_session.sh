@@ -35,8 +35,9 @@ case "${1:-}" in
              timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 \
                --variants eager-fp32 apollo-bf16-budget-0.3 apollo-bf16-budget-0.2 \
                --search-variants apollo-bf16-budget-0.2 eager-bf16 --out "$OUT/mempeak" ;;
-  lowbudget)  # issue 4's largest-batch target: budgets below per-block checkpointing, searched against it
-             timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 \
+  lowbudget)  # issue 4's largest-batch target: budget 0.05 (below per-block checkpointing) searched against it;
+             # 3 probes: both may land in [1024, 2048), which 2 probes cannot split
+             timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 3 \
                --variants eager-fp32 eager-bf16-ckpt apollo-bf16-budget-0.05 \
                --search-variants eager-bf16-ckpt apollo-bf16-budget-0.05 --out "$OUT/lowbudget" ;;
   memory+search)  # batch 64, then each listed variant's largest batch in 20 GiB (2 probes each; the guard may cut the last)
