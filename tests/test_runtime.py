@@ -1,5 +1,7 @@
 """The generated runtimes compute exactly what the graph computes, whatever the lane layout."""
 
+import re
+
 import pytest
 import torch
 
@@ -80,3 +82,20 @@ def test_a_run_that_raised_lets_go_of_its_cross_lane_values(monkeypatch):
     with pytest.raises(MemoryError):
         run([torch.ones(3)])
     assert rt.held == [] and waits == [("side", "main"), ("main", "side")]  # fork, then the join on the error
+
+def test_memory_plan_keeps_values_read_across_lanes_until_the_join():
+    """The runtime holds a value another lane reads until every side lane has joined
+    (rt.keep_alive ... rt.release()); the plan must not let anything reuse its bytes earlier.
+    (It once freed them after their last reader: a plan the runtime did not follow.)"""
+    torch.manual_seed(0)
+    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
+    compiled(*two_tower_inputs()).backward()
+    plan = apollo_compile.last_plan().backward
+    lanes, memory = plan.decisions["lanes"], plan.decisions["memory"]
+    read_across = [p.buffer for p in memory.placements
+                   if any(c != "output" and lanes.lane_of(c) != p.buffer.lane for c in p.buffer.consumers)]
+    assert read_across, "the two-tower backward has values read across lanes"
+    assert all("output" in b.consumers for b in read_across)
+    runtime = plan.runtime_source
+    for b in read_across:  # and the generated runtime does keep each of them until its release
+        assert re.search(rf"rt\.keep_alive\(\d+,[^)]*\b{re.escape(b.name)}\b", runtime), b.name

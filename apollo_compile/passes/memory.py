@@ -5,6 +5,9 @@ Reads the :class:`~apollo_compile.passes.lanes.LanePlan` and ``meta["val"]``; re
 producing subgraph to the last of its consumers in happens-before order over the concurrent
 schedule (``memory_plan`` explains why program order is not enough). Graph outputs are consumed
 by a sink, ``"output"``, ordered after every subgraph, so they never share bytes with anything.
+A buffer another lane reads is consumed by the sink too: the runtime holds such values until the
+main lane has joined every side lane (``rt.keep_alive`` ... ``rt.release()``, see codegen), and
+the plan describes that lifetime, not a shorter one the runtime does not keep.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def buffers_of(plan: LanePlan) -> list[Buffer]:
     for sg in plan.subgraphs:
         for n in sg.outputs:
             consumers = sorted({info(u).subgraph for u in n.users if info(u).subgraph not in (None, sg.id)})
-            if any(u.op == "output" for u in n.users):
+            read_across = any(plan.lane_of(c) != sg.lane for c in consumers)
+            if read_across or any(u.op == "output" for u in n.users):
                 consumers.append(OUTPUT)
             buffers.append(Buffer(n.name, value_nbytes(n), sg.id, tuple(consumers), sg.lane))
     return buffers
