@@ -120,3 +120,24 @@ def test_input_gradients_kept_across_steps_are_moved_not_overwritten(runners):
     forward, backward = runners
     assert forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
     assert backward.summary()["lent_moved"] == 2  # steps 1 and 2 were replays kept past the next one
+
+
+def test_gradients_from_autograd_grad_kept_across_steps_are_moved_not_overwritten(runners):
+    """torch.autograd.grad hands out the backward's outputs as they are (no .grad involved): kept
+    past the next step (a gradient penalty's history, say), they are moved to a copy, never
+    overwritten, and the graph keeps replaying."""
+    torch.manual_seed(0)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager"})
+    kept, expected = [], []
+    for step in range(4):
+        inputs = two_tower_inputs(seed=step)
+        kept.append(torch.autograd.grad(compiled(*inputs), list(model.parameters())))
+        expected.append(torch.autograd.grad(ref(*inputs), list(ref.parameters())))
+    for step, (grads, ref_grads) in enumerate(zip(kept, expected)):
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, **TOLERANCE["eager"], msg=lambda m: f"step {step}: {m}")
+    forward, backward = runners
+    assert forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
+    assert backward.summary()["lent_moved"] > 0

@@ -24,8 +24,9 @@ Before any replay of the family (the forward's temporaries share the pool with t
 lent storages' use counts are compared with their counts at capture, as CUDA-graph trees check
 their outputs' liveness. Dropped (``zero_grad(set_to_none=True)``): nothing to do. Held as the
 ``.grad`` of a parameter or of an input that requires grad (gradient accumulation,
-``set_to_none=False``, saliency maps): that ``.grad`` is moved to a copy first
-(``grad.data = grad.clone()``), the cost the copy-out used to pay every step. Held through
+``set_to_none=False``, saliency maps), or as the alias we lent (``torch.autograd.grad``'s
+results): that tensor is moved to a copy first (``t.data = t.clone()``), the cost the copy-out
+used to pay every step. Held through
 anything else (a view of a ``.grad``): that call runs without the CUDA graph, so nothing is
 overwritten.
 
@@ -146,24 +147,26 @@ class LentOutputs:
         self.cdatas = list(storages)
         self.baseline = list(map(_use_count, self.cdatas))
         self.moved = 0  # gradients moved to a copy because they were still held at a later replay
+        self.aliases: list[weakref.ref] = []  # the last replay's, held by whoever took them as they are
 
     def lend(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(map(torch.Tensor.detach, tensors))
+        aliases = list(map(torch.Tensor.detach, tensors))
+        self.aliases = list(map(weakref.ref, aliases))  # torch.autograd.grad hands these out unchanged
+        return aliases
 
     def reclaim(self, *owners: list[weakref.ref]) -> bool:
         """Make the storages safe to overwrite: move the ``.grad`` of `owners` (parameters, inputs
-        that require grad) out of them. False if something else still holds one (a view of a
-        gradient, say)."""
+        that require grad), and the aliases we lent that are still alive (``torch.autograd.grad``'s
+        results), out of them. False if something else still holds one (a view of a gradient)."""
         counts = list(map(_use_count, self.cdatas))
         if counts == self.baseline:
             return True
         held = {c for c, n, base in zip(self.cdatas, counts, self.baseline) if n != base}
+        grads = (None if (p := ref()) is None else p.grad for ref in itertools.chain(*owners))
         with torch.no_grad():
-            for ref in itertools.chain(*owners):
-                p = ref()
-                g = None if p is None else p.grad
-                if g is not None and g.untyped_storage()._cdata in held:
-                    g.data = g.clone()  # every reference to this .grad follows it to the copy
+            for t in itertools.chain(grads, (ref() for ref in self.aliases)):
+                if t is not None and t.untyped_storage()._cdata in held:
+                    t.data = t.clone()  # every reference to this tensor follows it to the copy
                     self.moved += 1
         return list(map(_use_count, self.cdatas)) == self.baseline
 
