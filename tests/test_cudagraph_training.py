@@ -41,12 +41,17 @@ def runners(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
-def test_training_through_the_runner_equals_eager(runners, compiler):
+def twins(compiler: str):
+    """(model, its eager twin with the same weights, the model compiled with apollo)."""
     torch.manual_seed(0)
     model = TwoTower()
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": compiler})
+    return model, ref, torch.compile(model, backend="apollo", options={"subgraph_compiler": compiler})
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_training_through_the_runner_equals_eager(runners, compiler):
+    model, ref, compiled = twins(compiler)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     losses = []
     for step in range(5):
@@ -77,10 +82,7 @@ def test_gradient_accumulation_through_the_runner(runners, set_to_none):
     replay. With set_to_none=True the first micro-batch's .grad is the graph's own buffer (stolen by
     AccumulateGrad), moved out of the graph's memory before the next replay; with False, .grad
     lives on from the eager first call and the graph's gradients are only added into it."""
-    torch.manual_seed(0)
-    model = TwoTower()
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager"})
+    model, ref, compiled = twins("eager")
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     for step in range(3):
         for micro in range(2):
@@ -100,10 +102,7 @@ def test_gradient_accumulation_through_the_runner(runners, set_to_none):
 def test_input_gradients_kept_across_steps_are_moved_not_overwritten(runners):
     """An input that requires grad (saliency maps, adversarial steps): its .grad is the backward
     graph's memory too. Kept across later steps, it is moved to a copy, never overwritten."""
-    torch.manual_seed(0)
-    model = TwoTower()
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager"})
+    model, ref, compiled = twins("eager")
     kept, expected = [], []
     for step in range(4):
         images, tokens = two_tower_inputs(seed=step)
@@ -126,10 +125,7 @@ def test_gradients_from_autograd_grad_kept_across_steps_are_moved_not_overwritte
     """torch.autograd.grad hands out the backward's outputs as they are (no .grad involved): kept
     past the next step (a gradient penalty's history, say), they are moved to a copy, never
     overwritten, and the graph keeps replaying."""
-    torch.manual_seed(0)
-    model = TwoTower()
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager"})
+    model, ref, compiled = twins("eager")
     kept, expected = [], []
     for step in range(4):
         inputs = two_tower_inputs(seed=step)
