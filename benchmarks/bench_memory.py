@@ -356,11 +356,7 @@ def _run_variant(row: dict, spec: Variant, base: nn.Module, batch: tuple, numeri
         loss, grads = loss_and_grads(model, step_fn, numerics_batch, device, spec.autocast, names)
     check_ref = ref if spec.tolerance == "bf16" else dict(ref, noise_floor=None)  # fp32: no bf16 excuse
     row["numerics"] = n = bs.compare(loss, grads, check_ref, spec.tolerance)
-    log(f"  [{spec.name}] numerics vs eager fp32 {bs.verdict(n)}: |dloss| {n['loss_abs_diff']:.2e}, "
-        f"max grad rel err {n['grad_rel_err_max']:.2e} ({n['grad_rel_err_worst_param']}); "
-        f"{len(n['params_over_tol'])} params over {n['tolerance']['grad_rel']:g}, "
-        f"{len(n['params_within_bf16_noise'])} more within bf16 noise"
-        + "".join(f"\n    {p}" for p in n["problems"] + n["params_over_tol"][:10]))
+    log(f"  [{spec.name}] numerics vs eager fp32 {bs.verdict(n)}: {bs.numerics_text(n)}")
     return row
 
 

@@ -244,6 +244,14 @@ def verdict(n: dict) -> str:
     return "PASS*" if n["params_within_bf16_noise"] else "PASS"
 
 
+def numerics_text(n: dict) -> str:
+    """The log line of a `compare` result after its verdict: worst errors, then the parameters over."""
+    return (f"|dloss| {n['loss_abs_diff']:.2e}, max grad rel err {n['grad_rel_err_max']:.2e} "
+            f"({n['grad_rel_err_worst_param']}); {len(n['params_over_tol'])} params over "
+            f"{n['tolerance']['grad_rel']:g}, {len(n['params_within_bf16_noise'])} more within bf16 noise"
+            + "".join(f"\n    {p}" for p in n["problems"] + n["params_over_tol"][:10]))
+
+
 # --------------------------------------------------------------------------------------------
 # one variant, one batch size
 
@@ -333,11 +341,7 @@ def _run_variant(row: dict, name: str, base: nn.Module, batch: tuple, numerics_b
 
     loss, grads = loss_and_grads(model, step_fn, numerics_batch, device, args.amp)
     row["numerics"] = n = compare(loss, grads, ref, "bf16" if args.amp else "fp32")
-    log(f"  [{name}] numerics {verdict(n)}: |dloss| {n['loss_abs_diff']:.2e}, "
-        f"max grad rel err {n['grad_rel_err_max']:.2e} ({n['grad_rel_err_worst_param']}); "
-        f"{len(n['params_over_tol'])} params over {n['tolerance']['grad_rel']:g}, "
-        f"{len(n['params_within_bf16_noise'])} more within bf16 noise"
-        + "".join(f"\n    {p}" for p in n["problems"] + n["params_over_tol"][:10]))
+    log(f"  [{name}] numerics {verdict(n)}: {numerics_text(n)}")
     return row
 
 
