@@ -21,6 +21,7 @@ Variants, run side by side in ONE process (absolute times drift between runs; DE
     apollo-bf16-budget-0.1   ... 0.1 and 0.05: below what checkpointing every block keeps (about
     apollo-bf16-budget-0.05      0.10 of the plain partition's bytes for the base model), for the
                                  largest batch within a memory limit
+    apollo-bf16-budget-<f>[-bytes-per-us]   any other fraction f in (0, 1], named on the command line
 
 Method (shared with bench_step.py, whose helpers this script imports): for each batch size, every
 variant gets a deep copy of one fp32 model built on the CPU from a fixed seed, moved to the device;
@@ -87,6 +88,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 import traceback
@@ -207,6 +209,25 @@ VARIANTS: dict[str, Variant] = {
                 options={"precision": "bf16", "memory_budget": 0.05}),
     )
 }
+_BUDGET_VARIANT = re.compile(r"apollo-bf16-budget-((?:0\.\d+)|1(?:\.0)?)(-bytes-per-us)?")
+
+
+def variant_name(name: str) -> str:
+    """argparse type: a listed variant, or any ``apollo-bf16-budget-<fraction>[-bytes-per-us]``
+    (added to VARIANTS, after the listed apollo budgets)."""
+    if name in VARIANTS:
+        return name
+    m = _BUDGET_VARIANT.fullmatch(name)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)} "
+                                         "or apollo-bf16-budget-<fraction in (0, 1]>[-bytes-per-us]")
+    budget = float(m.group(1))
+    if budget <= 0:
+        raise argparse.ArgumentTypeError(f"{name!r}: the budget must be in (0, 1]")
+    VARIANTS[name] = Variant(name, autocast=False, compiler="apollo",
+                             options={"precision": "bf16", "memory_budget": budget},
+                             memory_bound_first=m.group(2) is None)
+    return name
 
 
 class CheckpointedBlock(nn.Module):
@@ -652,7 +673,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="*", default=[64, 256],
                    help="main-phase batch sizes (none: only the batch search)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name, metavar="VARIANT",
+                   help="variants to run (default: all listed above; any apollo-bf16-budget-<fraction> too)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps (compile, CUDA-graph capture)")
     p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))
@@ -665,7 +687,7 @@ def parse_args(argv=None):
     p.add_argument("--search-probes", type=int, default=4, help="most probe runs per variant (default 4)")
     p.add_argument("--search-steps", type=int, default=2, help="steps after the warm-up in a probe (default 2)")
     p.add_argument("--search-start", type=int, default=64, help="first probe when nothing is measured yet")
-    p.add_argument("--search-variants", nargs="+", choices=list(VARIANTS), metavar="VARIANT",
+    p.add_argument("--search-variants", nargs="+", type=variant_name, metavar="VARIANT",
                    help="the variants to search, in this order (default: --variants)")
     p.add_argument("--no-compile-cache", action="store_true", help="disable Inductor's on-disk caches")
     args = p.parse_args(argv)
