@@ -1,0 +1,58 @@
+"""The device scripts' command lines, checked on the CPU: a misspelt variant in
+benchmarks/h200_session.sh would cost a device call (up to 10 of a session's 30 minutes) before
+anyone saw the argparse error."""
+
+import os
+import re
+import shlex
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+import bench_memory  # noqa: E402
+import bench_step  # noqa: E402
+
+
+def phase_commands() -> list[tuple[str, list[str]]]:
+    """(script, argv) of every bench_step / bench_memory command in h200_session.sh."""
+    with open(os.path.join(BENCHMARKS, "h200_session.sh")) as f:
+        text = f.read().replace("\\\n", " ")  # continuation lines
+    commands = []
+    for line in text.splitlines():
+        m = re.search(r"python benchmarks/(bench_memory|bench_step)\.py(.*?)(;;|$)", line)
+        if m:
+            commands.append((m.group(1), shlex.split(m.group(2))))
+    return commands
+
+
+COMMANDS = phase_commands()
+
+
+def test_the_session_script_has_its_phases():
+    assert len(COMMANDS) >= 7, COMMANDS
+
+
+@pytest.mark.parametrize("script,argv", COMMANDS, ids=[" ".join(a[:4]) for _, a in COMMANDS])
+def test_every_phase_parses(script, argv):
+    module = {"bench_memory": bench_memory, "bench_step": bench_step}[script]
+    args = module.parse_args(argv)
+    if script == "bench_memory":
+        assert set(args.search_variants) <= set(bench_memory.VARIANTS)
+        # apollo is searched last, so that a capture that runs out of memory cannot poison the other
+        # variants' probes; memorypeak puts it first on purpose, to check that memory comes back
+        others = [v for v in args.search_variants if not v.startswith("apollo")]
+        if not args.skip_search and not args.out.endswith("mempeak"):
+            assert args.search_variants[:len(others)] == others
+
+
+def test_budget_variants_by_name():
+    assert bench_memory.variant_name("apollo-bf16-budget-0.07") == "apollo-bf16-budget-0.07"
+    spec = bench_memory.VARIANTS["apollo-bf16-budget-0.07"]
+    assert spec.options == {"precision": "bf16", "memory_budget": 0.07} and spec.memory_bound_first
+    assert not bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.4-bytes-per-us")].memory_bound_first
+    for bad in ("apollo-bf16-budget-0", "apollo-bf16-budget-1.5", "eager-fp16"):
+        with pytest.raises(Exception, match="unknown variant|must be in"):
+            bench_memory.variant_name(bad)
