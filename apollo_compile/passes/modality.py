@@ -81,16 +81,14 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
     nodes = list(gm.graph.nodes)
     for node in nodes:
         ann = info(node)
-        if node.name in from_forward and (node.op == "placeholder" or node.meta.get("partitioner_tag") == "is_forward"):
-            ann.recomputed = node.op == "call_function"
-            ann.cast = casts.cast_mark(node)
-            ann.modality = from_forward[node.name]
-            continue
         # the partitioner tags forward values it hands the backward too (placeholders): only ops
         # the backward runs are recomputed
         ann.recomputed = (ctx.kind == "backward" and node.op == "call_function"
                           and node.meta.get("partitioner_tag") == "is_forward")
         ann.cast = casts.cast_mark(node)  # carried from the Dynamo graph's cast nodes (casts pass)
+        if node.name in from_forward and (node.op == "placeholder" or ann.recomputed):  # rule 0
+            ann.modality = from_forward[node.name]
+            continue
         if node.op in ("call_function", "call_method", "call_module"):
             path = _innermost_path(node)
             ann.modality = modality_of_path(path, modalities) if path else None
