@@ -26,9 +26,8 @@ their outputs' liveness. Dropped (``zero_grad(set_to_none=True)``): nothing to d
 ``.grad`` of a parameter or of an input that requires grad (gradient accumulation,
 ``set_to_none=False``, saliency maps), or as the alias we lent (``torch.autograd.grad``'s
 results): that tensor is moved to a copy first (``t.data = t.clone()``), the cost the copy-out
-used to pay every step. Held through
-anything else (a view of a ``.grad``): that call runs without the CUDA graph, so nothing is
-overwritten.
+used to pay every step. Held through anything else (a view of a ``.grad``): that call runs
+without the CUDA graph, so nothing is overwritten.
 
 Saved activations are returned in place, one of them as a fresh alias whose liveness we track
 (they are all held by one autograd context): if the previous forward's is still alive when the
@@ -68,10 +67,12 @@ class OutputCopier:
     """Copies of a fixed list of tensors (a graph's static outputs) in new memory, same sizes and
     strides, planned once.
 
-    A backward hands out one gradient per parameter (hundreds), and at small batches the step is
-    bound by the host (profile_step.py: 7.9 ms to issue an 8.2 ms step at batch 8), so the
-    contiguous ones of each dtype are copied by one ``cat`` into one allocation and handed out as
-    views made in C++ (``_flatten/_unflatten_dense_tensors``): no Python work per tensor. The
+    Used for what a graph hands out that the next replay would overwrite and that is not lent
+    (the NOTE above): a forward's user-visible outputs, all outputs of an inference graph. There
+    may be many, and at small batches a step is bound by the host (profile_step.py: 7.9 ms to issue
+    an 8.2 ms step at batch 8), so the contiguous ones of each dtype are copied by one ``cat`` into
+    one allocation and handed out as views made in C++ (``_flatten/_unflatten_dense_tensors``): no
+    Python work per tensor. The
     views keep the shared allocation alive until the last of them dies. Other layouts are cloned
     one by one (``clone`` keeps a dense layout's strides)."""
 
@@ -189,6 +190,7 @@ class CudaGraphRunner:
         self.measuring_left_bytes = 0  # memory still allocated after the candidates were measured
         self.captured_bytes = 0  # allocated by the winner's capture and held: its outputs
         self.peak_after_capture = 0  # max_memory_allocated once captured: did capture set the peak?
+        self.lent: LentOutputs | None = None  # a backward's gradients, once captured
         self.ungraphed_calls = 0  # calls after the first that ran without the CUDA graph
         self.chosen: str | None = None
         self.static_input_idxs = static_input_idxs
@@ -217,7 +219,7 @@ class CudaGraphRunner:
                 "measuring_left_bytes": self.measuring_left_bytes, "captured_bytes": self.captured_bytes,
                 "peak_after_capture": self.peak_after_capture,
                 "ungraphed_calls": self.ungraphed_calls, "disabled": self.disabled,
-                "lent_moved": self.lent.moved if getattr(self, "lent", None) is not None else 0}
+                "lent_moved": self.lent.moved if self.lent is not None else 0}
 
     def _is_user_visible(self, i: int) -> bool:
         return self.user_visible_outputs is None or i in self.user_visible_outputs
@@ -263,7 +265,8 @@ class CudaGraphRunner:
         lend = [j for j in user_visible if self.kind == "backward"
                 and self.static_outputs[j].untyped_storage().data_ptr() not in inputs]
         self.lent_idxs = lend
-        self.copied_out_idxs = [j for j in user_visible if j not in set(lend)]
+        lent = set(lend)
+        self.copied_out_idxs = [j for j in user_visible if j not in lent]
         self.copy_out = OutputCopier([self.static_outputs[j] for j in self.copied_out_idxs])
         self.lent = LentOutputs([self.static_outputs[j] for j in lend]) if lend else None
         if self.lent is not None:
