@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import bench_step  # noqa: E402
 import clip  # noqa: E402
 
 import apollo_compile  # noqa: E402,F401  (registers backend="apollo")
@@ -70,11 +71,11 @@ def main() -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("smoke_gpu.py needs CUDA (or --cpu)")
         return 2
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     results = []
     for mode in MODES:
         try:
-            results.append(run(mode, device))
+            with bench_step.no_tf32():
+                results.append(run(mode, device))
         except Exception as exc:  # noqa: BLE001  (report it and go on to the next mode)
             results.append({"mode": mode, "ok": False, "error": f"{type(exc).__name__}: {exc}"})
     for r in results:

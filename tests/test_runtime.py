@@ -83,6 +83,7 @@ def test_a_run_that_raised_lets_go_of_its_cross_lane_values(monkeypatch):
         run([torch.ones(3)])
     assert rt.held == [] and waits == [("side", "main"), ("main", "side")]  # fork, then the join on the error
 
+
 def test_memory_plan_keeps_values_read_across_lanes_until_the_join():
     """The runtime holds a value another lane reads until every side lane has joined
     (rt.keep_alive ... rt.release()); the plan must not let anything reuse its bytes earlier.

@@ -21,8 +21,8 @@ event inherits what the recording lane knew when it recorded.
 lane runtime (``rt.keep_alive``) until the main lane has joined every side lane
 (``rt.release()``), so the caching allocator (and the CUDA-graph pool during capture) never hands
 its bytes to a new tensor while the reader may still run. Such values are few (a tower's inputs
-and outputs, parameters, which are never freed anyway); the memory plan's tighter lifetimes
-(``memory_plan.py``) take effect with the arena.
+and outputs, parameters, which are never freed anyway); the memory plan gives them the same
+lifetime (``passes/memory.py``).
 """
 
 from __future__ import annotations
