@@ -49,15 +49,19 @@ def recomputed_rows(listing: str) -> dict[str, str]:
     return {n: m for n, m in mods.items() if m.endswith("*") and ops[n] != "placeholder"}
 
 
-@pytest.mark.parametrize("budget", [1.0, 0.5, 0.2, 0.1])
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.35, 0.2])
 def test_budget_trains_like_eager_and_is_honoured(budget):
+    """0.2 is below what this 2-layer model can reach (each tower's MLP block is recomputed as one
+    group, about a quarter of the plain peak): the plan with the lowest predicted peak, reported
+    as not met."""
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)  # every graph runs apollo's runtime
         assert_trains_like_eager(TwoTower(), batches, {**EAGER, "memory_budget": budget}, steps=2)
     plan = apollo_compile.last_plan()
     decision = plan.joint["checkpoint"]
-    assert decision.met and decision.bytes_after <= decision.targets["*"] == int(budget * decision.bytes_before)
+    assert decision.targets["*"] == int(budget * decision.peak_before)
+    assert decision.peak_after <= decision.targets["*"] if budget >= 0.35 else not decision.met
     # The forward graph hands the backward exactly what the pass predicted.
     assert plan.forward.fallback is None
     assert plan.forward.decisions["saved"]["bytes"] == decision.bytes_after
@@ -66,7 +70,7 @@ def test_budget_trains_like_eager_and_is_honoured(budget):
         assert not decision.tagged and decision.added == [] and decision.extra_us == 0
         return
     assert decision.tagged and decision.added and decision.extra_us > 0
-    assert decision.bytes_after < decision.bytes_before
+    assert decision.bytes_after < decision.bytes_before and decision.peak_after < decision.peak_before
     # Dumps: `saved` marks in the forward listing, `*` on the recomputed ops in the backward one.
     saved_rows = [line for line in plan.forward.listing.splitlines() if line.endswith("saved")]
     assert len(saved_rows) == plan.forward.decisions["saved"]["values"]
@@ -117,9 +121,9 @@ def test_bytes_per_microsecond_order_trains_like_eager_and_meets_the_budget(monk
     monkeypatch.setattr(checkpoint, "MEMORY_BOUND_FIRST", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
-        assert_trains_like_eager(TwoTower(), batches, {**EAGER, "memory_budget": 0.3}, steps=2)
+        assert_trains_like_eager(TwoTower(), batches, {**EAGER, "memory_budget": 0.4}, steps=2)
     decision = apollo_compile.last_plan().joint["checkpoint"]
-    assert decision.met and decision.added and decision.bytes_after <= decision.targets["*"]
+    assert decision.met and decision.added and decision.peak_after <= decision.targets["*"]
 
 
 def test_cheap_memory_bound_ops_go_first():
@@ -168,13 +172,14 @@ def test_per_modality_budget_recomputes_only_vision():
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)  # no graph falls back
-        assert_trains_like_eager(TwoTower(), batches, {**EAGER, "memory_budget": {"vision": 0.2, "text": 1.0}},
+        assert_trains_like_eager(TwoTower(), batches, {**EAGER, "memory_budget": {"vision": 0.5, "text": 1.0}},
                                  steps=2)
     plan = apollo_compile.last_plan()
     decision = plan.joint["checkpoint"]
     assert decision.met and decision.added
-    assert decision.after_by_modality["vision"] <= decision.targets["vision"] < decision.before_by_modality["vision"]
-    assert decision.after_by_modality["text"] == decision.before_by_modality["text"]
+    after, before = decision.peak_after_by_modality, decision.peak_before_by_modality
+    assert after["vision"] <= decision.targets["vision"] < before["vision"]
+    assert after["text"] == before["text"]
     assert plan.forward.decisions["saved"]["bytes"] == decision.bytes_after
     rows = recomputed_rows(plan.backward.listing)
     assert {rows[name] for name in decision.added} == {"vision*"}
@@ -226,9 +231,10 @@ def capture_joint(model, monkeypatch):
 
 
 def plan_and_partition(joint, budget):
-    """(decision, bytes the min-cut partition really saves, backward ops re-run) for `budget`."""
+    """(decision, bytes the min-cut partition really saves, backward ops re-run, the backward's
+    peak activation bytes) for `budget`."""
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
-    ctx = pipeline.GraphContext("sweep_joint", "joint", ApolloOptions.from_user({"memory_budget": budget}),
+    ctx = pipeline.GraphContext("sweep_joint", "joint", ApolloOptions.from_user({**EAGER, "memory_budget": budget}),
                                 DEVICE_SPECS["H200"])
     decision = checkpoint.run(gm, ctx)
     for n in gm.graph.nodes:  # random ops are never left recomputable
@@ -237,25 +243,66 @@ def plan_and_partition(joint, budget):
     fw, bw = min_cut_rematerialization_partition(gm, None, num_fwd_outputs=1)
     out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
     rerun = [n for n in bw.graph.nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"]
-    return decision, storage_bytes(out[1:]), rerun
+    # saved activations by name, each charged its storage in the forward (graph inputs left out)
+    roots = {n.name: checkpoint.storage_node(n) for n in out[1:] if isinstance(n, torch.fx.Node)}
+    saved = {name: root for name, root in roots.items() if root.op != "placeholder"}
+    return decision, storage_bytes(out[1:]), rerun, backward_activation_peak(bw, saved)
+
+
+def backward_activation_peak(bw, saved) -> int:
+    """Most activation bytes the backward holds at once, run in its own order: the saved values
+    (`saved`: placeholder name -> its storage in the forward) and the recomputed values, each
+    storage from its creation (saved: the start) to its last reader. What a budget bounds."""
+    import operator
+
+    nodes = list(bw.graph.nodes)
+    base = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            base[n] = saved.get(n.name)
+            continue
+        b = checkpoint.storage_node(n)
+        if b.target is operator.getitem and b.args[0].op == "call_function":
+            b = b.args[0]  # a piece of a multi-output op (layer norm's mean) lives with its outputs
+        if b.op == "placeholder":
+            b = saved.get(b.name)
+        elif b.meta.get("partitioner_tag") != "is_forward":
+            b = None  # the backward's own values: gradients, temporaries
+        base[n] = b
+    last = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            if base[a] is not None:
+                last[base[a]] = i
+    live = sum(checkpoint.nbytes(r) for r in set(saved.values()))
+    peak = live
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and base[n] is n:
+            live += checkpoint.nbytes(n)
+            peak = max(peak, live)
+        live -= sum(checkpoint.nbytes(r) for r, j in last.items() if j == i)
+    return peak
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_budget_sweep_is_met_exact_and_monotone(dropout, monkeypatch):
     torch.manual_seed(0)
-    joint = capture_joint(TwoTower(dropout=dropout), monkeypatch)
+    joint = capture_joint(TwoTower(dropout=dropout, layers=4), monkeypatch)
     previous = None
     for budget in [1.0, 0.9, 0.7, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05]:
-        decision, actual, rerun = plan_and_partition(joint, budget)
+        decision, actual, rerun, backward_peak = plan_and_partition(joint, budget)
         if decision.tagged:
             assert actual == decision.bytes_after, budget  # the tags force the planned partition
-        assert decision.bytes_after <= decision.bytes_before
+            # the predicted peak bounds what the backward holds (a plan that saved little but
+            # recomputed each tower in one piece once held nearly all of it at once)
+            assert backward_peak <= decision.peak_after, budget
+        assert decision.bytes_after <= decision.bytes_before and decision.peak_after <= decision.peak_before
         if decision.met:
-            assert decision.bytes_after <= decision.targets["*"], budget
+            assert decision.peak_after <= decision.targets["*"], budget
         else:  # what random ops and attention pin down (their outputs and inputs) is left
-            assert budget <= (0.25 if dropout else 0.1), budget
+            assert budget <= (0.25 if dropout else 0.15), budget
         if previous is not None:
-            assert decision.bytes_after <= previous.bytes_after, budget
+            assert decision.peak_after <= previous.peak_after and decision.bytes_after <= previous.bytes_after, budget
             assert set(previous.added) <= set(decision.added) and decision.extra_us >= previous.extra_us - 1e-9
         assert not [n for n in rerun if checkpoint.is_random(n)]
         previous = decision
@@ -264,9 +311,9 @@ def test_budget_sweep_is_met_exact_and_monotone(dropout, monkeypatch):
 def test_byte_budget(monkeypatch):
     torch.manual_seed(0)
     joint = capture_joint(TwoTower(), monkeypatch)
-    decision, actual, _ = plan_and_partition(joint, 50_000)
-    assert decision.targets == {"*": 50_000} and decision.met
-    assert actual == decision.bytes_after <= 50_000
+    decision, actual, _, _ = plan_and_partition(joint, 100_000)
+    assert decision.targets == {"*": 100_000} and decision.met
+    assert actual == decision.bytes_after and decision.peak_after <= 100_000
 
 
 def test_dropout_under_inductor_compiles_and_recompute_changes_no_gradient():
