@@ -18,9 +18,9 @@ Variants, run side by side in ONE process (absolute times drift between runs; DE
     apollo-bf16-budget-0.3-bytes-per-us
                              budget 0.3, recompute chosen by bytes freed per microsecond alone
                              (checkpoint.MEMORY_BOUND_FIRST = False: matmuls are not kept last)
-    apollo-bf16-budget-0.1   ... 0.1 and 0.05: below what checkpointing every block keeps (about
-    apollo-bf16-budget-0.05      0.10 of the plain partition's bytes for the base model), for the
-                                 largest batch within a memory limit
+    apollo-bf16-budget-0.1   ... 0.1 and 0.05: below what the base model's partition can reach
+    apollo-bf16-budget-0.05      (about 0.11 of the plain partition's predicted peak): the lowest
+                                 predicted peak, for the largest batch within a memory limit
     apollo-bf16-budget-<f>[-bytes-per-us]   any other fraction f in (0, 1], named on the command line
 
 Method (shared with bench_step.py, whose helpers this script imports): for each batch size, every

@@ -29,7 +29,7 @@ case "${1:-}" in
   step)      timeout 520 python benchmarks/bench_step.py --batch 8 32 --steps 50 --out "$OUT/step" ;;
   memory)    timeout 520 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
                eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.5 apollo-bf16-budget-0.3 \
-               apollo-bf16-budget-0.3-bytes-per-us apollo-bf16-budget-0.2 --out "$OUT/mem64" ;;
+               apollo-bf16-budget-0.2 --out "$OUT/mem64" ;;
   memorypeak)  # where apollo's whole-run peak comes from (warm-up step peaks, capture), then a capture OOM
              # (budget 0.2 at batch 512) followed by eager-bf16's search: memory must come back after it
              timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 \
@@ -40,6 +40,10 @@ case "${1:-}" in
              timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 3 \
                --variants eager-fp32 eager-bf16-ckpt apollo-bf16-budget-0.05 \
                --search-variants eager-bf16-ckpt apollo-bf16-budget-0.05 --out "$OUT/lowbudget" ;;
+  peakmodel)  # the checkpoint walk bounded by the simulated backward peak: budgets 0.2 and 0.05, 0.05 searched
+             timeout 400 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 \
+               --variants eager-fp32 apollo-bf16-budget-0.2 apollo-bf16-budget-0.05 \
+               --search-variants apollo-bf16-budget-0.05 --out "$OUT/peakmodel" ;;
   memory+search)  # batch 64, then each listed variant's largest batch in 20 GiB (2 probes each; the guard may cut the last)
              timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 --variants eager-fp32 \
                eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.2 --search-variants \
@@ -53,7 +57,7 @@ case "${1:-}" in
              status=$?
              rm -f "$OUT"/prof/trace_b32.json  # keep batch 8's trace: 8 returned files, 3 go to the cache
              bash benchmarks/device_cache.sh save; exit $status ;;
-  *) echo "usage: $0 smoke|step|memory|memorypeak|lowbudget|memory+search|memory256|search|profile" >&2; exit 2 ;;
+  *) echo "usage: $0 smoke|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile" >&2; exit 2 ;;
 esac
 status=$?
 bash benchmarks/device_cache.sh save
