@@ -107,6 +107,8 @@ def compile_graph(
     if kind == "backward" and forward is not None:
         ctx.forward_modalities = {n.name: info(n).modality for n in forward.gm.graph.nodes if n.op != "output"}
     graph_plan = GraphPlan(graph_name, kind, spec.name, gm, ctx.decisions)
+    if kind == "forward":
+        graph_plan.checkpoint = model_plan.joint.get("checkpoint")
     model_plan.graphs[kind] = graph_plan
     try:
         run_passes(gm, ctx)

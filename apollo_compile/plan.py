@@ -26,6 +26,7 @@ class GraphPlan:
     fallback: str | None = None  # why this graph did not run apollo's runtime, if it did not
     runtimes: dict[str, Any] = field(default_factory=dict)  # "lanes" (and "one_lane") callables
     runner_ref: Any = None  # weakref to the CUDA-graph runner (see `runner`)
+    checkpoint: Any = None  # a forward's: the checkpoint pass's decision on its joint graph (memory_budget)
 
     @property
     def runner(self):
@@ -68,6 +69,10 @@ class GraphPlan:
             out["quotas"] = self.decisions["quotas"].summary()
         if self.memory is not None:
             out["memory"] = {"arena_bytes": self.memory.arena_bytes, "total_bytes": self.memory.total_bytes}
+        if self.checkpoint is not None:  # predicted activation bytes (saved, peak) before and after the budget
+            out["checkpoint"] = self.checkpoint.summary()
+        if self.decisions.get("saved") is not None:
+            out["saved"] = self.decisions["saved"]
         if self.fallback:
             out["fallback"] = self.fallback
         if self.runner is not None:

@@ -66,6 +66,10 @@ def test_budget_trains_like_eager_and_is_honoured(budget):
     assert plan.forward.fallback is None
     assert plan.forward.decisions["saved"]["bytes"] == decision.bytes_after
     assert plan.backward.fallback is None
+    # the forward's dump (its .apollo.json is this summary) reports the predicted bytes, before and after
+    summary = plan.forward.summary()
+    assert summary["checkpoint"] == decision.summary() and summary["saved"]["bytes"] == decision.bytes_after
+    assert {"bytes_before", "bytes_after", "peak_before", "peak_after"} <= set(summary["checkpoint"])
     if budget == 1.0:  # the plain partition fits its own size: nothing is tagged
         assert not decision.tagged and decision.added == [] and decision.extra_us == 0
         return
