@@ -372,6 +372,10 @@ class _Planner:
         # the backward's own nodes in joint order, and the forward value each node's memory is
         self.backward_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n not in self.fw]
         self.storage = {n: storage_node(n) for n in self.fw}
+        self.values: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # op -> the values (storages) it makes
+        for n, v in self.storage.items():
+            if v is n and n.op != "placeholder":
+                self.values.setdefault(self.op(n), []).append(n)
         # what a re-run op holds in the backward (NOTE on the peak): all of its outputs, or, when the
         # subgraph compiler fuses pointwise work into its readers, only what a kernel must write
         self.held = {o: self.nb(o) if not fuses_pointwise or _materialized(o) else 0 for o in self.cost}
@@ -506,9 +510,8 @@ class _Planner:
     def _move(self, ops: set[torch.fx.Node], saved: set[torch.fx.Node], rerun: set[torch.fx.Node]):
         """Bytes change per key and the values newly saved if `ops` join the recomputed set."""
         delta: dict[str, int] = {}
-        for v in saved:
-            if self.op(v) in ops:
-                delta[self.key[v]] = delta.get(self.key[v], 0) - self.nb(v)
+        for v in (v for o in ops for v in self.values.get(o, ()) if v in saved):
+            delta[self.key[v]] = delta.get(self.key[v], 0) - self.nb(v)
         new: dict[torch.fx.Node, None] = {}
         stack = [u for o in ops for u in self.inputs[o]]
         seen: set[torch.fx.Node] = set()
@@ -557,11 +560,12 @@ class _Planner:
                 best = (excess, rerun, saved)
             over = {k for k, t in targets.items() if now.get(k, 0) > t}
             groups = self.groups(rerun)
+            largest = groups.largest()
             moves = []
             for o in sorted({self.op(v) for v in saved}, key=self.order.__getitem__):
                 if o not in self.cost or not _recomputable(o) or self.key[o] not in over:
                     continue
-                move = self._best_move(o, saved, rerun, groups, targets)
+                move = self._best_move(o, saved, rerun, groups, largest, targets)
                 if move is not None:
                     moves.append(move)
             if not moves:
@@ -570,7 +574,7 @@ class _Planner:
             saved, rerun = self.close(recompute)
             recompute = set(rerun)
 
-    def _best_move(self, o, saved, rerun, groups, targets):
+    def _best_move(self, o, saved, rerun, groups, largest, targets):
         key = self.key[o]
         ops = {o}
         for _ in range(_EXPAND_ROUNDS + 1):
@@ -584,7 +588,6 @@ class _Planner:
             ops |= grow
         else:
             return None
-        largest = groups.largest()
         merged = self._merged(ops, groups)
         peak_delta = {k: delta.get(k, 0) + max(0, merged.get(k, 0) - largest.get(k, 0))
                       for k in set(delta) | set(merged)}
