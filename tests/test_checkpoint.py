@@ -348,3 +348,24 @@ def test_dropout_under_inductor_compiles_and_recompute_changes_no_gradient():
     torch.testing.assert_close(loss_small, loss_full, **tol)
     for name, g in grads_full.items():
         torch.testing.assert_close(grads_small[name], g, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_fused_recompute_holds_memory_only_where_a_library_kernel_reads_it(monkeypatch):
+    """Under Inductor a recomputed op costs memory only if a library kernel (matmul, attention)
+    writes or reads it; pointwise work that only feeds other fused kernels is recomputed inside
+    them. Eager subgraphs hold every recomputed value."""
+    torch.manual_seed(0)
+    joint = capture_joint(TwoTower(), monkeypatch)
+    gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
+    num_fwd = checkpoint._num_fwd_outputs(gm)
+    fused = checkpoint._Planner(gm, num_fwd, DEVICE_SPECS["H200"], {}, False, fuses_pointwise=True)
+    eager = checkpoint._Planner(gm, num_fwd, DEVICE_SPECS["H200"], {}, False)
+    assert all(eager.held[o] == checkpoint.nbytes(o) for o in eager.cost)
+    by_name = {o.name: o for o in fused.cost}
+    assert fused.held[by_name["addmm"]] > 0  # a matmul writes its output
+    gelu = next(o for name, o in by_name.items() if name.startswith("gelu"))
+    assert fused.held[gelu] > 0  # read by the next matmul
+    # layer norm's output feeds the qkv matmul; the residual add feeds only the next layer norm and add
+    pointwise_only = [o for o in fused.cost if o.target is torch.ops.aten.add.Tensor
+                      and not checkpoint._materialized(o)]
+    assert pointwise_only and all(fused.held[o] == 0 for o in pointwise_only)
