@@ -8,6 +8,7 @@
 #   run(command="bash benchmarks/h200_session.sh memory+search ...")                  # batch 64 + 20 GiB search
 #   run(command="bash benchmarks/h200_session.sh memorypeak ...")                     # where apollo's peak is set
 #   run(command="bash benchmarks/h200_session.sh lowbudget ...")                      # budget 0.05 vs per-block ckpt
+#   run(command="bash benchmarks/h200_session.sh peakmodel ...")                      # budgets 0.2 / 0.05, 0.05 searched
 #   run(command="bash benchmarks/h200_session.sh memory256 ...")                      # issue 4, batch 256
 #   run(command="bash benchmarks/h200_session.sh search ...")                         # 20 GiB search only
 #   run(command="bash benchmarks/h200_session.sh profile ...")                        # the timeline
