@@ -29,6 +29,7 @@ from .devices import DEVICE_SPECS, DeviceSpec, detect_device_spec
 from . import calibration, logs, pipeline
 from .fallback import ApolloFallbackWarning
 from .options import ApolloOptions, ApolloOptionsError
+from .passes import checkpoint
 from .passes.quotas import MIN_GAIN
 from .pipeline import GraphContext, run_passes
 from .plan import GraphPlan, ModelPlan
@@ -248,8 +249,9 @@ def _partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext
                 else:
                     n.meta["recompute"] = tag
             _warn_fallback(ctx.name, "the default partition (no apollo recompute tags)", e)
-    return min_cut_rematerialization_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                               **kwargs)
+    with checkpoint.attention_recomputed_as_is():
+        return min_cut_rematerialization_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                                   **kwargs)
 
 
 def _run_pre_grad_passes(gm: torch.fx.GraphModule, ctx: GraphContext) -> None:

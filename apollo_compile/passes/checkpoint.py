@@ -39,14 +39,17 @@ The plan, greedy from the plain partition:
    alone); unmeasured since the peak replaced saved bytes as the budget's measure, so the
    issue's rule stays the default.
 3. Stop at the first state whose simulated peak is within budget; when the moves run out
-   first, take the state with the lowest simulated peak on the way (the budget is "not met").
-   The sequence of states does not depend on the budget and every step saves less, so a
-   smaller budget never saves more nor predicts a larger peak (the first state at or under a
-   smaller budget comes no earlier, and its peak is under the larger budget's choice or it is
-   that choice).
+   first, take the state with the lowest simulated peak on the way, or per-block checkpointing
+   (:meth:`_Planner.block_plan`) where its peak is lower still; "not met" if that is still over.
+   The sequence of states does not depend on the budget, so a smaller budget never predicts a
+   larger peak (the first state at or under a smaller budget comes no earlier, and its peak is
+   under the larger budget's choice or it is that choice; the fallback is the lowest of all).
+   Along the walk every step saves less, so there a smaller budget never saves more.
 4. Random ops (dropout, bernoulli, rand*, philox/rng ops: anything tagged
-   ``nondeterministic_seeded``) are never recomputed: their outputs are saved (MUST_SAVE), so
-   the backward reuses the forward's mask instead of drawing a fresh one. (PyTorch's own
+   ``nondeterministic_seeded``, attention with dropout) are never recomputed: their outputs are
+   saved (MUST_SAVE), so the backward reuses the forward's mask instead of drawing a fresh one.
+   Attention without dropout draws nothing and is recomputable (:func:`deterministic_attention`),
+   ranked after every other move. (PyTorch's own
    ``activation_memory_budget`` knapsack could pick banned random ops for recomputation,
    which gave wrong gradients; here they are never candidates.)
 
@@ -94,6 +97,7 @@ two user checkpoint regions, and nodes that already carry a user's tag keep it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import operator
@@ -146,6 +150,7 @@ class CheckpointDecision:
     extra_us: float = 0.0  # predicted extra backward time: roofline time of the added recomputes
     met: bool = True  # every target reached
     tagged: bool = False  # False: the plain partition already fits; no tag was written
+    per_block: bool = False  # the budget was below the walk's reach and per-block checkpointing peaked lower
     baseline: str = "min-cut"  # how bytes_before was found
 
     def summary(self) -> dict[str, Any]:
@@ -196,12 +201,52 @@ def is_random(node: torch.fx.Node) -> bool:
         return False
     tags = getattr(node.target, "tags", ())
     if torch.Tag.nondeterministic_seeded in tags:
-        # Attention carries the tag for its dropout_p, even at 0. It stays saved too: recomputing
-        # a tagged op makes the partitioner stash an RNG state and wrap the op in run_with_rng_state.
-        return True
+        # attention carries the tag for its dropout_p, even at 0 (see deterministic_attention)
+        return not deterministic_attention(node)
     name = _op_name(node)
     namespace = getattr(node.target, "namespace", "")
     return name in _RANDOM_NAMES or "rng" in name or "philox" in name or namespace in ("rngprims",)
+
+
+def deterministic_attention(node: torch.fx.Node) -> bool:
+    """An attention op (flash, efficient, cuDNN, CPU flash) called with ``dropout_p == 0``.
+
+    It carries the random tag for its dropout, but at 0 its kernels draw no random numbers (the
+    rng outputs are placeholders), so re-running it gives the forward's values. Recomputable, it
+    lets the block plan (:meth:`_Planner.block_plan`) save only block inputs: kept, every block's
+    q, k, v, output and logsumexp were a floor no budget went under (0.108 of the base CLIP's
+    plain peak on the H200)."""
+    if not isinstance(node.target, torch._ops.OpOverload) or "attention" not in _op_name(node):
+        return False
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return isinstance(p, (int, float)) and p == 0
+    return False
+
+
+@contextlib.contextmanager
+def attention_recomputed_as_is():
+    """Partition with deterministic attention recomputed as it is.
+
+    The min-cut partitioner wraps every recomputed op carrying the random tag in
+    ``run_and_save_rng_state`` / ``run_with_rng_state`` (it stashes the generator's state), having
+    asked ``has_recomputable_rng_ops``; for the call, that question leaves out
+    :func:`deterministic_attention`, which draws nothing. A graph that also recomputes a truly
+    random op (a user's checkpoint around dropout) is wrapped as before."""
+    from torch._functorch import partitioners
+
+    original = partitioners.has_recomputable_rng_ops
+
+    def has_recomputable_rng_ops(fx_g: torch.fx.GraphModule) -> bool:
+        return any(partitioners.must_recompute(n) and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+                   and not deterministic_attention(n) for n in fx_g.graph.nodes)
+
+    partitioners.has_recomputable_rng_ops = has_recomputable_rng_ops
+    try:
+        yield
+    finally:
+        partitioners.has_recomputable_rng_ops = original
 
 
 def _recomputable(node: torch.fx.Node) -> bool:
@@ -245,6 +290,17 @@ def _materialized(op: torch.fx.Node) -> bool:
         elif _extern(u):
             return True
     return False
+
+
+def _block_of(node: torch.fx.Node) -> str | None:
+    """``vision.blocks.3`` for a node of ``vision.blocks.3.mlp.0``: the outermost repeated block
+    (module list or sequential entry) it is in, if any."""
+    path = modality._innermost_path(node)
+    if not path:
+        return None
+    parts = path.split(".")
+    first = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return ".".join(parts[:first + 1]) if first is not None else None
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -369,8 +425,14 @@ class _Planner:
         for o, values in self.inputs.items():
             for v in values:
                 self.readers.setdefault(self.op(v), []).append(o)
-        # the backward's own nodes in joint order, and the forward value each node's memory is
-        self.backward_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n not in self.fw]
+        # the backward's own nodes in joint order from its first (a tangent's first reader), as
+        # reordering_to_mimic_autograd_engine walks them; earlier ones (detaches of forward values)
+        # run when a later node needs them; the forward value each node's memory is
+        tangent_users = [u for n in gm.graph.find_nodes(op="placeholder") if "tangents" in str(n.target)
+                         for u in n.users]
+        first = min((self.order[u] for u in tangent_users), default=0)
+        self.backward_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n not in self.fw
+                               and (self.order[n] >= first or n.target is torch.ops.aten.copy_.default)]
         self.storage = {n: storage_node(n) for n in self.fw}
         self.values: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # op -> the values (storages) it makes
         for n, v in self.storage.items():
@@ -574,6 +636,19 @@ class _Planner:
             saved, rerun = self.close(recompute)
             recompute = set(rerun)
 
+    def block_plan(self) -> set[torch.fx.Node]:
+        """Per-block checkpointing, as a state: inside each repeated block (a module path with an
+        index, ``vision.blocks.3``) every recomputable op is re-run except those whose values
+        another block or the rest of the forward reads, so only what flows between blocks stays
+        saved. A greedy walk never gets there (each step alone must look good); it is the plan of
+        lowest peak for a stack of blocks, at the cost of re-running the blocks' forward."""
+        block = {o: _block_of(o) for o in self.cost}
+        rerun = set()
+        for o, b in block.items():
+            if b is not None and _recomputable(o) and all(block.get(r) == b for r in self.readers.get(o, ())):
+                rerun.add(o)
+        return rerun
+
     def _best_move(self, o, saved, rerun, groups, largest, targets):
         key = self.key[o]
         ops = {o}
@@ -581,8 +656,8 @@ class _Planner:
             delta, new = self._move(ops, saved, rerun)
             if delta.get(key, 0) < 0:
                 break
-            grow = {self.op(u) for u in new
-                    if self.op(u) in self.cost and self.key[self.op(u)] == key and _recomputable(self.op(u))}
+            grow = {self.op(u) for u in new if self.op(u) in self.cost and self.key[self.op(u)] == key
+                    and _recomputable(self.op(u)) and not deterministic_attention(self.op(u))}
             if not grow:
                 return None
             ops |= grow
@@ -594,7 +669,10 @@ class _Planner:
         if any(d > 0 for k, d in peak_delta.items() if k in targets or k == key):
             return None  # a larger group than the saved bytes it frees
         us = max(sum(self.cost[x][0] for x in ops), 1e-9)
-        tier = int(MEMORY_BOUND_FIRST and any(self.cost[x][1] for x in ops))
+        # attention last and only as a move of its own, so the moves before it are the ones made
+        # without attention recompute (taken among the matmuls, it led the walk on the 4-layer test
+        # model to a 1.7x higher peak: re-run early, it keeps q, k and v longer)
+        tier = 2 if deterministic_attention(o) else int(MEMORY_BOUND_FIRST and any(self.cost[x][1] for x in ops))
         return (tier, peak_delta.get(key, 0) / us, delta[key] / us, self.order[o]), ops
 
 
@@ -713,6 +791,14 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
         return decision  # the plain partition fits: leave it as it is
 
     rerun, saved, met = planner.walk(start, targets)
+    if not met and not per_modality:  # below the walk's reach: per-block checkpointing, if it peaks lower
+        block_saved, block_rerun = planner.close(start | planner.block_plan())
+        _, walk_total = planner.peaks(saved, rerun)
+        block_peaks, block_total = planner.peaks(block_saved, block_rerun)
+        if block_total < walk_total:
+            saved, rerun = block_saved, block_rerun
+            met = all(block_peaks.get(k, 0) <= t for k, t in targets.items())
+            decision.per_block = True
     _tag(gm, planner, num_fwd, rerun)
     added = rerun - plain_rerun
     decision.bytes_after = sum(planner.by_key(saved).values())
@@ -725,7 +811,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
     decision.tagged = True
     if not met:
         log.warning("apollo: memory_budget %r not reached for %s: predicted peak %d of %d activation bytes "
-                    "(%d saved; random ops and attention are never recomputed, so their outputs and inputs stay, "
+                    "(%d saved; random ops are never recomputed, so their outputs and inputs stay, "
                     "and recomputing more would hold a larger group at once)",
                     budget, ctx.name, decision.peak_after, peak_before, decision.bytes_after)
     log.info("apollo: %s checkpoint: predicted peak activations %d -> %d bytes (saved %d -> %d), "
