@@ -606,7 +606,8 @@ class _Planner:
 
     def walk(self, start: set[torch.fx.Node], targets: dict[str, int]):
         """Greedy moves from `start` until every target is met; returns the final state, or, when
-        the moves run out first, the state with the lowest predicted peak on the way.
+        the moves run out first, the state with the lowest predicted peak on the way: (re-run ops,
+        saved values, met, its :meth:`peaks`).
 
         Moves are ranked and admitted on the groups estimate (:meth:`_best_move`, cheap); the
         predicted peak that decides when to stop is the simulated backward's (:meth:`peaks`)."""
@@ -614,12 +615,12 @@ class _Planner:
         saved, rerun = self.close(recompute)
         best = None
         while True:
-            now, _ = self.peaks(saved, rerun)
+            now, total = self.peaks(saved, rerun)
             excess = sum(max(0, now.get(k, 0) - t) for k, t in targets.items())
             if not excess:
-                return rerun, saved, True
+                return rerun, saved, True, (now, total)
             if best is None or excess < best[0]:
-                best = (excess, rerun, saved)
+                best = (excess, rerun, saved, (now, total))
             over = {k for k, t in targets.items() if now.get(k, 0) > t}
             groups = self.groups(rerun)
             largest = groups.largest()
@@ -631,7 +632,7 @@ class _Planner:
                 if move is not None:
                     moves.append(move)
             if not moves:
-                return best[1], best[2], False
+                return best[1], best[2], False, best[3]
             recompute |= min(moves, key=lambda m: m[0])[1]
             saved, rerun = self.close(recompute)
             recompute = set(rerun)
@@ -790,19 +791,18 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
     if all(before.get(k, 0) <= t for k, t in targets.items()):
         return decision  # the plain partition fits: leave it as it is
 
-    rerun, saved, met = planner.walk(start, targets)
+    rerun, saved, met, (after, peak_after) = planner.walk(start, targets)
     if not met and not per_modality:  # below the walk's reach: per-block checkpointing, if it peaks lower
         block_saved, block_rerun = planner.close(start | planner.block_plan())
-        _, walk_total = planner.peaks(saved, rerun)
-        block_peaks, block_total = planner.peaks(block_saved, block_rerun)
-        if block_total < walk_total:
-            saved, rerun = block_saved, block_rerun
-            met = all(block_peaks.get(k, 0) <= t for k, t in targets.items())
+        block_after, block_peak = planner.peaks(block_saved, block_rerun)
+        if block_peak < peak_after:
+            saved, rerun, after, peak_after = block_saved, block_rerun, block_after, block_peak
+            met = all(after.get(k, 0) <= t for k, t in targets.items())
             decision.per_block = True
     _tag(gm, planner, num_fwd, rerun)
     added = rerun - plain_rerun
     decision.bytes_after = sum(planner.by_key(saved).values())
-    decision.peak_after_by_modality, decision.peak_after = planner.peaks(saved, rerun)
+    decision.peak_after_by_modality, decision.peak_after = after, peak_after
     decision.recomputed = _names(rerun)
     decision.added = _names(added)
     decision.saved = _names(saved)
