@@ -72,6 +72,19 @@ if a library kernel (matmul, convolution, attention) writes or reads it: pointwi
 recompute is fused into the kernels that read it (:func:`_materialized`). Towers whose backwards
 run on two lanes at once can interleave their peaks, which a one-order simulation does not see.
 
+[NOTE] Fused recompute: Inductor fuses a chain of recomputed pointwise ops into one kernel and
+schedules it before the chain's *first* reader, writing every value of it that is read later. A
+plan that saves the matmul outputs and recomputes a tower's residual stream therefore
+materializes all of the tower's block inputs at the start of its backward. On the H200 (base
+CLIP, batch 64, budget 0.05; benchmarks/diag_memory.py) the vision backward's generated code
+allocated the (64, 197, 768) fp32 residuals one after another at its top, and the first step
+peaked at 2.77 GiB allocated (parameters 0.60; the one-by-one simulation's activations ~0.6).
+So under a fusing compiler the simulation re-runs such a group (:meth:`_Planner.fused`) whole at
+its first use, holding every member something outside the group reads. Per-block checkpointing,
+whose groups end at the saved block inputs, then predicts lower and is chosen below the walk's
+reach: the same run's whole-run peak fell from 3.11 to 2.92 GiB, and the largest batch in 20 GiB
+from [256, 512) to [512, 1024) (benchmarks/RESULTS.md, session 5).
+
 The simulation decides when to stop; ranking the moves needs something cheaper: *groups*,
 recomputed ops connected through what they read of each other (and both holding memory), pulled
 together. Estimated peak = saved + the largest group; a move whose merged group grows by more
@@ -441,6 +454,8 @@ class _Planner:
         # what a re-run op holds in the backward (NOTE on the peak): all of its outputs, or, when the
         # subgraph compiler fuses pointwise work into its readers, only what a kernel must write
         self.held = {o: self.nb(o) if not fuses_pointwise or _materialized(o) else 0 for o in self.cost}
+        self.fuses_pointwise = fuses_pointwise
+        self.read_by_backward = {self.op(v) for v in self.direct}
 
     def storages(self, nodes, fw_only: bool = True) -> list[torch.fx.Node]:
         """The distinct storages `nodes` are, graph inputs left out."""
@@ -503,15 +518,49 @@ class _Planner:
             per_key[self.key[o]] = per_key.get(self.key[o], 0) + self.held[o]
         return _Groups(root, size)
 
+    def fused(self, rerun: set[torch.fx.Node]) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+        """Re-run ops that a fusing compiler computes in one kernel: pointwise and reduction ops
+        (no library kernel) connected through what they read of each other, each op -> its group
+        (groups of two or more only). Inductor fuses such a chain whole and schedules it before
+        its first reader, so the group is re-run at once (NOTE: Fused recompute)."""
+        parent = {o: o for o in rerun if not _extern(o)}
+
+        def find(x):
+            while parent[x] is not x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for o in parent:
+            for v in self.inputs.get(o, ()):
+                p = self.op(v)
+                if p in parent and find(p) is not find(o):
+                    parent[find(p)] = find(o)
+        members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        for o in parent:
+            members.setdefault(find(o), []).append(o)
+        return {o: group for group in members.values() if len(group) > 1 for o in group}
+
     def peaks(self, saved, rerun) -> tuple[dict[str, int], int]:
         """Predicted peak activation bytes of the backward, per key and over all keys.
 
         The backward is run as the partitioner will order it (``reordering_to_mimic_autograd_
         engine``: its own nodes in joint order, each re-running just before it the recomputed
         values it needs that are not there yet). Saved values live from the start, recomputed
-        ops (what they hold: ``self.held``) from their re-run, each until its last reader."""
+        ops (what they hold: ``self.held``) from their re-run, each until its last reader.
+        Under a fusing compiler a fused group (:meth:`fused`) is re-run whole when one of its
+        ops is first needed, and holds every value something outside the group reads later."""
         order: list[torch.fx.Node] = []
         done: set[torch.fx.Node] = set()
+        group = self.fused(rerun) if self.fuses_pointwise else {}
+        held = self.held
+        if group:
+            held = dict(held)
+            for o, members in group.items():
+                if not held[o] and (o in self.read_by_backward
+                                    or any(r in rerun and r not in members for r in self.readers.get(o, ()))):
+                    held[o] = self.nb(o)
+        pulled: set[int] = set()
 
         def pull(n: torch.fx.Node) -> None:  # n and the recomputed values it needs, inputs first
             stack = [(n, False)]
@@ -527,6 +576,9 @@ class _Planner:
                     done.add(x)  # there already: a graph input, a saved value, a view of one
                     continue
                 stack.append((x, True))
+                if x in group and id(group[x]) not in pulled:  # the whole fused group, now
+                    pulled.add(id(group[x]))
+                    stack.extend((m, False) for m in reversed(group[x]) if m is not x and m not in done)
                 stack.extend((i, False) for i in reversed(x.all_input_nodes) if i not in done)
 
         for n in self.backward_nodes:
@@ -559,12 +611,12 @@ class _Planner:
             total -= self.nb(x)
         for k, n in enumerate(order):
             if n in rerun and n in last:
-                live[self.key[n]] = live.get(self.key[n], 0) + self.held[n]
-                total += self.held[n]
+                live[self.key[n]] = live.get(self.key[n], 0) + held[n]
+                total += held[n]
                 peak[self.key[n]] = max(peak.get(self.key[n], 0), live[self.key[n]])
                 peak_total = max(peak_total, total)
             for x in dying.get(k, ()):
-                size = self.held[x] if x in rerun else self.nb(x)
+                size = held[x] if x in rerun else self.nb(x)
                 live[self.key[x]] -= size
                 total -= size
         return dict(sorted(peak.items())), peak_total
