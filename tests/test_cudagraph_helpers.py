@@ -202,3 +202,39 @@ def test_concurrency_is_replayed_only_where_it_pays():
     assert fastest({"lanes": 10.0, "one_lane": 11.0, "quota:1=96,2=32": 9.5}, 0.01) == "quota:1=96,2=32"
     assert fastest({"lanes": 12.0, "one_lane": 11.0}, 0.01) == "one_lane"
     assert fastest({"lanes": 3.0}, 0.01) == "lanes"  # no one-stream candidate: the fastest
+
+
+def test_each_capture_gets_cublas_workspaces_of_its_own(monkeypatch):
+    """cuBLAS's cached workspaces are dropped right before and right after every capture (also one
+    that fails), as CUDA-graph trees do: the graph's workspaces are then allocated in its own pool,
+    and die with a measured candidate instead of staying allocated."""
+    from apollo_compile.runtime import cudagraph
+
+    events = []
+
+    class FakeCapture:
+        def __init__(self, graph, pool=None):
+            pass
+
+        def __enter__(self):
+            events.append("capture")
+
+        def __exit__(self, *exc):
+            events.append("end")
+
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: events.append("clear"), raising=False)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    runner = cudagraph.CudaGraphRunner.__new__(cudagraph.CudaGraphRunner)
+    runner.static_inputs = [torch.ones(2)]
+    _, outputs = runner._capture_one(lambda args: [args[0] * 2], pool=None)
+    assert events == ["clear", "capture", "end", "clear"] and torch.equal(outputs[0], torch.full((2,), 2.0))
+
+    def fails(args):
+        raise RuntimeError("capture failed")
+
+    events.clear()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        runner._capture_one(fails, pool=None)
+    assert events == ["clear", "capture", "end", "clear"]
