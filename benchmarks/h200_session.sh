@@ -8,13 +8,15 @@
 #   run(command="bash benchmarks/h200_session.sh memory+search ...")                  # batch 64 + 20 GiB search
 #   run(command="bash benchmarks/h200_session.sh memorypeak ...")                     # where apollo's peak is set
 #   run(command="bash benchmarks/h200_session.sh lowbudget ...")                      # budget 0.05 vs per-block ckpt
-#   run(command="bash benchmarks/h200_session.sh peakmodel ...")                      # budgets 0.2 / 0.05, 0.05 searched
+#   run(command="bash benchmarks/h200_session.sh peakmodel ...")                      # budget 0.05 at batch 64, then searched
 #   run(command="bash benchmarks/h200_session.sh memory256 ...")                      # issue 4, batch 256
 #   run(command="bash benchmarks/h200_session.sh search ...")                         # 20 GiB search only
 #   run(command="bash benchmarks/h200_session.sh profile ...")                        # the timeline
+#   run(command="bash benchmarks/h200_session.sh diagmem ...")                        # what is alive at each step's peak
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
-# cache (session 3's memory+search ran at 550 and lost its cache save).
+# cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
+# its results' log and cache to a single-threaded xz save of ~280 s, now on every core).
 #
 # Between calls, copy the returned inductor_cache.tar.xz.part* files into .device_cache/ (git
 # ignores it). Each phase guards its benchmark with timeout so the results written so far come back.
@@ -41,9 +43,9 @@ case "${1:-}" in
              timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 3 \
                --variants eager-fp32 eager-bf16-ckpt apollo-bf16-budget-0.05 \
                --search-variants eager-bf16-ckpt apollo-bf16-budget-0.05 --out "$OUT/lowbudget" ;;
-  peakmodel)  # the checkpoint walk bounded by the simulated backward peak: budgets 0.2 and 0.05, 0.05 searched
-             timeout 400 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 \
-               --variants eager-fp32 apollo-bf16-budget-0.2 apollo-bf16-budget-0.05 \
+  peakmodel)  # budget 0.05 (per-block fallback with attention recomputed) at batch 64, then searched (3 probes)
+             timeout 420 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 3 \
+               --variants eager-fp32 eager-bf16-ckpt apollo-bf16-budget-0.05 \
                --search-variants apollo-bf16-budget-0.05 --out "$OUT/peakmodel" ;;
   memory+search)  # batch 64, then each listed variant's largest batch in 20 GiB (2 probes each; the guard may cut the last)
              timeout 520 python benchmarks/bench_memory.py --batch 64 --steps 10 --search-probes 2 --variants eager-fp32 \
@@ -58,7 +60,9 @@ case "${1:-}" in
              status=$?
              rm -f "$OUT"/prof/trace_b32.json  # keep batch 8's trace: 8 returned files, 3 go to the cache
              bash benchmarks/device_cache.sh save; exit $status ;;
-  *) echo "usage: $0 smoke|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile" >&2; exit 2 ;;
+  diagmem)   timeout 420 python benchmarks/diag_memory.py --batch 64 --budget 0.05 --out "$OUT/diag" ;;
+  *) echo "usage: $0 smoke|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem" >&2
+     exit 2 ;;
 esac
 status=$?
 bash benchmarks/device_cache.sh save

@@ -1,0 +1,133 @@
+"""Diagnostic (device tool): where apollo's whole-run peak memory comes from, step by step.
+
+Records the CUDA allocator's history over the first steps of a compiled CLIP (step 1 runs
+un-graphed, step 2 measures the candidates and captures, step 3 replays) and prints, per phase,
+the peak above the phase's start and what is alive at that peak, grouped by the allocating line.
+
+    PYTHONPATH=. python benchmarks/diag_memory.py --batch 64 --budget 0.05 --out $OUT/diag
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import linecache
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import apollo_compile  # noqa: E402,F401  (registers the backend without an install)
+import clip  # noqa: E402
+
+MARK = 512 * 100_003  # marker allocations: unique sizes that bracket each phase in the trace
+
+
+def mark(k: int) -> None:
+    torch.empty(MARK + 512 * k, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+
+
+def where(frames: list[dict]) -> str:
+    for f in frames:
+        fn = f["filename"]
+        if "torchinductor" in fn or "apollo_compile" in fn or "benchmarks/" in fn:
+            src = linecache.getline(fn, f["line"]).strip()[:90]
+            short = fn.split("apollo_compile/")[-1] if "apollo_compile" in fn else fn.rsplit("/", 1)[-1]
+            return f"{short}:{f['line']} {f['name']}: {src}"
+    return "(torch) " + (f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['name']}" if frames else "?")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--budget", type=float, default=0.05)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", default="diag_memory")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("diag_memory.py reads the CUDA allocator's history: it needs a CUDA device")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = clip.build("base", device="cuda")
+    images, tokens = clip.make_batch(args.batch, device="cuda")
+    opts = {"precision": "bf16"} | ({"memory_budget": args.budget} if args.budget < 1 else {})
+    step_fn = torch.compile(model, backend="apollo", options=opts, dynamic=False)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=3_000_000)
+    phases, k = [], 0
+    for s in range(1, args.steps + 1):
+        model.zero_grad(set_to_none=True)
+        for name, fn in (("forward", lambda: step_fn(images, tokens)), ("backward", None)):
+            mark(k)
+            torch.cuda.reset_peak_memory_stats()
+            if name == "forward":
+                loss = fn()
+            else:
+                loss.backward()
+                del loss
+            torch.cuda.synchronize()
+            phases.append({"phase": f"step {s} {name}", "marker": k, "max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                           "allocated_after_gib": torch.cuda.memory_allocated() / 2**30})
+            k += 1
+    mark(k)
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][0]
+    def is_marker(e):
+        d = e["size"] - MARK
+        return e["action"] == "alloc" and d >= 0 and d % 512 == 0 and d // 512 <= k
+
+    # pass 1: each phase's peak (event index) of the running allocated bytes since recording began
+    sizes: dict[int, int] = {}
+    cur, phase_of, start, best = 0, None, {}, {}
+    for i, e in enumerate(trace):
+        if is_marker(e):
+            phase_of = (e["size"] - MARK) // 512
+            start[phase_of] = cur
+        elif e["action"] == "alloc":
+            sizes[e["addr"]] = e["size"]
+            cur += e["size"]
+            if phase_of is not None and cur > best.get(phase_of, (-1, 0))[0]:
+                best[phase_of] = (cur, i)
+        elif e["action"] == "free_completed" and e["addr"] in sizes:
+            cur -= sizes.pop(e["addr"])
+
+    def alive_at(index: int) -> list[dict]:
+        live: dict[int, dict] = {}
+        for e in trace[:index + 1]:
+            if e["action"] == "alloc" and not is_marker(e):
+                live[e["addr"]] = e
+            elif e["action"] == "free_completed":
+                live.pop(e["addr"], None)
+        return list(live.values())
+
+    lines = [f"torch {torch.__version__}, batch {args.batch}, options {opts}; allocated before the first step "
+             f"{base / 2**30:.2f} GiB (parameters); trace {len(trace)} events"]
+    report = []
+    for ph in phases:
+        m = ph["marker"]
+        peak, index = best.get(m, (0, 0))
+        groups = collections.Counter()
+        counts = collections.Counter()
+        for blk in alive_at(index):
+            key = where(blk.get("frames", []))
+            groups[key] += blk["size"]
+            counts[key] += 1
+        top = groups.most_common(14)
+        ph |= {"trace_peak_above_start_gib": (peak - start.get(m, 0)) / 2**30, "trace_peak_gib": peak / 2**30,
+               "top": [(g, b / 2**30, counts[g]) for g, b in groups.most_common(40)]}
+        report.append(ph)
+        lines.append(f"\n== {ph['phase']}: max_allocated {ph['max_allocated_gib']:.2f} GiB, after {ph['allocated_after_gib']:.2f}; "
+                     f"recorded live at the phase's peak {peak / 2**30:.2f} GiB above the start of recording")
+        for g, b in top:
+            lines.append(f"  {b / 2**30:6.3f} GiB x{counts[g]:<4d} {g}")
+    (out / "diag_memory.json").write_text(json.dumps(report, indent=1))
+    text = "\n".join(lines)
+    (out / "diag_memory.txt").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
