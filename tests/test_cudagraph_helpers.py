@@ -238,3 +238,57 @@ def test_each_capture_gets_cublas_workspaces_of_its_own(monkeypatch):
     with pytest.raises(RuntimeError, match="capture failed"):
         runner._capture_one(fails, pool=None)
     assert events == ["clear", "capture", "end", "clear"]
+
+
+def test_each_candidate_reports_the_memory_its_capture_pool_holds(monkeypatch):
+    """Measuring the candidates times their replays and reads each capture's private pool from the
+    allocator (temporaries included, which a replay's max_memory_allocated does not show); the
+    fastest wins, and the summary carries both."""
+    import itertools
+
+    from apollo_compile.runtime import cudagraph
+    from helpers import FakeGraph
+
+    pools = itertools.count(1)
+    ms = {"lanes": 4.0, "one_lane": 5.0}
+    reserved = {(0, 1): 6 << 20, (0, 2): 4 << 20}  # lanes' pool holds both towers' temporaries
+    timing = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return ms[timing[-1]] * cudagraph.CudaGraphRunner.timing_replays
+
+    def capture_one(self, fn, pool):
+        timing.append(next(name for name, f in self.candidates.items() if f is fn))
+        outputs = fn(list(self.static_inputs))
+        return FakeGraph(fn, self.static_inputs, outputs), outputs
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(pools)))
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [
+        {"segment_pool_id": pool, "total_size": size} for pool, size in reserved.items()] + [
+        {"segment_pool_id": (0, 0), "total_size": 1 << 30}])  # eager memory: not a pool's
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(cudagraph.CudaGraphRunner, "_capture_one", capture_one)
+    double = lambda args: [args[0] * 2]  # noqa: E731
+    runner = cudagraph.CudaGraphRunner({"lanes": double, "one_lane": lambda args: [args[0] * 2]}, "g_forward",
+                                       "forward", cudagraph.GraphFamily(), set(), None)
+    runner.static_inputs = [torch.ones(2)]
+    assert runner._choose_candidate() == "lanes"
+    summary = runner.summary()
+    assert summary["measured_ms"] == {"lanes": 4.0, "one_lane": 5.0}
+    assert summary["candidate_pool_bytes"] == {"lanes": 6 << 20, "one_lane": 4 << 20}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the allocator answers on CUDA")
+def test_pool_bytes_without_cuda_is_none():
+    from apollo_compile.runtime.cudagraph import pool_bytes
+
+    assert pool_bytes((0, 1)) is None

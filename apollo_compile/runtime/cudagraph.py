@@ -129,6 +129,19 @@ def clear_cublas_workspaces() -> None:
         clear()
 
 
+def pool_bytes(pool) -> int | None:
+    """Bytes the caching allocator holds for the private pool `pool`: a captured graph's memory,
+    temporaries included (a pool keeps every segment its capture needed), so the memory a
+    candidate costs, which a replay's ``max_memory_allocated`` does not show. None where the
+    allocator cannot say (no CUDA)."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+    key = tuple(pool) if isinstance(pool, (tuple, list)) else pool
+    return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id") or ()) == key)
+
+
 class GraphFamily:
     """State shared by the CUDA graphs of one Dynamo graph (forward + backward)."""
 
@@ -205,6 +218,8 @@ class CudaGraphRunner:
         self.fn = candidates.get("one_lane", candidates["lanes"])
         self.measured_ms: dict[str, float] = {}  # candidate -> ms per replay, once measured
         self.measuring_left_bytes = 0  # memory still allocated after the candidates were measured
+        self.candidate_pool_bytes: dict[str, int | None] = {}  # candidate -> its capture's pool (pool_bytes)
+        self.family_pool_bytes: int | None = None  # the family's pool once this graph is captured into it
         self.captured_bytes = 0  # allocated by the winner's capture and held: its outputs
         self.peak_after_capture = 0  # max_memory_allocated once captured: did capture set the peak?
         self.lent: LentOutputs | None = None  # a backward's gradients, once captured
@@ -234,6 +249,7 @@ class CudaGraphRunner:
     def summary(self) -> dict:
         return {"replays": self.replays, "chosen": self.chosen, "measured_ms": dict(self.measured_ms),
                 "measuring_left_bytes": self.measuring_left_bytes, "captured_bytes": self.captured_bytes,
+                "candidate_pool_bytes": dict(self.candidate_pool_bytes), "family_pool_bytes": self.family_pool_bytes,
                 "peak_after_capture": self.peak_after_capture,
                 "ungraphed_calls": self.ungraphed_calls, "disabled": self.disabled,
                 "lent_moved": self.lent.moved if self.lent is not None else 0}
@@ -268,6 +284,7 @@ class CudaGraphRunner:
         graph, outputs = self._capture_one(self.candidates[self.chosen], self.family.pool)
         self.captured_bytes = torch.cuda.memory_allocated() - allocated_before
         self.peak_after_capture = torch.cuda.max_memory_allocated()  # since the caller's last reset
+        self.family_pool_bytes = pool_bytes(self.family.pool)
         self.static_outputs = list(outputs)
         # an output that *is* a fixed input (a parameter saved for backward) is returned as the
         # caller's own tensor, not the capture-time one
@@ -325,7 +342,9 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         allocated_before = torch.cuda.memory_allocated()
         for name, fn in self.candidates.items():
-            graph, outputs = self._capture_one(fn, torch.cuda.graph_pool_handle())
+            pool = torch.cuda.graph_pool_handle()
+            graph, outputs = self._capture_one(fn, pool)
+            self.candidate_pool_bytes[name] = pool_bytes(pool)  # lanes hold both towers' temporaries at once
             graph.replay()  # first replay pays one-time costs (lazy module loads, page faults)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
