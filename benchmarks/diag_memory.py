@@ -39,6 +39,63 @@ def where(frames: list[dict]) -> str:
     return "(torch) " + (f"{frames[0]['filename'].rsplit('/', 1)[-1]}:{frames[0]['name']}" if frames else "?")
 
 
+def summarize(trace: list[dict], phases: list[dict], k: int, header: str = "") -> tuple[list[dict], str]:
+    """Per phase (bracketed by marker allocations 0..k): the peak of the running allocated bytes and
+    what is alive at it, by allocating line and by file. Returns (report records, text)."""
+    def is_marker(e):
+        d = e.get("size", 0) - MARK
+        return e["action"] == "alloc" and d >= 0 and d % 512 == 0 and d // 512 <= k
+
+    # pass 1: each phase's peak (event index) of the running allocated bytes since recording began
+    sizes: dict[int, int] = {}
+    cur, phase_of, start, best = 0, None, {}, {}
+    for i, e in enumerate(trace):
+        if is_marker(e):
+            phase_of = (e["size"] - MARK) // 512
+            start[phase_of] = cur
+        elif e["action"] == "alloc":
+            sizes[e["addr"]] = e["size"]
+            cur += e["size"]
+            if phase_of is not None and cur > best.get(phase_of, (-1, 0))[0]:
+                best[phase_of] = (cur, i)
+        elif e["action"] == "free_completed" and e["addr"] in sizes:
+            cur -= sizes.pop(e["addr"])
+
+    def alive_at(index: int) -> list[dict]:
+        live: dict[int, dict] = {}
+        for e in trace[:index + 1]:
+            if e["action"] == "alloc" and not is_marker(e):
+                live[e["addr"]] = e
+            elif e["action"] == "free_completed":
+                live.pop(e["addr"], None)
+        return list(live.values())
+
+    lines = [header]
+    report = []
+    for ph in phases:
+        m = ph["marker"]
+        peak, index = best.get(m, (0, 0))
+        groups = collections.Counter()
+        counts = collections.Counter()
+        files = collections.Counter()
+        for blk in alive_at(index):
+            key = where(blk.get("frames", []))
+            groups[key] += blk["size"]
+            counts[key] += 1
+            files[key.split(":", 1)[0]] += blk["size"]  # one generated file per compiled (sub)graph
+        top = groups.most_common(10)
+        ph |= {"trace_peak_above_start_gib": (peak - start.get(m, 0)) / 2**30, "trace_peak_gib": peak / 2**30,
+               "by_file": {f: b / 2**30 for f, b in files.most_common()},
+               "top": [(g, b / 2**30, counts[g]) for g, b in groups.most_common(200)]}
+        report.append(ph)
+        lines.append(f"\n== {ph['phase']}: max_allocated {ph['max_allocated_gib']:.2f} GiB, after {ph['allocated_after_gib']:.2f}; "
+                     f"recorded live at the phase's peak {peak / 2**30:.2f} GiB above the start of recording")
+        lines.append("  by file: " + ", ".join(f"{f} {b / 2**30:.3f}" for f, b in files.most_common(6)))
+        for g, b in top:
+            lines.append(f"  {b / 2**30:6.3f} GiB x{counts[g]:<4d} {g}")
+    return report, "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=64)
@@ -75,56 +132,10 @@ def main() -> None:
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][0]
-    def is_marker(e):
-        d = e["size"] - MARK
-        return e["action"] == "alloc" and d >= 0 and d % 512 == 0 and d // 512 <= k
-
-    # pass 1: each phase's peak (event index) of the running allocated bytes since recording began
-    sizes: dict[int, int] = {}
-    cur, phase_of, start, best = 0, None, {}, {}
-    for i, e in enumerate(trace):
-        if is_marker(e):
-            phase_of = (e["size"] - MARK) // 512
-            start[phase_of] = cur
-        elif e["action"] == "alloc":
-            sizes[e["addr"]] = e["size"]
-            cur += e["size"]
-            if phase_of is not None and cur > best.get(phase_of, (-1, 0))[0]:
-                best[phase_of] = (cur, i)
-        elif e["action"] == "free_completed" and e["addr"] in sizes:
-            cur -= sizes.pop(e["addr"])
-
-    def alive_at(index: int) -> list[dict]:
-        live: dict[int, dict] = {}
-        for e in trace[:index + 1]:
-            if e["action"] == "alloc" and not is_marker(e):
-                live[e["addr"]] = e
-            elif e["action"] == "free_completed":
-                live.pop(e["addr"], None)
-        return list(live.values())
-
-    lines = [f"torch {torch.__version__}, batch {args.batch}, options {opts}; allocated before the first step "
-             f"{base / 2**30:.2f} GiB (parameters); trace {len(trace)} events"]
-    report = []
-    for ph in phases:
-        m = ph["marker"]
-        peak, index = best.get(m, (0, 0))
-        groups = collections.Counter()
-        counts = collections.Counter()
-        for blk in alive_at(index):
-            key = where(blk.get("frames", []))
-            groups[key] += blk["size"]
-            counts[key] += 1
-        top = groups.most_common(14)
-        ph |= {"trace_peak_above_start_gib": (peak - start.get(m, 0)) / 2**30, "trace_peak_gib": peak / 2**30,
-               "top": [(g, b / 2**30, counts[g]) for g, b in groups.most_common(40)]}
-        report.append(ph)
-        lines.append(f"\n== {ph['phase']}: max_allocated {ph['max_allocated_gib']:.2f} GiB, after {ph['allocated_after_gib']:.2f}; "
-                     f"recorded live at the phase's peak {peak / 2**30:.2f} GiB above the start of recording")
-        for g, b in top:
-            lines.append(f"  {b / 2**30:6.3f} GiB x{counts[g]:<4d} {g}")
+    report, text = summarize(trace, phases, k, header=(
+        f"torch {torch.__version__}, batch {args.batch}, options {opts}; allocated before the first step "
+        f"{base / 2**30:.2f} GiB (parameters); trace {len(trace)} events"))
     (out / "diag_memory.json").write_text(json.dumps(report, indent=1))
-    text = "\n".join(lines)
     (out / "diag_memory.txt").write_text(text)
     print(text)
 

@@ -56,3 +56,28 @@ def test_budget_variants_by_name():
     for bad in ("apollo-bf16-budget-0", "apollo-bf16-budget-1.5", "eager-fp16"):
         with pytest.raises(Exception, match="unknown variant|must be in"):
             bench_memory.variant_name(bad)
+
+
+def test_diag_memory_finds_each_phase_peak_and_what_is_alive_there():
+    """diag_memory.py's analysis of an allocator trace: phases bracketed by marker allocations, each
+    phase's peak, and what is alive at it grouped by the generated file and line that allocated it."""
+    import diag_memory
+
+    def alloc(addr, size, file="/tmp/torchinductor_x/ab/cfw.py", line=10):
+        return {"action": "alloc", "addr": addr, "size": size, "frames": [{"filename": file, "line": line, "name": "call"}]}
+
+    def free(addr):
+        return {"action": "free_completed", "addr": addr}
+
+    mark = lambda k: {"action": "alloc", "addr": 900 + k, "size": diag_memory.MARK + 512 * k, "frames": []}  # noqa: E731
+    trace = [mark(0), alloc(1, 1000), alloc(2, 3000, line=11), free(2), alloc(3, 500), mark(1),
+             alloc(4, 4000, file="/tmp/torchinductor_x/cd/cbw.py", line=7), free(1), free(4), mark(2)]
+    phases = [{"phase": "forward", "marker": 0, "max_allocated_gib": 0.0, "allocated_after_gib": 0.0},
+              {"phase": "backward", "marker": 1, "max_allocated_gib": 0.0, "allocated_after_gib": 0.0}]
+    report, text = diag_memory.summarize(trace, phases, 2)
+    forward, backward = report
+    assert forward["trace_peak_gib"] * 2**30 == 4000  # 1 and 2 alive together
+    assert {g.split(" ")[0]: round(b * 2**30) for g, b, _ in forward["top"]} == {"cfw.py:10": 1000, "cfw.py:11": 3000}
+    assert backward["trace_peak_gib"] * 2**30 == 5500  # 1, 3 and 4
+    assert backward["by_file"] == {"cfw.py": 1500 / 2**30, "cbw.py": 4000 / 2**30}
+    assert "== backward" in text
