@@ -495,9 +495,10 @@ class _Planner:
             out[self.key[v]] = out.get(self.key[v], 0) + self.nb(v)
         return dict(sorted(out.items()))
 
-    def groups(self, rerun: set[torch.fx.Node]) -> "_Groups":
-        """The re-run ops, grouped by what they read of each other (NOTE on the peak)."""
-        parent = {o: o for o in rerun}
+    def _components(self, ops, joined) -> dict[torch.fx.Node, torch.fx.Node]:
+        """Each of `ops` -> its component's root, ops linked where one reads the other's value and
+        ``joined(producer, reader)`` agrees."""
+        parent = {o: o for o in ops}
 
         def find(x):
             while parent[x] is not x:
@@ -505,13 +506,17 @@ class _Planner:
                 x = parent[x]
             return x
 
-        for o in rerun:
+        for o in parent:
             for v in self.inputs.get(o, ()):
                 p = self.op(v)
-                # fused pointwise work (holding nothing) does not chain groups together
-                if p in parent and self.held[p] and self.held[o] and find(p) is not find(o):
+                if p in parent and joined(p, o) and find(p) is not find(o):
                     parent[find(p)] = find(o)
-        root = {o: find(o) for o in rerun}
+        return {o: find(o) for o in parent}
+
+    def groups(self, rerun: set[torch.fx.Node]) -> "_Groups":
+        """The re-run ops, grouped by what they read of each other (NOTE on the peak)."""
+        # fused pointwise work (holding nothing) does not chain groups together
+        root = self._components(rerun, lambda p, o: self.held[p] and self.held[o])
         size: dict[torch.fx.Node, dict[str, int]] = {}
         for o, r in root.items():
             per_key = size.setdefault(r, {})
@@ -523,22 +528,9 @@ class _Planner:
         (no library kernel) connected through what they read of each other, each op -> its group
         (groups of two or more only). Inductor fuses such a chain whole and schedules it before
         its first reader, so the group is re-run at once (NOTE: Fused recompute)."""
-        parent = {o: o for o in rerun if not _extern(o)}
-
-        def find(x):
-            while parent[x] is not x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        for o in parent:
-            for v in self.inputs.get(o, ()):
-                p = self.op(v)
-                if p in parent and find(p) is not find(o):
-                    parent[find(p)] = find(o)
         members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-        for o in parent:
-            members.setdefault(find(o), []).append(o)
+        for o, r in self._components([o for o in rerun if not _extern(o)], lambda p, o: True).items():
+            members.setdefault(r, []).append(o)
         return {o: group for group in members.values() if len(group) > 1 for o in group}
 
     def peaks(self, saved, rerun) -> tuple[dict[str, int], int]:
