@@ -30,8 +30,7 @@ bash benchmarks/device_cache.sh load
 case "${1:-}" in
   smoke)     timeout 120 python benchmarks/smoke_gpu.py; exit $? ;;  # no compile cache needed (eager subgraphs)
   step)      timeout 520 python benchmarks/bench_step.py --batch 8 32 --steps 50 --out "$OUT/step" ;;
-  memory)    # budgets 0.4 (the walk, predicted 0.397x) and 0.3 (per-block checkpointing, predicted 0.152x; 0.2
-             # plans the same since 7dbe650)
+  memory)    # budgets 0.5 (the walk, predicted 0.494x), 0.4 and 0.3 (per-block, relaxed: 0.399x, 0.296x)
              timeout 520 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
                eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.5 apollo-bf16-budget-0.4 \
                apollo-bf16-budget-0.3 --out "$OUT/mem64" ;;
