@@ -377,8 +377,9 @@ def test_fused_recompute_holds_memory_only_where_a_library_kernel_reads_it(monke
 def test_a_fused_recompute_chain_is_rerun_whole_at_its_first_use(monkeypatch):
     """Inductor fuses a chain of recomputed pointwise ops (a tower's residual stream, its matmul
     outputs saved) into one kernel scheduled before the chain's first reader, writing every value
-    read later: on the H200 such a plan (budget 0.05, base CLIP, batch 64) held 2.77 GiB in its
-    first backward, where pulling each value when needed predicted 0.6 GiB of activations. The
+    read later: on the H200 such a plan (budget 0.05, base CLIP, batch 64) peaked at 2.77 GiB
+    allocated in its first step (parameters 0.60), where pulling each value when needed predicted
+    about 0.6 GiB of activations. The
     simulation re-runs the group whole; per-block checkpointing, whose groups end at saved block
     inputs, then has the lower predicted peak."""
     torch.manual_seed(0)

@@ -277,9 +277,14 @@ def test_each_candidate_reports_the_memory_its_capture_pool_holds(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
     monkeypatch.setattr(cudagraph.CudaGraphRunner, "_capture_one", capture_one)
-    double = lambda args: [args[0] * 2]  # noqa: E731
-    runner = cudagraph.CudaGraphRunner({"lanes": double, "one_lane": lambda args: [args[0] * 2]}, "g_forward",
-                                       "forward", cudagraph.GraphFamily(), set(), None)
+    def lanes(args):
+        return [args[0] * 2]
+
+    def one_lane(args):
+        return [args[0] * 2]
+
+    runner = cudagraph.CudaGraphRunner({"lanes": lanes, "one_lane": one_lane}, "g_forward", "forward",
+                                       cudagraph.GraphFamily(), set(), None)
     runner.static_inputs = [torch.ones(2)]
     assert runner._choose_candidate() == "lanes"
     summary = runner.summary()

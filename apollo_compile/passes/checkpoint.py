@@ -172,7 +172,7 @@ class CheckpointDecision:
     extra_us: float = 0.0  # predicted extra backward time: roofline time of the added recomputes
     met: bool = True  # every target reached
     tagged: bool = False  # False: the plain partition already fits; no tag was written
-    per_block: bool = False  # the budget was below the walk's reach and per-block checkpointing peaked lower
+    per_block: bool = False  # per-block checkpointing: below the walk's reach and lower, or re-running less
     relaxed: int = 0  # ops per-block checkpointing re-ran that the budget's room saves instead (relax)
     baseline: str = "min-cut"  # how bytes_before was found
 
@@ -706,12 +706,12 @@ class _Planner:
         return rerun
 
     def relax(self, rerun: set[torch.fx.Node], targets: dict[str, int]):
-        """From a state that meets `targets` with room to spare (per-block checkpointing, chosen
-        below the walk's reach, overshoots: 0.152x of the base CLIP's plain peak for a budget of
-        0.3), save again the re-run library kernels (matmuls, attention) that cost the most time
-        per byte they make, one at a time, each kept only if the simulated peak still meets every
-        target: the time back that the budget leaves room for. Gives up after
-        ``_RELAX_MISSES`` refusals in a row. Returns (re-run ops, saved values, :meth:`peaks`)."""
+        """From a state that meets `targets` with room to spare (per-block checkpointing
+        overshoots: 0.152x of the base CLIP's plain peak for a budget of 0.3), save again the
+        re-run library kernels (matmuls, attention) that cost the most time per byte they make,
+        one at a time, each kept only if the simulated peak still meets every target: the time
+        back that the budget leaves room for. Gives up after ``_RELAX_MISSES`` refusals in a row.
+        Returns (re-run ops, saved values, :meth:`peaks`)."""
         saved, rerun = self.close(rerun)
         state = (rerun, saved, self.peaks(saved, rerun))
 
