@@ -602,6 +602,36 @@ def main_table(results: list[dict], cuda: bool) -> str:
     return "\n".join(lines)
 
 
+def runtime_notes(results: list[dict]) -> str:
+    """A line per apollo row: the checkpoint plan (predicted peak vs the plain partition's) and, per
+    graph, the runtime replayed, each candidate's replay time and capture pool (what concurrency
+    costs in memory) and what measuring left allocated."""
+    lines = []
+    for entry in results:
+        for r in entry["variants"]:
+            for plan in r.get("apollo") or ():
+                parts = []
+                ckpt = plan.get("checkpoint")
+                if ckpt and ckpt.get("peak_before"):
+                    parts.append(f"checkpoint: predicted peak {ckpt['peak_after'] / ckpt['peak_before']:.3f}x of the "
+                                 f"plain partition's" + (" (per-block" + (f", {ckpt['relaxed']} saved back)"
+                                                                           if ckpt.get("relaxed") else ")")
+                                                         if ckpt.get("per_block") else "")
+                                 + ("" if ckpt.get("met", True) else ", not met"))
+                for kind, g in plan["graphs"].items():
+                    cg = g.get("cuda_graph")
+                    if not cg:
+                        continue
+                    pools = cg.get("candidate_pool_bytes") or {}
+                    cands = ", ".join(f"{c} {ms:.2f} ms" + (f" / {pools[c] / 2**30:.2f} GiB" if pools.get(c) else "")
+                                      for c, ms in cg.get("measured_ms", {}).items())
+                    parts.append(f"{kind}: {cg.get('chosen')} [{cands}], measuring left "
+                                 f"{(cg.get('measuring_left_bytes') or 0) / 2**30:.2f} GiB")
+                if parts:
+                    lines.append(f"- batch {entry['batch']}, {r['variant']}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
 def search_table(searches: list[dict], limit: float) -> str:
     header = ["variant", f"largest batch within {limit:g} GiB", "smallest failing", "peak GiB at largest",
               "probes (+ reused)", "note"]
@@ -655,6 +685,9 @@ def report(env: dict, results: list[dict], searches: list[dict], out_dir: Path, 
         if entry.get("error"):
             head.append(f"- batch {entry['batch']}: {entry['error'].splitlines()[0]}")
     text = "\n".join(head) + "\n\n" + main_table(results, cuda) + "\n"
+    notes = runtime_notes(results)
+    if notes:
+        text += "\napollo's plans and runtimes (candidate: replay ms / capture pool):\n" + notes + "\n"
     if searches:
         text += (f"\nLargest batch whose step (with compile and {args.warmup} warm-up + {args.search_steps} steps) "
                  f"stays within {args.max_batch_search:g} GiB peak allocated, the allocator capped at that limit; "

@@ -368,7 +368,7 @@ def apollo_diagnostics(row: dict, name: str):
                 entry: dict[str, Any] = {"plan": plan.name}
                 ckpt = plan.joint.get("checkpoint")
                 if ckpt is not None:
-                    entry["checkpoint"] = {"bytes_before": ckpt.bytes_before, "bytes_after": ckpt.bytes_after}
+                    entry["checkpoint"] = ckpt.summary()  # predicted peaks and bytes, per_block, relaxed, met
                 summaries = {k: g.summary() for k, g in plan.graphs.items()}
                 entry["graphs"] = {k: {key: summary.get(key) for key in ("lanes", "cuda_graph", "fallback")}
                                    for k, summary in summaries.items()}

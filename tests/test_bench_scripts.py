@@ -81,3 +81,18 @@ def test_diag_memory_finds_each_phase_peak_and_what_is_alive_there():
     assert backward["trace_peak_gib"] * 2**30 == 5500  # 1, 3 and 4
     assert backward["by_file"] == {"cfw.py": 1500 / 2**30, "cbw.py": 4000 / 2**30}
     assert "== backward" in text
+
+
+def test_memory_report_says_what_each_apollo_row_planned_and_replayed():
+    """Under the table, a line per apollo row: the checkpoint plan and, per graph, each candidate's
+    replay time and capture pool, the runtime chosen, and what measuring left allocated."""
+    graph = {"cuda_graph": {"chosen": "lanes", "measured_ms": {"lanes": 7.0, "one_lane": 7.5},
+                            "candidate_pool_bytes": {"lanes": 3 << 30, "one_lane": 2 << 30},
+                            "measuring_left_bytes": 1 << 29}}
+    row = {"variant": "apollo-bf16-budget-0.3", "apollo": [{
+        "plan": "frame0_0", "graphs": {"forward": graph, "backward": {"cuda_graph": None}},
+        "checkpoint": {"peak_before": 1000, "peak_after": 296, "per_block": True, "relaxed": 130, "met": True}}]}
+    notes = bench_memory.runtime_notes([{"batch": 64, "variants": [{"variant": "eager-fp32"}, row]}])
+    assert notes == ("- batch 64, apollo-bf16-budget-0.3: checkpoint: predicted peak 0.296x of the plain "
+                     "partition's (per-block, 130 saved back); forward: lanes [lanes 7.00 ms / 3.00 GiB, "
+                     "one_lane 7.50 ms / 2.00 GiB], measuring left 0.50 GiB")
