@@ -533,47 +533,50 @@ def run(args):
     args.clear()
     rt.fork([1, 2])  # side lanes start after the caller's pending work
     with rt.lane(1):
-        # subgraph 0: vision, vision_proj | 58 nodes | est 44.0 us
-        (
-            add, getitem_1, getitem_2, view_1, select, select_1, select_2, getitem_4, view_5, add_1,
-            getitem_6, getitem_7, view_7, addmm_2, view_9, add_2, getitem_9, getitem_10, mean, mm,
-            linalg_vector_norm, exp, mul, detach_13
-        ) = subgraph_0([
-            primals_3, primals_1, primals_2, primals_4, primals_5, primals_6, primals_7, primals_8,
-            primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15,
-            primals_16, primals_17, primals_18, primals_19, primals_38
-        ])
-        rt.record(0)
         rt.keep_alive(1,
             primals_3, primals_1, primals_2, primals_4, primals_5, primals_6, primals_7, primals_8,
             primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15,
             primals_16, primals_17, primals_18, primals_19, primals_38
         )
+        # subgraph 0: vision, vision_proj | 58 nodes | est 44.0 us
+        inputs_0 = [
+            primals_3, primals_1, primals_2, primals_4, primals_5, primals_6, primals_7, primals_8,
+            primals_9, primals_10, primals_11, primals_12, primals_13, primals_14, primals_15,
+            primals_16, primals_17, primals_18, primals_19, primals_38
+        ]
         del (primals_2, primals_4, primals_8, primals_10, primals_14, primals_16, primals_38)
-    with rt.lane(2):
-        # subgraph 1: text, text_proj | 55 nodes | est 38.0 us
         (
-            add_3, getitem_12, getitem_13, view_11, select_3, select_4, select_5, getitem_15, view_15,
-            add_4, getitem_17, getitem_18, view_17, addmm_6, view_19, add_5, getitem_20, getitem_21,
-            select_6, mm_1, linalg_vector_norm_1, div_1, t_10, detach_11
-        ) = subgraph_1([
-            primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26,
-            primals_27, primals_28, primals_29, primals_30, primals_31, primals_32, primals_33,
-            primals_34, primals_35, primals_36, primals_37
-        ])
-        rt.record(1)
+            add, getitem_1, getitem_2, view_1, select, select_1, select_2, getitem_4, view_5, add_1,
+            getitem_6, getitem_7, view_7, addmm_2, view_9, add_2, getitem_9, getitem_10, mean, mm,
+            linalg_vector_norm, exp, mul, detach_13
+        ) = subgraph_0(inputs_0)
+        rt.record(0)
+    with rt.lane(2):
         rt.keep_alive(2,
             primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26,
             primals_27, primals_28, primals_29, primals_30, primals_31, primals_32, primals_33,
             primals_34, primals_35, primals_36, primals_37
         )
+        # subgraph 1: text, text_proj | 55 nodes | est 38.0 us
+        inputs_1 = [
+            primals_20, primals_21, primals_22, primals_23, primals_24, primals_25, primals_26,
+            primals_27, primals_28, primals_29, primals_30, primals_31, primals_32, primals_33,
+            primals_34, primals_35, primals_36, primals_37
+        ]
         del (primals_20, primals_22, primals_26, primals_28, primals_32, primals_34)
+        (
+            add_3, getitem_12, getitem_13, view_11, select_3, select_4, select_5, getitem_15, view_15,
+            add_4, getitem_17, getitem_18, view_17, addmm_6, view_19, add_5, getitem_20, getitem_21,
+            select_6, mm_1, linalg_vector_norm_1, div_1, t_10, detach_11
+        ) = subgraph_1(inputs_1)
+        rt.record(1)
     rt.wait(0)  # needs subgraph 0 (lane 1)
     rt.wait(1)  # needs subgraph 1 (lane 2)
-    # subgraph 2: fusion | 13 nodes | est 16.0 us
-    (arange, _log_softmax, getitem_23, _log_softmax_1, getitem_25, div_2) = subgraph_2([mul, t_10])
     rt.keep_alive(0, mul, t_10)
+    # subgraph 2: fusion | 13 nodes | est 16.0 us
+    inputs_2 = [mul, t_10]
     del (t_10)
+    (arange, _log_softmax, getitem_23, _log_softmax_1, getitem_25, div_2) = subgraph_2(inputs_2)
     rt.release()  # every lane has joined: values read across lanes may be freed
     return (
         div_2, primals_1, primals_3, primals_5, primals_6, primals_7, primals_9, primals_11,

@@ -6,7 +6,7 @@ Reads the lane plan and ``NodeInfo`` (modality, est_us); returns a :class:`Runti
 one stream (``*.one_lane.runtime.py``): on CUDA both are captured and the faster one replayed.
 
 Two phases, as in apex torchsched: :func:`schedule` emits symbolic ops (launch, wait, record,
-keep-alive, free); :func:`render` prints them. Records are only rendered for events some
+keep-alive); :func:`render` prints them. Records are only rendered for events some
 lane waits on, so an event nothing waits on never appears.
 
 [NOTE] Waits are pruned with vector clocks::
@@ -16,6 +16,12 @@ lane waits on, so an event nothing waits on never appears.
 
 Each lane keeps, per other lane, the last launch it is known to be ordered after; waiting on an
 event inherits what the recording lane knew when it recorded.
+
+[NOTE] Freeing: a value is handed over at its last reader's launch. The runtime puts the inputs
+in a list, drops its own names for those read there for the last time, and calls the subgraph
+with the list, which (boxed, as Inductor's compiled code is) clears it and frees each input after
+its own last use inside. Deleting the names after the call instead kept every saved activation of
+a one-subgraph backward alive until its end, beside the gradients it makes.
 
 [NOTE] Freeing across lanes: a value produced on one stream and read on another is held by the
 lane runtime (``rt.keep_alive``) until the main lane has joined every side lane
@@ -47,10 +53,11 @@ HEADER = '''\
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # "launch" | "wait" | "record" | "keep" | "free" | "join" | "release"
+    kind: str  # "launch" | "wait" | "record" | "keep" | "join" | "release"
     lane: int
     subgraph: int | None = None
-    names: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()  # launch: its outputs; keep: the values held
+    last_read: tuple[str, ...] = ()  # launch: inputs read for the last time, handed over (NOTE: Freeing)
 
 
 @dataclass
@@ -96,16 +103,14 @@ def schedule(plan: LanePlan, output_nodes: list[torch.fx.Node]) -> list[Op]:
             ops.append(Op("wait", sg.lane, dep))
             for other, p in clock_at_record[dep].items():
                 clock[sg.lane][other] = max(clock[sg.lane][other], p)
-        ops.append(Op("launch", sg.lane, sg_id, tuple(n.name for n in sg.outputs)))
+        cross = tuple(n.name for n in sg.inputs if producer_lane(plan, n) != sg.lane)
+        if cross:  # held before the launch lets go of its names
+            ops.append(Op("keep", sg.lane, sg_id, cross))
+        dead = tuple(n.name for n in sg.inputs if last_use[n] == sg_id and n not in keep_forever)
+        ops.append(Op("launch", sg.lane, sg_id, tuple(n.name for n in sg.outputs), dead))
         clock[sg.lane][sg.lane] = pos[sg_id]
         clock_at_record[sg_id] = dict(clock[sg.lane])
         ops.append(Op("record", sg.lane, sg_id))
-        cross = tuple(n.name for n in sg.inputs if producer_lane(plan, n) != sg.lane)
-        if cross:
-            ops.append(Op("keep", sg.lane, sg_id, cross))
-        dead = tuple(n.name for n in sg.inputs if last_use[n] == sg_id and n not in keep_forever)
-        if dead:
-            ops.append(Op("free", sg.lane, sg_id, dead))
     # join: the main lane waits for the last launch of every side lane
     for lane in lanes:
         if lane == 0:
@@ -168,15 +173,19 @@ def _render_op(plan: LanePlan, op: Op, waited: set[int]) -> str:
         return f"rt.record({op.subgraph})" if op.subgraph in waited else ""
     if op.kind == "keep":  # values read on another lane than the one that made them
         return _wrap(f"rt.keep_alive({op.lane}, ", list(op.names), ")")
-    if op.kind == "free":
-        return _wrap("del (", list(op.names), ")")
     if op.kind == "release":
         return "rt.release()  # every lane has joined: values read across lanes may be freed"
     sg = plan.subgraphs[op.subgraph]
     mods = ", ".join(sorted({info(n).modality for n in sg.nodes}))
-    args = _wrap(f"subgraph_{sg.id}([", [n.name for n in sg.inputs], "])")
-    call = _wrap("(", list(op.names), f") = {args}") if op.names else args
-    return f"# subgraph {sg.id}: {mods} | {len(sg.nodes)} nodes | est {sg.est_us:.1f} us\n{call}"
+    head = f"# subgraph {sg.id}: {mods} | {len(sg.nodes)} nodes | est {sg.est_us:.1f} us\n"
+    if not op.last_read:
+        args = _wrap(f"subgraph_{sg.id}([", [n.name for n in sg.inputs], "])")
+        return head + (_wrap("(", list(op.names), f") = {args}") if op.names else args)
+    # the list is the only holder of what this subgraph reads last: it frees each as it goes
+    inputs = _wrap(f"inputs_{sg.id} = [", [n.name for n in sg.inputs], "]")
+    dead = _wrap("del (", list(op.last_read), ")")
+    call = f"subgraph_{sg.id}(inputs_{sg.id})"
+    return head + f"{inputs}\n{dead}\n" + (_wrap("(", list(op.names), f") = {call}") if op.names else call)
 
 
 def _wrap(open_: str, names: list[str], close: str, width: int = 96) -> str:

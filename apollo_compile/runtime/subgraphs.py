@@ -12,7 +12,6 @@ from typing import Callable
 
 import torch
 import torch.fx
-from functorch.compile import make_boxed_func
 
 from ..passes.lanes import Subgraph
 
@@ -50,7 +49,13 @@ def inductor_config():
 
 def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kind: str) -> Callable[[list], tuple]:
     if compiler == "eager":
-        return make_boxed_func(sub.forward)
+        def run_boxed(args: list) -> tuple:
+            inputs = list(args)
+            args.clear()  # as Inductor's compiled code does: the caller's list holds nothing after
+            return sub.forward(*inputs)
+
+        run_boxed._boxed_call = True
+        return run_boxed
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.utils import BoxedBool
 
