@@ -39,6 +39,9 @@ from .runtime.subgraphs import inductor_config
 
 log = logging.getLogger("apollo_compile")
 
+# With a memory_budget the user put memory first: a concurrent candidate is replayed only if its
+# CUDA-graph pool stays within this much of the one-stream candidate's (issue 3's bound on lanes).
+MEMORY_FIRST_LANE_RATIO = 1.1
 REPORT_HINT = "please report it with the dump (options={'dump_dir': ...}) at the apollo_compile issue tracker"
 
 
@@ -174,8 +177,11 @@ def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, fami
         static_idxs = set(meta.static_input_indices or ())
     if meta is not None and kind == "forward" and hasattr(meta, "num_forward_returns"):
         user_visible = set(range(meta.num_forward_returns))
-    return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
-                           on_measured=functools.partial(_calibrate, ctx))
+    runner = CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
+                             on_measured=functools.partial(_calibrate, ctx))
+    if ctx.options.memory_budget is not None:  # memory first: concurrency only within 1.1x of one lane's pool
+        runner.max_memory_ratio = MEMORY_FIRST_LANE_RATIO
+    return runner
 
 
 def _calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:

@@ -204,6 +204,21 @@ def test_concurrency_is_replayed_only_where_it_pays():
     assert fastest({"lanes": 3.0}, 0.01) == "lanes"  # no one-stream candidate: the fastest
 
 
+def test_with_memory_first_concurrency_must_stay_within_the_pool_ratio():
+    """Given each candidate's capture pool and a ratio (set when the user gave a memory_budget),
+    a concurrent candidate whose pool exceeds one stream's by more than the ratio is not
+    replayed, however fast; one whose pool is unknown is judged on time alone."""
+    from apollo_compile.runtime.cudagraph import fastest
+
+    ms = {"lanes": 7.0, "one_lane": 8.0, "quota:1=96,2=32": 6.5}
+    assert fastest(ms, 0.01) == "quota:1=96,2=32"  # no ratio: time alone
+    pools = {"lanes": 105, "one_lane": 100, "quota:1=96,2=32": 130}
+    assert fastest(ms, 0.01, pools, 1.1) == "lanes"  # the quota candidate holds 1.3x
+    assert fastest(ms, 0.01, {**pools, "lanes": 120}, 1.1) == "one_lane"
+    assert fastest(ms, 0.01, {**pools, "lanes": None}, 1.1) == "lanes"
+    assert fastest(ms, 0.01, {"lanes": 120, "one_lane": None}, 1.1) == "quota:1=96,2=32"  # no baseline to judge by
+
+
 def test_each_capture_gets_cublas_workspaces_of_its_own(monkeypatch):
     """cuBLAS's cached workspaces are dropped right before and right after every capture (also one
     that fails), as CUDA-graph trees do: the graph's workspaces are then allocated in its own pool,
@@ -290,6 +305,10 @@ def test_each_candidate_reports_the_memory_its_capture_pool_holds(monkeypatch):
     summary = runner.summary()
     assert summary["measured_ms"] == {"lanes": 4.0, "one_lane": 5.0}
     assert summary["candidate_pool_bytes"] == {"lanes": 6 << 20, "one_lane": 4 << 20}
+    runner.measured_ms, runner.candidate_pool_bytes, timing[:] = {}, {}, []
+    pools = itertools.count(1)  # the same two pools again  # noqa: F841 (read by the graph_pool_handle stub)
+    runner.max_memory_ratio = 1.1  # a memory_budget puts memory first: lanes hold 1.5x one lane's pool
+    assert runner._choose_candidate() == "one_lane"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the allocator answers on CUDA")

@@ -137,3 +137,15 @@ def test_gradients_from_autograd_grad_kept_across_steps_are_moved_not_overwritte
     forward, backward = runners
     assert forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
     assert backward.summary()["lent_moved"] > 0
+
+
+def test_a_memory_budget_bounds_what_concurrency_may_cost(runners):
+    """With a memory_budget the runners replay a concurrent candidate only within 1.1x of the
+    one-stream candidate's capture pool; without one, the fastest (the pools are still reported)."""
+    torch.manual_seed(0)
+    for options, ratio in (({}, None), ({"memory_budget": 0.5}, backend.MEMORY_FIRST_LANE_RATIO)):
+        runners.clear()
+        torch._dynamo.reset()
+        compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager", **options})
+        compiled(*two_tower_inputs()).backward()
+        assert runners and all(r.max_memory_ratio == ratio for r in runners), options

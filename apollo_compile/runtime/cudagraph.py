@@ -100,11 +100,21 @@ class OutputCopier:
         return out
 
 
-def fastest(measured_ms: dict[str, float], min_gain: float) -> str:
+def fastest(measured_ms: dict[str, float], min_gain: float, pool_bytes: dict[str, int | None] | None = None,
+            max_memory_ratio: float | None = None) -> str:
     """The candidate to replay: the fastest, unless it beats the one-stream schedule by less than
     `min_gain`. Concurrency that does not pay still costs memory (both towers' temporaries live
     at once: the two-lane capture set the whole-run peak of a budgeted batch-64 step on the H200,
-    1.11x the one-stream call's, for a backward 0.01% faster than one lane)."""
+    1.11x the one-stream call's, for a backward 0.01% faster than one lane).
+
+    With `pool_bytes` (each candidate's capture pool) and `max_memory_ratio`, a candidate whose
+    pool exceeds the one-stream candidate's by more than that ratio is not replayed, however fast:
+    multi-lane memory must stay within 1.1x of one lane's (issue 3). A candidate whose pool is
+    unknown is judged on time alone."""
+    if max_memory_ratio is not None and pool_bytes and pool_bytes.get("one_lane"):
+        limit = pool_bytes["one_lane"] * max_memory_ratio
+        measured_ms = {k: v for k, v in measured_ms.items()
+                       if k == "one_lane" or pool_bytes.get(k) is None or pool_bytes[k] <= limit}
     best = min(measured_ms, key=measured_ms.get)
     single = measured_ms.get("one_lane")
     if single is not None and measured_ms[best] > single * (1 - min_gain):
@@ -207,6 +217,7 @@ class CudaGraphRunner:
 
     timing_replays = 5
     min_gain = 0.01  # concurrency must beat one stream by this much to be replayed (see `fastest`)
+    max_memory_ratio: float | None = None  # ... and hold at most this much of one stream's capture pool
 
     def __init__(self, candidates: dict[str, Callable[[list], list]], name: str, kind: str, family: GraphFamily,
                  static_input_idxs: set[int], user_visible_outputs: set[int] | None,
@@ -359,11 +370,13 @@ class CudaGraphRunner:
         # a candidate's graph, pool and outputs die with it, its cuBLAS workspaces too (they were
         # in its pool: _capture_one); anything left would be a leak
         self.measuring_left_bytes = torch.cuda.memory_allocated() - allocated_before
-        best = fastest(self.measured_ms, self.min_gain)
+        best = fastest(self.measured_ms, self.min_gain, self.candidate_pool_bytes, self.max_memory_ratio)
         if self.on_measured is not None:
             self.on_measured(dict(self.measured_ms))
         log.info("apollo: %s measured %s; replaying %r", self.name,
-                 ", ".join(f"{k} {v:.3f} ms" for k, v in self.measured_ms.items()), best)
+                 ", ".join(f"{k} {v:.3f} ms" + (f" ({self.candidate_pool_bytes[k] / 2**30:.2f} GiB pool)"
+                                                 if self.candidate_pool_bytes.get(k) else "")
+                           for k, v in self.measured_ms.items()), best)
         return best
 
     # -- replay ----------------------------------------------------------------------------
