@@ -177,11 +177,9 @@ def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, fami
         static_idxs = set(meta.static_input_indices or ())
     if meta is not None and kind == "forward" and hasattr(meta, "num_forward_returns"):
         user_visible = set(range(meta.num_forward_returns))
-    runner = CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
-                             on_measured=functools.partial(_calibrate, ctx))
-    if ctx.options.memory_budget is not None:  # memory first: concurrency only within 1.1x of one lane's pool
-        runner.max_memory_ratio = MEMORY_FIRST_LANE_RATIO
-    return runner
+    return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
+                           on_measured=functools.partial(_calibrate, ctx),
+                           max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None)
 
 
 def _calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:

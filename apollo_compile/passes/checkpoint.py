@@ -732,6 +732,11 @@ class _Planner:
                     break
         return state
 
+    def extra_us(self, rerun: set[torch.fx.Node], plain_rerun: set[torch.fx.Node]) -> float:
+        """Predicted extra backward time of a state: roofline time of what it re-runs beyond the
+        plain partition (summed in graph order, so equal states compare equal)."""
+        return sum(self.cost[o][0] for o in sorted(rerun - plain_rerun, key=self.order.__getitem__))
+
     def _best_move(self, o, saved, rerun, groups, largest, targets):
         key = self.key[o]
         ops = {o}
@@ -885,11 +890,11 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
             kept = len(block_rerun)
             block_rerun, block_saved, (block_after, block_peak) = planner.relax(block_rerun, targets)
             relaxed = kept - len(block_rerun)
-
-        def extra(ops):
-            return sum(planner.cost[o][0] for o in ops - plain_rerun)
-
-        if block_peak < peak_after if not met else block_met and extra(block_rerun) < extra(rerun):
+        if met:
+            better = block_met and planner.extra_us(block_rerun, plain_rerun) < planner.extra_us(rerun, plain_rerun)
+        else:
+            better = block_peak < peak_after
+        if better:
             saved, rerun, after, peak_after, met = block_saved, block_rerun, block_after, block_peak, block_met
             decision.per_block, decision.relaxed = True, relaxed
     _tag(gm, planner, num_fwd, rerun)
@@ -899,7 +904,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
     decision.recomputed = _names(rerun)
     decision.added = _names(added)
     decision.saved = _names(saved)
-    decision.extra_us = sum(planner.cost[o][0] for o in sorted(added, key=planner.order.__getitem__))
+    decision.extra_us = planner.extra_us(rerun, plain_rerun)
     decision.met = met
     decision.tagged = True
     if not met:

@@ -72,9 +72,8 @@ class OutputCopier:
     may be many, and at small batches a step is bound by the host (profile_step.py: 7.9 ms to issue
     an 8.2 ms step at batch 8), so the contiguous ones of each dtype are copied by one ``cat`` into
     one allocation and handed out as views made in C++ (``_flatten/_unflatten_dense_tensors``): no
-    Python work per tensor. The
-    views keep the shared allocation alive until the last of them dies. Other layouts are cloned
-    one by one (``clone`` keeps a dense layout's strides)."""
+    Python work per tensor. The views keep the shared allocation alive until the last of them
+    dies. Other layouts are cloned one by one (``clone`` keeps a dense layout's strides)."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         groups: dict[tuple, list[int]] = {}
@@ -217,13 +216,14 @@ class CudaGraphRunner:
 
     timing_replays = 5
     min_gain = 0.01  # concurrency must beat one stream by this much to be replayed (see `fastest`)
-    max_memory_ratio: float | None = None  # ... and hold at most this much of one stream's capture pool
 
     def __init__(self, candidates: dict[str, Callable[[list], list]], name: str, kind: str, family: GraphFamily,
                  static_input_idxs: set[int], user_visible_outputs: set[int] | None,
-                 on_measured: Callable[[dict[str, float]], None] | None = None) -> None:
+                 on_measured: Callable[[dict[str, float]], None] | None = None,
+                 max_memory_ratio: float | None = None) -> None:
         self.candidates, self.name, self.kind, self.family = candidates, name, kind, family
         self.on_measured = on_measured  # gets {candidate: ms} once measured (the model calibrates from it)
+        self.max_memory_ratio = max_memory_ratio  # concurrency within this much of one stream's pool (`fastest`)
         # without the CUDA graph, launching from Python is the bottleneck and extra streams only
         # add launch work (DESIGN.md: 68 vs 48 ms), so the un-graphed path is single-stream
         self.fn = candidates.get("one_lane", candidates["lanes"])
