@@ -613,11 +613,13 @@ def runtime_notes(results: list[dict]) -> str:
                 parts = []
                 ckpt = plan.get("checkpoint")
                 if ckpt and ckpt.get("peak_before"):
-                    parts.append(f"checkpoint: predicted peak {ckpt['peak_after'] / ckpt['peak_before']:.3f}x of the "
-                                 f"plain partition's" + (" (per-block" + (f", {ckpt['relaxed']} saved back)"
-                                                                           if ckpt.get("relaxed") else ")")
-                                                         if ckpt.get("per_block") else "")
-                                 + ("" if ckpt.get("met", True) else ", not met"))
+                    ratio = ckpt["peak_after"] / ckpt["peak_before"]
+                    text = f"checkpoint: predicted peak {ratio:.3f}x of the plain partition's"
+                    if ckpt.get("per_block"):
+                        text += f" (per-block, {ckpt['relaxed']} saved back)" if ckpt.get("relaxed") else " (per-block)"
+                    if not ckpt.get("met", True):
+                        text += ", not met"
+                    parts.append(text)
                 for kind, g in plan["graphs"].items():
                     cg = g.get("cuda_graph")
                     if not cg:
