@@ -140,3 +140,27 @@ def test_each_value_is_handed_over_at_its_last_reader(runtime):
     # (NOTE: Freeing across lanes), so there a side lane's backward keeps its saved inputs to its end
     for sg_id, op in launches.items():
         assert freed[sg_id] == set(op.last_read), sg_id
+
+
+def test_inductor_subgraphs_are_told_no_input_is_donated(monkeypatch):
+    """AOTAutograd's donated backward inputs are numbered over the whole backward; a subgraph's
+    inputs are numbered otherwise (its input 3 may be a gradient another subgraph still reads), so
+    Inductor must not read them as its own. The whole graph's list is put back: the runner reuses
+    that memory itself, and AOTAutograd still refuses a retained graph by it."""
+    import torch._inductor.compile_fx as cfx
+
+    seen, metas = [], []
+    original = cfx.compile_fx_inner
+
+    def compile_fx_inner(gm, inputs, **kwargs):
+        if kwargs.get("is_backward"):
+            metas.append(torch._guards.TracingContext.try_get().fw_metadata)
+            seen.append(list(metas[-1].bw_donated_idxs))
+        return original(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(cfx, "compile_fx_inner", compile_fx_inner)
+    torch.manual_seed(0)
+    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "inductor"})
+    compiled(*two_tower_inputs()).backward()
+    assert seen and all(d == [] for d in seen), seen
+    assert metas[0].bw_donated_idxs, "the model's backward has donated inputs: the test means something"

@@ -47,6 +47,29 @@ def inductor_config():
     return config.patch(fallback_random=True)
 
 
+@contextlib.contextmanager
+def no_donated_inputs():
+    """Tell Inductor that none of a subgraph's inputs is donated.
+
+    Inductor reads the donated inputs (saved activations it may overwrite in place once read) from
+    the tracing context, numbered over the whole backward's inputs, while a subgraph numbers its
+    own: its input 3 may be a gradient another subgraph still reads. And a CUDA-graph capture step
+    replays each candidate runtime several times before the real replay, which must still find
+    the saved activations intact. The runner reuses donated memory itself (cudagraph.py, NOTE:
+    Donation), in the final capture only."""
+    tc = torch._guards.TracingContext.try_get()
+    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+    if meta is None or not getattr(meta, "bw_donated_idxs", None):
+        yield
+        return
+    whole = meta.bw_donated_idxs
+    meta.bw_donated_idxs = []
+    try:
+        yield
+    finally:
+        meta.bw_donated_idxs = whole
+
+
 def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kind: str) -> Callable[[list], tuple]:
     if compiler == "eager":
         def run_boxed(args: list) -> tuple:
@@ -65,7 +88,7 @@ def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kin
     isolate = contextlib.nullcontext()
     if torch._guards.TracingContext.try_get() is not None:
         isolate = torch._guards.TracingContext.report_output_strides()
-    with isolate, inductor_config():
+    with isolate, inductor_config(), no_donated_inputs():
         return compile_fx_inner(
             sub,
             inputs,
