@@ -166,6 +166,16 @@ def _quota_candidates(ctx: GraphContext) -> dict[str, dict[int, int]]:
     return wanted
 
 
+def _donated_inputs(kind: str) -> set[int]:
+    """A backward's inputs that AOTAutograd lets it reuse (``bw_donated_idxs``): saved for the
+    backward only, aliasing no input or output; none if the first backward retained the graph."""
+    tc = torch._guards.TracingContext.try_get()
+    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+    if kind != "backward" or meta is None:
+        return set()
+    return set(getattr(meta, "bw_donated_idxs", None) or ())
+
+
 def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, family: GraphFamily,
                  ctx: GraphContext) -> CudaGraphRunner:
     """Wrap a CUDA runtime for CUDA-graph replay, telling it which inputs and outputs are whose."""
@@ -179,7 +189,8 @@ def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, fami
         user_visible = set(range(meta.num_forward_returns))
     return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
                            on_measured=functools.partial(_calibrate, ctx),
-                           max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None)
+                           max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None,
+                           donated_idxs=_donated_inputs(kind))
 
 
 def _calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:

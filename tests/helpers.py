@@ -76,8 +76,8 @@ def fake_cuda_graphs(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
 
-    def capture_one(self, fn, pool):
-        outputs = fn(list(self.static_inputs))
+    def capture_one(self, fn, pool, inputs=None):
+        outputs = fn(list(self.static_inputs) if inputs is None else inputs)
         return FakeGraph(fn, self.static_inputs, outputs), outputs
 
     monkeypatch.setattr(CudaGraphRunner, "_capture_one", capture_one)

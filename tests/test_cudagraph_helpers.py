@@ -219,6 +219,74 @@ def test_with_memory_first_concurrency_must_stay_within_the_pool_ratio():
     assert fastest(ms, 0.01, {"lanes": 120, "one_lane": None}, 1.1) == "quota:1=96,2=32"  # no baseline to judge by
 
 
+def test_memory_first_judges_concurrency_by_the_step_peak_not_the_pool_alone():
+    """The 1.1x bound is on the step's peak: what was allocated beside the graph (parameters, the
+    forward's saved activations) counts on both sides. Measured on the H200: a lanes backward pool
+    1.21x one lane's was 1.07x of its step peak."""
+    from apollo_compile.runtime.cudagraph import fastest
+
+    ms, pools = {"lanes": 7.0, "one_lane": 8.0}, {"lanes": 121, "one_lane": 100}
+    assert fastest(ms, 0.01, pools, 1.1) == "one_lane"  # nothing beside: 1.21x
+    assert fastest(ms, 0.01, pools, 1.1, base_bytes=300) == "lanes"  # 421 / 400 = 1.05x
+    assert fastest(ms, 0.01, {**pools, "lanes": 150}, 1.1, base_bytes=300) == "one_lane"  # 1.125x
+
+
+def _borrowing_backward(owners: dict, static_inputs: list, donated_idxs: set):
+    """A backward runner as its capture sees it: the family owns the forward's outputs, the runner's
+    static inputs borrow them (cudagraph.py, NOTE: Donation)."""
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+
+    runner = CudaGraphRunner({"lanes": None, "one_lane": None}, "g_backward", "backward", GraphFamily(), set(),
+                             None, max_memory_ratio=1.1, donated_idxs=donated_idxs)
+    runner.family.owners = owners
+    runner.static_inputs = static_inputs
+    runner.fixed_ptrs = {i: x.data_ptr() for i, x in enumerate(static_inputs) if x.untyped_storage().data_ptr() in owners}
+    return runner
+
+
+def test_a_backward_capture_takes_over_the_memory_of_donated_saved_activations():
+    """The final capture runs on a list holding the owners of the saved activations AOTAutograd
+    donated, so the runtime frees each at its last reader; the family lets go of them. A storage
+    another, undonated, input also reads stays the family's; so does an undonated one."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from apollo_compile.runtime.cudagraph import borrowed, unowned
+
+    owners = {}
+    views = []
+    for n in (8, 4, 6):  # saved activation (donated), one not donated, one read twice
+        storage = torch.arange(float(n)).untyped_storage()
+        owners[storage.data_ptr()] = storage
+        views.append(unowned(storage))
+    full = [borrowed(torch.empty(n), s) for n, s in zip((8, 4, 6), views)]
+    static_inputs = [full[0], full[1], full[2][:3], full[2][3:], torch.ones(2)]  # the last: a tangent, copied
+    donated_ptr, kept = full[0].untyped_storage().data_ptr(), set(owners) - {full[0].untyped_storage().data_ptr()}
+    weak = StorageWeakRef(owners[donated_ptr])
+    runner = _borrowing_backward(owners, static_inputs, donated_idxs={0, 2})
+    assert runner._will_donate()
+    donated = set()
+    inputs = runner._donating_inputs(donated)
+    assert donated == {donated_ptr} and set(runner.family.owners) == kept and runner.donated_bytes == 8 * 4
+    assert inputs[0].data_ptr() == static_inputs[0].data_ptr() and inputs[0] is not static_inputs[0]
+    assert all(inputs[i] is static_inputs[i] for i in (1, 2, 3, 4))
+    assert not weak.expired()
+    inputs.clear()  # what the boxed runtime does with what it read last
+    assert weak.expired()  # the list held the only owner: freed during the capture
+    assert not runner._will_donate()  # nothing left to take over
+
+
+def test_under_a_budget_a_donating_backward_replays_one_lane_unmeasured(monkeypatch):
+    """Measuring would hold each candidate's pool beside every saved activation, and only one
+    stream reuses the donated memory: no capture, no timing, one lane."""
+    runner = _borrowing_backward({}, [], donated_idxs={0})
+    monkeypatch.setattr(type(runner), "_will_donate", lambda self: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("measured"))
+    assert runner._choose_candidate() == "one_lane" and runner.measured_ms == {}
+    runner.max_memory_ratio = None  # no budget: time decides (measured on CUDA)
+    with pytest.raises(BaseException, match="measured"):
+        runner._choose_candidate()
+
+
 def test_each_capture_gets_cublas_workspaces_of_its_own(monkeypatch):
     """cuBLAS's cached workspaces are dropped right before and right after every capture (also one
     that fails), as CUDA-graph trees do: the graph's workspaces are then allocated in its own pool,

@@ -35,6 +35,33 @@ forward runs again (two forwards before one backward, ``retain_graph=True``), th
 without the CUDA graph, so nothing the pending backward needs is overwritten. A backward whose
 saved inputs are not where the captured one read them runs without the CUDA graph too. Every
 such path is correct and warns once.
+
+[NOTE] Donation: the backward reuses its saved activations' memory::
+
+    fw capture ─► saved act A in the pool, owned by family.owners; static outputs borrow A
+    bw capture ─► A's owner goes into the capture's input list only: freed at A's last reader,
+                  so the backward's later temporaries and gradients are placed over A
+    replays    ─► fw writes A, bw reads A then overwrites it; the next fw writes A again
+
+Inside a CUDA graph nothing is freed during a replay: the capture decides where everything
+lives. Captured with the family's owners of the saved activations alive, the backward held every
+one of them to its end beside its own temporaries: the capture step set the whole-run peak, 0.5
+GiB above the steady step at budget 0.4 (RESULTS.md, session 6), and 0.9 above the un-graphed
+first step, which frees each at its last reader. So the forward's outputs are owned by the family
+alone (the runner's static outputs, and every alias handed to autograd, borrow their memory:
+non-owning storages at the same address, as CUDA-graph trees reconstruct their outputs), and the
+backward's capture takes the owners of the saved activations AOTAutograd lists as donated
+(``bw_donated_idxs``: saved for backward only, aliasing no input or output) into the list it
+runs on, whose boxed subgraphs free each input after its last use. The allocator hands the bytes
+to what the capture allocates next in the same pool and stream: one lane reuses them; a side
+lane holds what it reads from the main lane to the join (codegen's NOTE: Freeing across lanes).
+
+A donated saved activation is read once: AOTAutograd already refuses a second backward through a
+graph compiled with donated buffers (``retain_graph=True``), and compiles none when the first
+backward retains the graph. A gradient placed over a saved activation is lent like any other:
+the forward's replay moves a held one out first (NOTE above). Only CUDA memory is donated: the
+pool keeps the freed bytes reserved for the graph; on the CPU (fake graphs in tests) they would
+go back to the heap.
 """
 
 from __future__ import annotations
@@ -100,18 +127,20 @@ class OutputCopier:
 
 
 def fastest(measured_ms: dict[str, float], min_gain: float, pool_bytes: dict[str, int | None] | None = None,
-            max_memory_ratio: float | None = None) -> str:
+            max_memory_ratio: float | None = None, base_bytes: int = 0) -> str:
     """The candidate to replay: the fastest, unless it beats the one-stream schedule by less than
     `min_gain`. Concurrency that does not pay still costs memory (both towers' temporaries live
     at once: the two-lane capture set the whole-run peak of a budgeted batch-64 step on the H200,
     1.11x the one-stream call's, for a backward 0.01% faster than one lane).
 
     With `pool_bytes` (each candidate's capture pool) and `max_memory_ratio`, a candidate whose
-    pool exceeds the one-stream candidate's by more than that ratio is not replayed, however fast:
-    multi-lane memory must stay within 1.1x of one lane's (issue 3). A candidate whose pool is
-    unknown is judged on time alone."""
+    peak (`base_bytes`, what was allocated beside the graph, plus its pool) exceeds the one-stream
+    candidate's by more than that ratio is not replayed, however fast: multi-lane peak memory must
+    stay within 1.1x of one lane's (issue 3). Pools alone overstated it: the lanes' backward pool
+    of a budgeted batch-64 step was 1.21x one lane's, its step peak 1.07x (RESULTS.md, session 6).
+    A candidate whose pool is unknown is judged on time alone."""
     if max_memory_ratio is not None and pool_bytes and pool_bytes.get("one_lane"):
-        limit = pool_bytes["one_lane"] * max_memory_ratio
+        limit = (base_bytes + pool_bytes["one_lane"]) * max_memory_ratio - base_bytes
         measured_ms = {k: v for k, v in measured_ms.items()
                        if k == "one_lane" or pool_bytes.get(k) is None or pool_bytes[k] <= limit}
     best = min(measured_ms, key=measured_ms.get)
@@ -138,6 +167,18 @@ def clear_cublas_workspaces() -> None:
         clear()
 
 
+def borrowed(t: torch.Tensor, storage) -> torch.Tensor:
+    """`t` (same dtype, offset, sizes, strides) over `storage` instead of its own."""
+    with torch.no_grad():
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
+def unowned(storage):
+    """A storage at `storage`'s address that does not own it: freeing it frees nothing (NOTE:
+    Donation). CUDA-graph trees build their outputs' storages the same way."""
+    return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
+
+
 def pool_bytes(pool) -> int | None:
     """Bytes the caching allocator holds for the private pool `pool`: a captured graph's memory,
     temporaries included (a pool keeps every segment its capture needed), so the memory a
@@ -161,6 +202,7 @@ class GraphFamily:
         self.lent: LentOutputs | None = None  # the backward's gradients, handed out in the pool
         self.grad_owners: list[weakref.ref] = []  # the forward's parameters, whose .grad they become
         self.input_owners: list[weakref.ref] = []  # the last forward replay's inputs that require grad
+        self.owners: dict[int, torch.UntypedStorage] = {}  # data_ptr -> the forward's outputs' memory (NOTE: Donation)
 
     def forward_outputs_alive(self) -> bool:
         return any(ref() is not None for ref in self.pending)
@@ -220,10 +262,12 @@ class CudaGraphRunner:
     def __init__(self, candidates: dict[str, Callable[[list], list]], name: str, kind: str, family: GraphFamily,
                  static_input_idxs: set[int], user_visible_outputs: set[int] | None,
                  on_measured: Callable[[dict[str, float]], None] | None = None,
-                 max_memory_ratio: float | None = None) -> None:
+                 max_memory_ratio: float | None = None, donated_idxs: set[int] | None = None) -> None:
         self.candidates, self.name, self.kind, self.family = candidates, name, kind, family
         self.on_measured = on_measured  # gets {candidate: ms} once measured (the model calibrates from it)
         self.max_memory_ratio = max_memory_ratio  # concurrency within this much of one stream's pool (`fastest`)
+        self.donated_idxs = donated_idxs or set()  # a backward's inputs AOTAutograd lets it reuse (NOTE: Donation)
+        self.donated_bytes = 0  # saved-activation memory the backward's capture took over
         # without the CUDA graph, launching from Python is the bottleneck and extra streams only
         # add launch work (DESIGN.md: 68 vs 48 ms), so the un-graphed path is single-stream
         self.fn = candidates.get("one_lane", candidates["lanes"])
@@ -261,7 +305,7 @@ class CudaGraphRunner:
         return {"replays": self.replays, "chosen": self.chosen, "measured_ms": dict(self.measured_ms),
                 "measuring_left_bytes": self.measuring_left_bytes, "captured_bytes": self.captured_bytes,
                 "candidate_pool_bytes": dict(self.candidate_pool_bytes), "family_pool_bytes": self.family_pool_bytes,
-                "peak_after_capture": self.peak_after_capture,
+                "peak_after_capture": self.peak_after_capture, "donated_bytes": self.donated_bytes,
                 "ungraphed_calls": self.ungraphed_calls, "disabled": self.disabled,
                 "lent_moved": self.lent.moved if self.lent is not None else 0}
 
@@ -292,21 +336,28 @@ class CudaGraphRunner:
         if self.family.pool is None:
             self.family.pool = torch.cuda.graph_pool_handle()
         allocated_before = torch.cuda.memory_allocated()
-        graph, outputs = self._capture_one(self.candidates[self.chosen], self.family.pool)
+        donated = set()  # data_ptrs of the saved activations whose memory the capture takes over
+        graph, outputs = self._capture_one(self.candidates[self.chosen], self.family.pool,
+                                           self._donating_inputs(donated))
         self.captured_bytes = torch.cuda.memory_allocated() - allocated_before
         self.peak_after_capture = torch.cuda.max_memory_allocated()  # since the caller's last reset
         self.family_pool_bytes = pool_bytes(self.family.pool)
         self.static_outputs = list(outputs)
+        del outputs
         # an output that *is* a fixed input (a parameter saved for backward) is returned as the
         # caller's own tensor, not the capture-time one
         ids = {id(x): i for i, x in enumerate(self.static_inputs) if i in self.fixed_ptrs}
         self.output_is_input = {j: ids[id(o)] for j, o in enumerate(self.static_outputs) if id(o) in ids}
+        if self.kind == "forward":
+            self._borrow_outputs()
         tensors = [j for j, o in enumerate(self.static_outputs)
                    if isinstance(o, torch.Tensor) and j not in self.output_is_input]
         user_visible = [j for j in tensors if self._is_user_visible(j)]
         # a backward's gradients are lent, in place (see the NOTE); an output sharing memory with
-        # an input (a static buffer the next call refills, a saved activation) is copied
+        # an input (a static buffer the next call refills, a saved activation still read) is copied;
+        # one placed over a donated saved activation is lent: the next forward replay reclaims it
         inputs = {x.untyped_storage().data_ptr() for x in self.static_inputs if isinstance(x, torch.Tensor)}
+        inputs -= donated
         lend = [j for j in user_visible if self.kind == "backward"
                 and self.static_outputs[j].untyped_storage().data_ptr() not in inputs]
         self.lent_idxs = lend
@@ -326,13 +377,62 @@ class CudaGraphRunner:
         log.info("apollo: captured %s as a CUDA graph, runtime %r (%d inputs copied, %d used in place)",
                  self.name, self.chosen, len(self.copy_idxs), len(self.fixed_ptrs))
 
-    def _capture_one(self, fn: Callable[[list], list], pool) -> tuple[torch.cuda.CUDAGraph, list]:
+    def _borrow_outputs(self) -> None:
+        """Hand the ownership of the forward's outputs in the pool to the family; the static
+        outputs (and so every alias a replay hands out) borrow their memory (NOTE: Donation)."""
+        inputs = {x.untyped_storage().data_ptr() for x in self.static_inputs if isinstance(x, torch.Tensor)}
+        views: dict[int, torch.UntypedStorage] = {}
+        for j, o in enumerate(self.static_outputs):
+            if not isinstance(o, torch.Tensor) or not o.is_cuda or j in self.output_is_input:
+                continue
+            storage = o.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr == 0 or ptr in inputs:  # empty, or a view of an input: not the pool's
+                continue
+            if ptr not in views:
+                self.family.owners[ptr] = storage
+                views[ptr] = unowned(storage)
+            self.static_outputs[j] = borrowed(o, views[ptr])
+
+    def _donatable(self) -> dict[int, list[int]]:
+        """The family-owned storages a backward may take over (every input of ours reading one is
+        donated), each with the positions of those inputs."""
+        if self.kind != "backward" or not self.donated_idxs or not self.family.owners:
+            return {}
+        readers: dict[int, list[int]] = {}
+        for i in self.fixed_ptrs:
+            readers.setdefault(self.static_inputs[i].untyped_storage().data_ptr(), []).append(i)
+        return {ptr: idxs for ptr, idxs in readers.items()
+                if ptr in self.family.owners and all(i in self.donated_idxs for i in idxs)}
+
+    def _will_donate(self) -> bool:
+        return bool(self._donatable())
+
+    def _donating_inputs(self, donated: set[int]) -> list:
+        """The list the final capture runs on: the static inputs, except that a backward gets the
+        owners of the saved activations it may reuse (`_donatable`), which the family then lets go
+        of; their data_ptrs are added to `donated`."""
+        inputs = list(self.static_inputs)
+        for ptr, idxs in self._donatable().items():
+            owner = self.family.owners.pop(ptr)
+            for i in idxs:
+                inputs[i] = borrowed(self.static_inputs[i], owner)
+            self.donated_bytes += owner.nbytes()
+            donated.add(ptr)
+        return inputs
+
+    def _capture_one(self, fn: Callable[[list], list], pool, inputs: list | None = None
+                     ) -> tuple[torch.cuda.CUDAGraph, list]:
+        """Capture `fn` on `inputs` (default: a copy of the static inputs) into `pool`. The list
+        is handed over: a boxed runtime clears it, so what only it held is freed during capture."""
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         clear_cublas_workspaces()  # the workspaces the capture needs are allocated in `pool`
+        if inputs is None:
+            inputs = list(self.static_inputs)
         try:
             with torch.cuda.graph(graph, pool=pool):  # a runtime that raises joins its lanes first (abandon)
-                outputs = fn(list(self.static_inputs))
+                outputs = fn(inputs)
         finally:
             clear_cublas_workspaces()  # ... and stay the graph's: later eager matmuls get their own
         return graph, outputs
@@ -347,9 +447,18 @@ class CudaGraphRunner:
         with it after timing (a pool outlives no graph: capturing into the pool of a deleted
         graph trips the allocator), so memory never holds two of them; the winner is captured
         again into the family's pool. Replays advance the CUDA RNG: a graph with dropout draws
-        other masks afterwards than an untimed run would (still random)."""
+        other masks afterwards than an untimed run would (still random).
+
+        Under a memory budget, a backward that will reuse its saved activations' memory (NOTE:
+        Donation) replays one lane, unmeasured: only one stream reuses them (a side lane holds what
+        it reads from the main lane to the join), and measuring would set the whole run's peak, each
+        candidate's pool held beside every saved activation."""
         if len(self.candidates) == 1:
             return next(iter(self.candidates))
+        if self.max_memory_ratio is not None and "one_lane" in self.candidates and self._will_donate():
+            log.info("apollo: %s reuses its saved activations' memory under a memory budget: replaying "
+                     "'one_lane' unmeasured", self.name)
+            return "one_lane"
         torch.cuda.synchronize()
         allocated_before = torch.cuda.memory_allocated()
         for name, fn in self.candidates.items():
@@ -370,7 +479,8 @@ class CudaGraphRunner:
         # a candidate's graph, pool and outputs die with it, its cuBLAS workspaces too (they were
         # in its pool: _capture_one); anything left would be a leak
         self.measuring_left_bytes = torch.cuda.memory_allocated() - allocated_before
-        best = fastest(self.measured_ms, self.min_gain, self.candidate_pool_bytes, self.max_memory_ratio)
+        best = fastest(self.measured_ms, self.min_gain, self.candidate_pool_bytes, self.max_memory_ratio,
+                       allocated_before)
         if self.on_measured is not None:
             self.on_measured(dict(self.measured_ms))
         log.info("apollo: %s measured %s; replaying %r", self.name,
