@@ -627,8 +627,11 @@ def runtime_notes(results: list[dict]) -> str:
                     pools = cg.get("candidate_pool_bytes") or {}
                     cands = ", ".join(f"{c} {ms:.2f} ms" + (f" / {pools[c] / 2**30:.2f} GiB" if pools.get(c) else "")
                                       for c, ms in cg.get("measured_ms", {}).items())
-                    parts.append(f"{kind}: {cg.get('chosen')} [{cands}], measuring left "
-                                 f"{(cg.get('measuring_left_bytes') or 0) / 2**30:.2f} GiB")
+                    text = (f"{kind}: {cg.get('chosen')} [{cands or 'unmeasured'}], measuring left "
+                            f"{(cg.get('measuring_left_bytes') or 0) / 2**30:.2f} GiB")
+                    if cg.get("donated_bytes"):
+                        text += f", saved activations reused {cg['donated_bytes'] / 2**30:.2f} GiB"
+                    parts.append(text)
                 if parts:
                     lines.append(f"- batch {entry['batch']}, {r['variant']}: " + "; ".join(parts))
     return "\n".join(lines)

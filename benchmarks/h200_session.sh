@@ -13,6 +13,9 @@
 #   run(command="bash benchmarks/h200_session.sh search ...")                         # 20 GiB search only
 #   run(command="bash benchmarks/h200_session.sh profile ...")                        # the timeline
 #   run(command="bash benchmarks/h200_session.sh diagmem ...")                        # what is alive at each step's peak
+#   run(command="bash benchmarks/h200_session.sh smoke+memory ...")                   # smoke, then targets 1 and 2
+#   run(command="bash benchmarks/h200_session.sh probe1024 ...")                      # target 3 from batch 1024 up
+#   run(command="bash benchmarks/h200_session.sh check+probe ...")                    # base fp32 exactness, batch 1024
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -28,7 +31,22 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python -c "import torch; print('torch', torch.__version__)"
 bash benchmarks/device_cache.sh load
 case "${1:-}" in
-  smoke)     timeout 120 python benchmarks/smoke_gpu.py; exit $? ;;  # no compile cache needed (eager subgraphs)
+  smoke)     timeout 180 python benchmarks/smoke_gpu.py; exit $? ;;  # one mode compiles tiny Inductor subgraphs
+  smoke+memory)  # the runner's gradients exact first (donation), then issue 4's targets 1 and 2 at batch 64;
+             # no cache save: at ~50 MB it no longer comes back
+             timeout 180 python benchmarks/smoke_gpu.py || exit 1
+             timeout 380 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
+               apollo-bf16 apollo-bf16-budget-0.5 apollo-bf16-budget-0.4 inductor-budget-0.5 --out "$OUT/mem64"
+             exit $? ;;
+  check+probe)  # donation exact in fp32 on the base model (Inductor subgraphs), then one probe at batch 1024
+             timeout 200 python benchmarks/smoke_gpu.py --config base --batch 16 --steps 3 --mode "plain, inductor, budget"
+             timeout 240 python benchmarks/bench_memory.py --batch --search-start 1024 --search-probes 1 \
+               --variants apollo-bf16-budget-0.05 --search-variants apollo-bf16-budget-0.05 --out "$OUT/probe"
+             exit $? ;;
+  probe1024)  # issue 4's target 3: does budget 0.05 train at batch 1024 in 20 GiB (eager per-block checkpointing does)?
+             timeout 420 python benchmarks/bench_memory.py --batch --search-start 1024 --search-probes 2 \
+               --variants apollo-bf16-budget-0.05 --search-variants apollo-bf16-budget-0.05 --out "$OUT/probe"
+             exit $? ;;
   step)      timeout 520 python benchmarks/bench_step.py --batch 8 32 --steps 50 --out "$OUT/step" ;;
   memory)    # budgets 0.5 (the walk, predicted 0.494x), 0.4 and 0.3 (per-block, relaxed: 0.399x, 0.296x);
              # target 1's rows first (a cold cache compiles ~80 s per apollo variant: the guard may cut the last)
@@ -63,7 +81,7 @@ case "${1:-}" in
              rm -f "$OUT"/prof/trace_b32.json  # keep batch 8's trace: 8 returned files, 3 go to the cache
              bash benchmarks/device_cache.sh save; exit $status ;;
   diagmem)   timeout 420 python benchmarks/diag_memory.py --batch 64 --budget 0.05 --out "$OUT/diag" ;;
-  *) echo "usage: $0 smoke|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem" >&2
      exit 2 ;;
 esac
 status=$?

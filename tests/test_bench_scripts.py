@@ -85,14 +85,17 @@ def test_diag_memory_finds_each_phase_peak_and_what_is_alive_there():
 
 def test_memory_report_says_what_each_apollo_row_planned_and_replayed():
     """Under the table, a line per apollo row: the checkpoint plan and, per graph, each candidate's
-    replay time and capture pool, the runtime chosen, and what measuring left allocated."""
+    replay time and capture pool, the runtime chosen, what measuring left allocated, and the saved
+    activations' memory a backward took over."""
     graph = {"cuda_graph": {"chosen": "lanes", "measured_ms": {"lanes": 7.0, "one_lane": 7.5},
                             "candidate_pool_bytes": {"lanes": 3 << 30, "one_lane": 2 << 30},
                             "measuring_left_bytes": 1 << 29}}
     row = {"variant": "apollo-bf16-budget-0.3", "apollo": [{
-        "plan": "frame0_0", "graphs": {"forward": graph, "backward": {"cuda_graph": None}},
+        "plan": "frame0_0", "graphs": {"forward": graph, "backward": {"cuda_graph": {
+            "chosen": "one_lane", "measured_ms": {}, "measuring_left_bytes": 0, "donated_bytes": 3 << 29}}},
         "checkpoint": {"peak_before": 1000, "peak_after": 296, "per_block": True, "relaxed": 130, "met": True}}]}
     notes = bench_memory.runtime_notes([{"batch": 64, "variants": [{"variant": "eager-fp32"}, row]}])
     assert notes == ("- batch 64, apollo-bf16-budget-0.3: checkpoint: predicted peak 0.296x of the plain "
                      "partition's (per-block, 130 saved back); forward: lanes [lanes 7.00 ms / 3.00 GiB, "
-                     "one_lane 7.50 ms / 2.00 GiB], measuring left 0.50 GiB")
+                     "one_lane 7.50 ms / 2.00 GiB], measuring left 0.50 GiB; backward: one_lane [unmeasured], "
+                     "measuring left 0.00 GiB, saved activations reused 1.50 GiB")
