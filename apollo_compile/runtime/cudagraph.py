@@ -45,9 +45,10 @@ such path is correct and warns once.
 
 Inside a CUDA graph nothing is freed during a replay: the capture decides where everything
 lives. Captured with the family's owners of the saved activations alive, the backward held every
-one of them to its end beside its own temporaries: the capture step set the whole-run peak, 0.5
-GiB above the steady step at budget 0.4 (RESULTS.md, session 6), and 0.9 above the un-graphed
-first step, which frees each at its last reader. So the forward's outputs are owned by the family
+one of them to its end beside its own temporaries: on the H200 (base CLIP, batch 64, budgets 0.4
+and 0.5) the capture step set the whole-run peak, 0.8-0.9 GiB above the un-graphed first step,
+which frees each at its last reader; with donation it stays at the first step's (RESULTS.md,
+session 6: 0.31x and 0.35x of eager fp32 instead of 0.39x and 0.44x). So the forward's outputs are owned by the family
 alone (the runner's static outputs, and every alias handed to autograd, borrow their memory:
 non-owning storages at the same address, as CUDA-graph trees reconstruct their outputs), and the
 backward's capture takes the owners of the saved activations AOTAutograd lists as donated
