@@ -16,6 +16,7 @@
 #   run(command="bash benchmarks/h200_session.sh smoke+memory ...")                   # smoke, then targets 1 and 2
 #   run(command="bash benchmarks/h200_session.sh probe1024 ...")                      # target 3 from batch 1024 up
 #   run(command="bash benchmarks/h200_session.sh check+probe ...")                    # base fp32 exactness, batch 1024
+#   run(command="bash benchmarks/h200_session.sh diag1024 ...")                       # what sets the peak at batch 1024
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -81,7 +82,10 @@ case "${1:-}" in
              rm -f "$OUT"/prof/trace_b32.json  # keep batch 8's trace: 8 returned files, 3 go to the cache
              bash benchmarks/device_cache.sh save; exit $status ;;
   diagmem)   timeout 420 python benchmarks/diag_memory.py --batch 64 --budget 0.05 --out "$OUT/diag" ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem" >&2
+  diag1024)  # target 3: apollo (budget 0.05) passes 1024 and fails 1152, eager checkpointing passes 1152:
+             # which phase sets apollo's peak at 1024, and what is alive there
+             timeout 420 python benchmarks/diag_memory.py --batch 1024 --budget 0.05 --out "$OUT/diag1024" ;;
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024" >&2
      exit 2 ;;
 esac
 status=$?
