@@ -673,6 +673,9 @@ def report(env: dict, results: list[dict], searches: list[dict], out_dir: Path, 
         f"{env['warmup']} warm-up + {env['steps']} timed steps of zero_grad + forward + backward (no optimizer "
         f"step). peak / reserved GiB = max_memory_allocated / max_memory_reserved over the timed steps"
         + ("" if cuda else " (not measured on the CPU: n/a; RSS is in the JSON)")
+        + (". A CUDA-graph replay allocates nothing the allocator counts (apollo's timed steps show only "
+           "what lives outside the replays); its memory shows in the whole-run peak, set while capturing "
+           "or by the un-graphed first step, and in the reserved column" if cuda else "")
         + f". vs {REFERENCE} peak = variant peak / {REFERENCE} peak (<1: less memory); vs fastest apollo time "
         f"= variant median / the fastest apollo variant's median at that batch (>1: slower). Numerics vs eager "
         f"fp32 (TF32 off): PASS if every param's relative grad error <= {bs.GRAD_RTOL['bf16']:g} "
