@@ -76,6 +76,47 @@ def test_training_through_the_runner_equals_eager(runners, compiler):
         torch.testing.assert_close(loss, ref_loss, **TOLERANCE[compiler])
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_the_backward_takes_over_the_saved_activations_aotautograd_donates(runners, monkeypatch, micro_batches):
+    """The forward's outputs are owned by the family and borrowed by what it hands out; the
+    backward's capture takes the owners of the saved activations AOTAutograd donates (its own
+    numbering of the backward's inputs reaches the runner), and training still equals eager, with
+    gradient accumulation too. On the CPU nothing is freed for real: a list stands in for the
+    graph pool, which keeps donated memory reserved (the fake graph replays read it)."""
+    from apollo_compile.runtime import cudagraph
+
+    monkeypatch.setattr(cudagraph, "in_graph_pool", lambda t: True)
+    pool: list[torch.UntypedStorage] = []
+    take_over = cudagraph.CudaGraphRunner._donating_inputs
+
+    def donating_inputs(self, donated):
+        owners = dict(self.family.owners)
+        inputs = take_over(self, donated)
+        pool.extend(owners[ptr] for ptr in donated)
+        return inputs
+
+    monkeypatch.setattr(cudagraph.CudaGraphRunner, "_donating_inputs", donating_inputs)
+    model, ref, compiled = twins("eager")
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for step in range(4):
+        for micro in range(micro_batches):
+            inputs = two_tower_inputs(seed=10 * step + micro)
+            loss, ref_loss = compiled(*inputs), ref(*inputs)
+            loss.backward()
+            ref_loss.backward()
+        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    forward, backward = runners
+    assert backward.donated_idxs and pool, "AOTAutograd donates saved activations of this model"
+    assert backward.donated_bytes == sum(s.nbytes() for s in pool)
+    donated = {s.data_ptr() for s in pool}
+    read_in_place = {backward.static_inputs[i].untyped_storage().data_ptr() for i in backward.fixed_ptrs}
+    assert donated <= read_in_place and not donated & set(forward.family.owners)
+    assert forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
+
+
 @pytest.mark.parametrize("set_to_none", [False, True])
 def test_gradient_accumulation_through_the_runner(runners, set_to_none):
     """Two micro-batches per step: the gradients accumulated in .grad are never rewritten by a later

@@ -168,6 +168,12 @@ def clear_cublas_workspaces() -> None:
         clear()
 
 
+def in_graph_pool(t: torch.Tensor) -> bool:
+    """Whether `t`'s memory is a CUDA-graph pool's, which keeps freed bytes reserved for its
+    graphs: only such memory is donated (NOTE: Donation). Tests on the CPU stand in for it."""
+    return t.is_cuda
+
+
 def borrowed(t: torch.Tensor, storage) -> torch.Tensor:
     """`t` (same dtype, offset, sizes, strides) over `storage` instead of its own."""
     with torch.no_grad():
@@ -384,7 +390,7 @@ class CudaGraphRunner:
         inputs = {x.untyped_storage().data_ptr() for x in self.static_inputs if isinstance(x, torch.Tensor)}
         views: dict[int, torch.UntypedStorage] = {}
         for j, o in enumerate(self.static_outputs):
-            if not isinstance(o, torch.Tensor) or not o.is_cuda or j in self.output_is_input:
+            if not isinstance(o, torch.Tensor) or not in_graph_pool(o) or j in self.output_is_input:
                 continue
             storage = o.untyped_storage()
             ptr = storage.data_ptr()
