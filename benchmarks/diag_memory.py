@@ -5,6 +5,10 @@ un-graphed, step 2 measures the candidates and captures, step 3 replays) and pri
 the peak above the phase's start and what is alive at that peak, grouped by the allocating line.
 
     PYTHONPATH=. python benchmarks/diag_memory.py --batch 64 --budget 0.05 --out $OUT/diag
+    PYTHONPATH=. python benchmarks/diag_memory.py --batch 1152 --limit-gib 20 --out $OUT/diag   # where it OOMs
+
+With ``--limit-gib`` the allocator is capped as bench_memory.py's search caps it; an out-of-memory
+error ends the run, and the trace up to it is summarized (the failing phase is named).
 """
 from __future__ import annotations
 
@@ -102,6 +106,7 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.05)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default="diag_memory")
+    p.add_argument("--limit-gib", type=float, default=0.0, help="cap the allocator at this many GiB (0: no cap)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("diag_memory.py reads the CUDA allocator's history: it needs a CUDA device")
@@ -112,29 +117,43 @@ def main() -> None:
     opts = {"precision": "bf16"} | ({"memory_budget": args.budget} if args.budget < 1 else {})
     step_fn = torch.compile(model, backend="apollo", options=opts, dynamic=False)
     base = torch.cuda.memory_allocated()
+    if args.limit_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.limit_gib * 2**30 / total))
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=3_000_000)
-    phases, k = [], 0
+    phases, k, oom = [], 0, None
     for s in range(1, args.steps + 1):
         model.zero_grad(set_to_none=True)
-        for name, fn in (("forward", lambda: step_fn(images, tokens)), ("backward", None)):
+        for name in ("forward", "backward"):
             mark(k)
             torch.cuda.reset_peak_memory_stats()
-            if name == "forward":
-                loss = fn()
-            else:
-                loss.backward()
-                del loss
+            try:
+                if name == "forward":
+                    loss = step_fn(images, tokens)
+                else:
+                    loss.backward()
+                    del loss
+            except torch.OutOfMemoryError as e:
+                oom = str(e).split("\n")[0][:400]
             torch.cuda.synchronize()
-            phases.append({"phase": f"step {s} {name}", "marker": k, "max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                           "allocated_after_gib": torch.cuda.memory_allocated() / 2**30})
+            phases.append({"phase": f"step {s} {name}" + (" (out of memory)" if oom else ""), "marker": k,
+                           "max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                           "allocated_after_gib": torch.cuda.memory_allocated() / 2**30, "oom": oom})
             k += 1
+            if oom:
+                break
+        if oom:
+            break
+    torch.cuda.empty_cache()  # room for the closing marker after an out-of-memory error
     mark(k)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][0]
     report, text = summarize(trace, phases, k, header=(
         f"torch {torch.__version__}, batch {args.batch}, options {opts}; allocated before the first step "
-        f"{base / 2**30:.2f} GiB (parameters); trace {len(trace)} events"))
+        f"{base / 2**30:.2f} GiB (parameters); trace {len(trace)} events"
+        + (f"; capped at {args.limit_gib:g} GiB" if args.limit_gib else "")
+        + (f"\nout of memory: {oom}" if oom else "")))
     (out / "diag_memory.json").write_text(json.dumps(report, indent=1))
     (out / "diag_memory.txt").write_text(text)
     print(text)

@@ -17,6 +17,7 @@
 #   run(command="bash benchmarks/h200_session.sh probe1024 ...")                      # target 3 from batch 1024 up
 #   run(command="bash benchmarks/h200_session.sh check+probe ...")                    # base fp32 exactness, batch 1024
 #   run(command="bash benchmarks/h200_session.sh diag1024 ...")                       # what sets the peak at batch 1024
+#   run(command="bash benchmarks/h200_session.sh diag1152 ...")                       # where it runs out at 1152 (20 GiB)
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -85,7 +86,9 @@ case "${1:-}" in
   diag1024)  # target 3: apollo (budget 0.05) passes 1024 and fails 1152, eager checkpointing passes 1152:
              # which phase sets apollo's peak at 1024, and what is alive there
              timeout 420 python benchmarks/diag_memory.py --batch 1024 --budget 0.05 --out "$OUT/diag1024" ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024" >&2
+  diag1152)  # ... and where it runs out at 1152 under the search's 20 GiB cap
+             timeout 420 python benchmarks/diag_memory.py --batch 1152 --budget 0.05 --limit-gib 20 --out "$OUT/diag1152" ;;
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152" >&2
      exit 2 ;;
 esac
 status=$?
