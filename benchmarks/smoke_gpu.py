@@ -1,9 +1,9 @@
 """A one-minute GPU check of apollo's CUDA-graph runner inside real training, before a long run.
 
-The tiny CLIP of clip.py with apollo's eager subgraph compiler (ATen ops, no Inductor compile, so
-it takes seconds), a memory budget (recomputation in the backward), and three training loops:
-plain steps, two micro-batches per step with ``zero_grad(set_to_none=True)``, and the same with
-``set_to_none=False``; then plain steps without a budget (the backward's lanes are measured and
+The tiny CLIP of clip.py (``--config`` for another) with apollo's eager subgraph compiler (ATen
+ops, no Inductor compile, so it takes seconds), a memory budget (recomputation in the backward),
+and five training loops: plain steps, two micro-batches per step with
+``zero_grad(set_to_none=True)``, and the same with ``set_to_none=False``; then plain steps without a budget (the backward's lanes are measured and
 may be replayed) and with Inductor's subgraphs (which free each input at its last use, so the
 backward's capture really places its temporaries over the donated saved activations).
 Every step's loss and every gradient is compared with eager PyTorch on the same weights (TF32
