@@ -117,6 +117,29 @@ def test_the_backward_takes_over_the_saved_activations_aotautograd_donates(runne
     assert forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
 
 
+def test_a_first_backward_that_retains_the_graph_donates_nothing(runners, monkeypatch):
+    """AOTAutograd compiles the backward without donated inputs when its first call retains the
+    graph: the runner then takes over nothing, and backward twice through each graph stays right."""
+    from apollo_compile.runtime import cudagraph
+
+    monkeypatch.setattr(cudagraph, "in_graph_pool", lambda t: True)
+    model, ref, compiled = twins("eager")
+    for step in range(3):
+        inputs = two_tower_inputs(seed=step)
+        loss, ref_loss = compiled(*inputs), ref(*inputs)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        ref_loss.backward(retain_graph=True)
+        ref_loss.backward()
+        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    forward, backward = runners
+    assert not backward.donated_idxs and backward.donated_bytes == 0
+    assert forward.family.owners  # the forward's outputs stay the family's
+    assert backward.replays == 5 and forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0  # 6 calls, 1 eager
+
+
 @pytest.mark.parametrize("set_to_none", [False, True])
 def test_gradient_accumulation_through_the_runner(runners, set_to_none):
     """Two micro-batches per step: the gradients accumulated in .grad are never rewritten by a later
