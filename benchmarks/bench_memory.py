@@ -395,8 +395,24 @@ def run_variant_guarded(spec: Variant, *args_) -> dict:
 # largest batch within a memory limit
 
 
+def ungraphed_runners() -> list[str]:
+    """apollo's graphs that ran without their CUDA graph in the plans recorded since the last
+    ``clear_plans()``: a capture that runs out of memory falls back to the runtime, correct and
+    warned, and such a probe must not count as apollo training at that batch."""
+    import apollo_compile
+
+    out = []
+    for plan in apollo_compile.plans():
+        for kind, graph in plan.graphs.items():
+            cg = graph.summary().get("cuda_graph") or {}
+            if cg.get("disabled") or cg.get("ungraphed_calls"):
+                out.append(f"{plan.name} {kind}: " + (cg.get("disabled") or f"{cg['ungraphed_calls']} calls un-graphed"))
+    return out
+
+
 def probe(spec: Variant, base: nn.Module, batch_size: int, args, device: torch.device) -> dict:
-    """One capped run at `batch_size`: --warmup + --search-steps steps of a fresh copy."""
+    """One capped run at `batch_size`: --warmup + --search-steps steps of a fresh copy. An apollo
+    run whose graphs fell back to running without their CUDA graphs is no pass ("un-graphed")."""
     limit = args.max_batch_search
     rec: dict[str, Any] = {"batch": batch_size, "source": "probe"}
     bs.free_device_memory(device)
@@ -407,6 +423,10 @@ def probe(spec: Variant, base: nn.Module, batch_size: int, args, device: torch.d
     torch.cuda.reset_peak_memory_stats(device)
     model = step_fn = batch = None
     t0 = time.perf_counter()
+    if spec.compiler == "apollo":
+        import apollo_compile
+
+        apollo_compile.clear_plans()
     try:
         with spec.context():
             batch = tuple(t.to(device) for t in clip.make_batch(batch_size, "cpu", args.config, seed=args.seed))
@@ -417,6 +437,9 @@ def probe(spec: Variant, base: nn.Module, batch_size: int, args, device: torch.d
             bs.synchronize(device)
         rec["peak_alloc_gib"], rec["peak_reserved_gib"] = read_peaks(device)
         rec["status"] = "ok" if rec["peak_alloc_gib"] <= limit else "over limit"
+        if spec.compiler == "apollo" and (ungraphed := ungraphed_runners()):
+            rec["status"], rec["ungraphed"] = "un-graphed", ungraphed
+            log(f"  [{spec.name}] batch {batch_size} ran without its CUDA graphs: " + "; ".join(ungraphed)[:400])
     except Exception as exc:  # noqa: BLE001
         rec.update(error_row(exc, **rec))
         rec["peak_alloc_gib"], rec["peak_reserved_gib"] = read_peaks(device)

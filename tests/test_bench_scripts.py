@@ -99,3 +99,26 @@ def test_memory_report_says_what_each_apollo_row_planned_and_replayed():
                      "partition's (per-block, 130 saved back); forward: lanes [lanes 7.00 ms / 3.00 GiB, "
                      "one_lane 7.50 ms / 2.00 GiB], measuring left 0.50 GiB; backward: one_lane [unmeasured], "
                      "measuring left 0.00 GiB, saved activations reused 1.50 GiB")
+
+
+def test_a_probe_that_ran_without_its_cuda_graphs_is_no_pass(monkeypatch):
+    """A capture that runs out of memory falls back to the un-graphed runtime (correct, warned):
+    the search must not count that as apollo training at the batch."""
+    import apollo_compile
+
+    class Graph:
+        def __init__(self, cuda_graph):
+            self.cuda_graph = cuda_graph
+
+        def summary(self):
+            return {"cuda_graph": self.cuda_graph}
+
+    class Plan:
+        name = "frame0_0"
+        graphs = {"forward": Graph({"disabled": None, "ungraphed_calls": 0}),
+                  "backward": Graph({"disabled": "OutOfMemoryError: CUDA out of memory", "ungraphed_calls": 4})}
+
+    monkeypatch.setattr(apollo_compile, "plans", lambda: [Plan()])
+    assert bench_memory.ungraphed_runners() == ["frame0_0 backward: OutOfMemoryError: CUDA out of memory"]
+    Plan.graphs = {"forward": Graph(None), "backward": Graph({"disabled": None, "ungraphed_calls": 0})}
+    assert bench_memory.ungraphed_runners() == []
