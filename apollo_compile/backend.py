@@ -166,31 +166,26 @@ def _quota_candidates(ctx: GraphContext) -> dict[str, dict[int, int]]:
     return wanted
 
 
-def _donated_inputs(kind: str) -> set[int]:
-    """A backward's inputs that AOTAutograd lets it reuse (``bw_donated_idxs``): saved for the
-    backward only, aliasing no input or output; none if the first backward retained the graph."""
-    tc = torch._guards.TracingContext.try_get()
-    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
-    if kind != "backward" or meta is None:
-        return set()
-    return set(getattr(meta, "bw_donated_idxs", None) or ())
-
-
 def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, family: GraphFamily,
                  ctx: GraphContext) -> CudaGraphRunner:
     """Wrap a CUDA runtime for CUDA-graph replay, telling it which inputs and outputs are whose."""
     static_idxs: set[int] = set()
     user_visible: set[int] | None = None  # None: every output is the user's (inference, backward)
+    # a backward's inputs AOTAutograd lets it reuse: saved for the backward only, aliasing no
+    # input or output; none if the first backward retained the graph (NOTE: Donation)
+    donated: set[int] = set()
     tc = torch._guards.TracingContext.try_get()
     meta = getattr(tc, "fw_metadata", None) if tc is not None else None
     if meta is not None and kind != "backward":
         static_idxs = set(meta.static_input_indices or ())
     if meta is not None and kind == "forward" and hasattr(meta, "num_forward_returns"):
         user_visible = set(range(meta.num_forward_returns))
+    if meta is not None and kind == "backward":
+        donated = set(getattr(meta, "bw_donated_idxs", None) or ())
     return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
                            on_measured=functools.partial(_calibrate, ctx),
                            max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None,
-                           donated_idxs=_donated_inputs(kind))
+                           donated_idxs=donated)
 
 
 def _calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:

@@ -355,18 +355,18 @@ class CudaGraphRunner:
         # caller's own tensor, not the capture-time one
         ids = {id(x): i for i, x in enumerate(self.static_inputs) if i in self.fixed_ptrs}
         self.output_is_input = {j: ids[id(o)] for j, o in enumerate(self.static_outputs) if id(o) in ids}
+        inputs = {x.untyped_storage().data_ptr() for x in self.static_inputs if isinstance(x, torch.Tensor)}
         if self.kind == "forward":
-            self._borrow_outputs()
+            self._borrow_outputs(inputs)
         tensors = [j for j, o in enumerate(self.static_outputs)
                    if isinstance(o, torch.Tensor) and j not in self.output_is_input]
         user_visible = [j for j in tensors if self._is_user_visible(j)]
         # a backward's gradients are lent, in place (see the NOTE); an output sharing memory with
         # an input (a static buffer the next call refills, a saved activation still read) is copied;
         # one placed over a donated saved activation is lent: the next forward replay reclaims it
-        inputs = {x.untyped_storage().data_ptr() for x in self.static_inputs if isinstance(x, torch.Tensor)}
-        inputs -= donated
+        still_read = inputs - donated
         lend = [j for j in user_visible if self.kind == "backward"
-                and self.static_outputs[j].untyped_storage().data_ptr() not in inputs]
+                and self.static_outputs[j].untyped_storage().data_ptr() not in still_read]
         self.lent_idxs = lend
         lent = set(lend)
         self.copied_out_idxs = [j for j in user_visible if j not in lent]
@@ -384,10 +384,10 @@ class CudaGraphRunner:
         log.info("apollo: captured %s as a CUDA graph, runtime %r (%d inputs copied, %d used in place)",
                  self.name, self.chosen, len(self.copy_idxs), len(self.fixed_ptrs))
 
-    def _borrow_outputs(self) -> None:
+    def _borrow_outputs(self, inputs: set[int]) -> None:
         """Hand the ownership of the forward's outputs in the pool to the family; the static
-        outputs (and so every alias a replay hands out) borrow their memory (NOTE: Donation)."""
-        inputs = {x.untyped_storage().data_ptr() for x in self.static_inputs if isinstance(x, torch.Tensor)}
+        outputs (and so every alias a replay hands out) borrow their memory (NOTE: Donation).
+        `inputs`: the static inputs' storage data_ptrs (an output on one is not the pool's)."""
         views: dict[int, torch.UntypedStorage] = {}
         for j, o in enumerate(self.static_outputs):
             if not isinstance(o, torch.Tensor) or not in_graph_pool(o) or j in self.output_is_input:
