@@ -459,6 +459,42 @@ def test_cudagraph_capture_failure_runs_the_runtime_and_warns_once(monkeypatch):
     assert fallback_messages(caught) == messages  # filterable as ApolloFallbackWarning
 
 
+def test_cudagraph_capture_failure_frees_what_the_failed_capture_held_before_the_fallback(monkeypatch):
+    """The un-graphed run after a failed capture must not run while the exception (and through its
+    traceback, every temporary the failed capture allocated) is still alive: at the edge of memory
+    that fallback needs those bytes."""
+    import gc
+    import sys
+    import weakref
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    runner, fake = _runner()
+    held = []
+
+    def capture(args):
+        temporary = torch.empty(1 << 10)  # what a capture's runtime had allocated when it ran out
+        held.append(weakref.ref(temporary))
+        raise torch.OutOfMemoryError("synthetic: out of memory during capture")
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    seen = []
+    one_lane = runner.fn
+
+    def fallback(args):
+        gc.collect()
+        seen.append((sys.exc_info()[0], held[0]() if held else None))
+        return one_lane(args)
+
+    monkeypatch.setattr(runner, "fn", fallback)
+    x = torch.arange(3.0)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        runner([x])  # call 1: eager warm-up
+        out = runner([x])  # call 2: capture fails -> eager
+    torch.testing.assert_close(out[0], x * 2)
+    assert seen[-1] == (None, None), seen  # no exception in flight, the temporary already freed
+
+
 def test_cudagraph_pending_forward_runs_eager_and_warns_once(monkeypatch):
     """Two forwards before a backward: while the last forward's saved activations are alive the
     forward runs without its graph (capture is not even tried); once they die, capture is tried."""

@@ -542,6 +542,10 @@ class CudaGraphRunner:
                 self._capture(args)
             except Exception as e:  # capture unsupported here: run the runtime as it is
                 self.disabled = f"{type(e).__name__}: {e}"
+            if self.disabled is not None:
+                # outside the except block: the exception's traceback holds the failed capture's
+                # frames, and so its temporaries, for as long as the block runs (a fallback at the edge
+                # of memory needs those bytes)
                 self._warn_once("capture", f"CUDA-graph capture failed ({self.disabled})")
                 torch.cuda.synchronize()
                 return self._eager(args)
