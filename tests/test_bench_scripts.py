@@ -53,6 +53,17 @@ def test_budget_variants_by_name():
     spec = bench_memory.VARIANTS["apollo-bf16-budget-0.07"]
     assert spec.options == {"precision": "bf16", "memory_budget": 0.07} and spec.memory_bound_first
     assert not bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.4-bytes-per-us")].memory_bound_first
+    measured = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.5-fw-measured")]
+    assert measured.forward_measured and measured.memory_bound_first and not spec.forward_measured
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+
+    family = GraphFamily()
+    family.backward_donates = True
+    forward = CudaGraphRunner({"lanes": None, "one_lane": None}, "g_forward", "forward", family, set(), None,
+                              max_memory_ratio=1.1)
+    with measured.context():  # the rule before session 7: the forward measures its candidates
+        assert forward._memory_first_one_lane() is None
+    assert forward._memory_first_one_lane() is not None
     for bad in ("apollo-bf16-budget-0", "apollo-bf16-budget-1.5", "eager-fp16"):
         with pytest.raises(Exception, match="unknown variant|must be in"):
             bench_memory.variant_name(bad)

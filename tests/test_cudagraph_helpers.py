@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from apollo_compile import ApolloFallbackWarning
-from apollo_compile.runtime.cudagraph import OutputCopier
+from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily, OutputCopier
 from helpers import fake_cuda_graphs
 
 
@@ -285,6 +285,28 @@ def test_under_a_budget_a_donating_backward_replays_one_lane_unmeasured(monkeypa
     runner.max_memory_ratio = None  # no budget: time decides (measured on CUDA)
     with pytest.raises(BaseException, match="measured"):
         runner._choose_candidate()
+
+
+def test_under_a_budget_the_forward_of_a_donating_backward_replays_one_lane_unmeasured(monkeypatch):
+    """The caching allocator reuses a freed block only for the stream that allocated it: the
+    backward's capture can reuse the saved activations' memory only if the forward made them on the
+    capture stream. Compiling a donating backward tells the family; the forward then replays one
+    lane under a budget. Without a budget, or without donation, time decides."""
+    family = GraphFamily()
+    candidates = {"lanes": lambda args: args, "one_lane": lambda args: args}
+    forward = CudaGraphRunner(candidates, "frame0_0_forward", "forward", family, set(), None, max_memory_ratio=1.1)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("measured"))
+    assert forward._memory_first_one_lane() is None  # no backward compiled yet: measure
+    CudaGraphRunner(candidates, "frame0_0_backward", "backward", family, set(), None, max_memory_ratio=1.1,
+                    donated_idxs=set())
+    assert not family.backward_donates  # a backward with nothing donated (retain_graph at the first backward)
+    CudaGraphRunner(candidates, "frame0_0_backward", "backward", family, set(), None, max_memory_ratio=1.1,
+                    donated_idxs={3})
+    assert family.backward_donates
+    assert forward._choose_candidate() == "one_lane" and forward.measured_ms == {}
+    forward.max_memory_ratio = None  # no budget: time decides (measured on CUDA)
+    with pytest.raises(BaseException, match="measured"):
+        forward._choose_candidate()
 
 
 def test_each_capture_gets_cublas_workspaces_of_its_own(monkeypatch):
