@@ -69,6 +69,30 @@ def test_budget_variants_by_name():
             bench_memory.variant_name(bad)
 
 
+def test_diag_memory_sums_each_pool_and_the_free_bytes_no_large_request_can_use():
+    """Inside a capture the allocator cannot release a live pool's segments: free blocks too small
+    for the next large request are stranded there. pools() shows them per pool."""
+    import diag_memory
+
+    MiB = 1 << 20
+    segments = [
+        {"segment_pool_id": (0, 3), "total_size": 1024 * MiB, "allocated_size": 600 * MiB,
+         "blocks": [{"size": 600 * MiB, "state": "active_allocated"}, {"size": 424 * MiB, "state": "inactive"}]},
+        {"segment_pool_id": (0, 3), "total_size": 2048 * MiB, "allocated_size": 1024 * MiB,
+         "blocks": [{"size": 1024 * MiB, "state": "inactive"}, {"size": 1024 * MiB, "state": "active_allocated"}]},
+        {"segment_pool_id": (0, 0), "total_size": 20 * MiB, "allocated_size": 20 * MiB,
+         "blocks": [{"size": 20 * MiB, "state": "active_allocated"}]},
+    ]
+    summary = diag_memory.pools(segments)
+    graph = summary["(0, 3)"]
+    assert graph["segments"] == 2 and graph["reserved"] == 3072 * MiB and graph["allocated"] == 1624 * MiB
+    assert graph["free"] == 1448 * MiB and graph["largest_free"] == 1024 * MiB
+    assert graph["free_in_blocks_under_512MiB"] == 424 * MiB
+    assert summary["(0, 0)"]["free"] == 0
+    text = diag_memory.pools_text("at the out-of-memory error", summary)
+    assert "pool (0, 3): 2 segments, reserved 3.00 GiB" in text and "[2048, 1024]" in text
+
+
 def test_diag_memory_finds_each_phase_peak_and_what_is_alive_there():
     """diag_memory.py's analysis of an allocator trace: phases bracketed by marker allocations, each
     phase's peak, and what is alive at it grouped by the generated file and line that allocated it."""
