@@ -18,6 +18,9 @@
 #   run(command="bash benchmarks/h200_session.sh check+probe ...")                    # base fp32 exactness, batch 1024
 #   run(command="bash benchmarks/h200_session.sh diag1024 ...")                       # what sets the peak at batch 1024
 #   run(command="bash benchmarks/h200_session.sh diag1152 ...")                       # where it runs out at 1152 (20 GiB)
+#   run(command="bash benchmarks/h200_session.sh diag1152pools ...")                  # ... per pool, also with expandable segments
+#   run(command="bash benchmarks/h200_session.sh step128 ...")                        # issue 3 at batch 128
+#   run(command="bash benchmarks/h200_session.sh onelane64 ...")                      # budgets: one-lane forward vs measured lanes
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -88,7 +91,20 @@ case "${1:-}" in
              timeout 420 python benchmarks/diag_memory.py --batch 1024 --budget 0.05 --out "$OUT/diag1024" ;;
   diag1152)  # ... and where it runs out at 1152 under the search's 20 GiB cap
              timeout 420 python benchmarks/diag_memory.py --batch 1152 --budget 0.05 --limit-gib 20 --out "$OUT/diag1152" ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152" >&2
+  diag1152pools)  # session 7, call 2: the graph pool's free blocks at the out-of-memory error, default
+             # allocator then expandable segments (no cache save: each run writes its own logs)
+             timeout 250 python benchmarks/diag_memory.py --batch 1152 --budget 0.05 --limit-gib 20 --out "$OUT/default"
+             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 250 python benchmarks/diag_memory.py \
+               --batch 1152 --budget 0.05 --limit-gib 20 --out "$OUT/expandable"
+             exit $? ;;
+  step128)   timeout 540 python benchmarks/bench_step.py --batch 128 --steps 30 --out "$OUT/step128"
+             exit $? ;;
+  onelane64)  # session 7, call 5: under a budget, the forward on one lane (the rule) vs measured lanes (-fw-measured)
+             timeout 430 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
+               apollo-bf16-budget-0.5 apollo-bf16-budget-0.5-fw-measured apollo-bf16-budget-0.4 \
+               apollo-bf16-budget-0.4-fw-measured --out "$OUT/fw1lane"
+             exit $? ;;
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64" >&2
      exit 2 ;;
 esac
 status=$?
