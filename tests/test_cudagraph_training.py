@@ -20,6 +20,9 @@ from helpers import TOLERANCE, assert_same_loss_and_grads, fake_cuda_graphs
 from models import TwoTower, two_tower_inputs
 
 
+CHOOSE_CANDIDATE = CudaGraphRunner._choose_candidate  # before the fixture stands in for CUDA timing
+
+
 @pytest.fixture
 def runners(monkeypatch):
     """Every apollo graph compiled in the test gets a CUDA-graph runner with a fake graph."""
@@ -213,3 +216,32 @@ def test_a_memory_budget_bounds_what_concurrency_may_cost(runners):
         compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager", **options})
         compiled(*two_tower_inputs()).backward()
         assert runners and all(r.max_memory_ratio == ratio for r in runners), options
+
+
+def test_under_a_budget_both_graphs_replay_one_lane_unmeasured_in_real_training(runners, monkeypatch):
+    """The forward learns that its backward reuses the saved activations from the family: the
+    backward is compiled at the first backward, before the forward's second call captures. Under a
+    budget neither graph then measures its candidates (timing would need CUDA events: on the CPU
+    it would fail the capture and run un-graphed), and training equals eager."""
+    from apollo_compile.runtime import cudagraph
+
+    monkeypatch.setattr(CudaGraphRunner, "_choose_candidate", CHOOSE_CANDIDATE)
+    monkeypatch.setattr(cudagraph, "in_graph_pool", lambda t: True)
+    torch.manual_seed(0)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager", "memory_budget": 0.5})
+    for step in range(3):
+        inputs = two_tower_inputs(seed=step)
+        loss, ref_loss = compiled(*inputs), ref(*inputs)
+        loss.backward()
+        ref_loss.backward()
+        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    forward, backward = runners
+    assert forward.family.backward_donates and backward.donated_bytes > 0
+    for runner in (forward, backward):
+        assert set(runner.candidates) == {"lanes", "one_lane"}, "the model has two towers: two candidates"
+        assert runner.chosen == "one_lane" and runner.measured_ms == {}
+        assert runner.replays == 2 and runner.ungraphed_calls == 0 and runner.disabled is None
