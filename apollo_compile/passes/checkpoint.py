@@ -257,7 +257,9 @@ def attention_recomputed_as_is():
     ``run_and_save_rng_state`` / ``run_with_rng_state`` (it stashes the generator's state), having
     asked ``has_recomputable_rng_ops``; for the call, that question leaves out
     :func:`deterministic_attention`, which draws nothing. A graph that also recomputes a truly
-    random op (a user's checkpoint around dropout) is wrapped as before."""
+    random op (a user's checkpoint around dropout) is wrapped as before. The swap is process-wide:
+    the partition runs inside Dynamo's compile, under its ``compile_lock``, so no other Dynamo
+    compile partitions meanwhile (an ``aot_function`` called directly on another thread would)."""
     from torch._functorch import partitioners
 
     original = partitioners.has_recomputable_rng_ops
