@@ -108,8 +108,9 @@ def summarize(trace: list[dict], phases: list[dict], k: int, header: str = "") -
 
 def pools(segments: list[dict]) -> dict[str, dict]:
     """Per allocator pool (the default one, each CUDA-graph pool): segments, reserved, allocated and
-    free bytes, the largest free block, and the free bytes no request above 512 MiB can use (free
-    blocks smaller than that: inside a capture the allocator cannot release a live pool's segments)."""
+    free bytes, the largest free block, and the free bytes in blocks under 512 MiB, which no request
+    of that size or more can use (inside a capture the allocator cannot release a live pool's
+    segments to make a larger one)."""
     out: dict[str, dict] = {}
     for seg in segments:
         key = str(tuple(seg.get("segment_pool_id") or (0, 0)))
