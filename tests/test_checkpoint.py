@@ -111,7 +111,7 @@ def test_recomputation_keeps_the_towers_backward_side_by_side(budget):
     lanes = plan.backward.decisions["lanes"]
     main = {tower: max((sg for sg in lanes.subgraphs if any(info(n).modality == tower for n in sg.nodes)),
                        key=lambda sg: sg.est_us) for tower in ("vision", "text")}
-    assert main["vision"].lane != main["text"].lane and 0 not in (main["vision"].lane, main["text"].lane)
+    assert main["vision"].lane != main["text"].lane  # one of them shares the main lane (the costliest)
     assert not nx.has_path(lanes.dag, main["vision"].id, main["text"].id)
     assert not nx.has_path(lanes.dag, main["text"].id, main["vision"].id)
     serial, concurrent = lanes.predicted_us()

@@ -72,14 +72,14 @@ def collate(features: list[dict]) -> dict:
             "return_loss": True}
 
 
-def assert_apollo_planned_every_graph(min_lanes: int = 3) -> None:
+def assert_apollo_planned_every_graph(min_lanes: int = 2) -> None:
     """apollo's own runtime ran every graph compiled since clear_plans(), and the towers got lanes."""
     plans = apollo_compile.plans()
     assert plans, "nothing was compiled with apollo"
     for plan in plans:
         assert plan.forward is not None and plan.backward is not None, plan.name
         assert plan.forward.fallback is None and plan.backward.fallback is None, plan.summary()
-    assert max(len(p.forward.lanes.lanes) for p in plans) >= min_lanes  # vision, text, fusion
+    assert max(len(p.forward.lanes.lanes) for p in plans) >= min_lanes  # main (fusion, costliest tower), the other tower
 
 
 def fallback_messages(caught) -> list[str]:

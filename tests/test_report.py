@@ -97,7 +97,7 @@ def test_text_table_names_lanes_modalities_and_predicted_times(two_tower):
         lanes_line = next(line for line in text.splitlines() if line.strip().startswith(gp.name) and "lane" in line)
         assert "vision" in lanes_line and "text" in lanes_line and "fusion" in lanes_line
         stats = next(s for s in report.stats() if s.name == gp.name)
-        assert stats.lanes == gp.lanes.lanes and len(stats.lanes) == 3
+        assert stats.lanes == gp.lanes.lanes and len(stats.lanes) == 2
         assert stats.arena_bytes == gp.memory.arena_bytes and stats.total_bytes == gp.memory.total_bytes
         assert stats.recomputed == sum(info(n).recomputed for n in gp.gm.graph.nodes)
     assert "fallback:" not in text

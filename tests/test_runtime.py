@@ -164,3 +164,32 @@ def test_inductor_subgraphs_are_told_no_input_is_donated(monkeypatch):
     compiled(*two_tower_inputs()).backward()
     assert seen and all(d == [] for d in seen), seen
     assert metas[0].bw_donated_idxs, "the model's backward has donated inputs: the test means something"
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_the_costliest_tower_runs_on_the_main_lane_without_delaying_the_other(kind):
+    """The costliest tower's subgraphs move to lane 0 (the capture stream), so the backward's CUDA
+    graph can reuse its saved activations (lanes.py, NOTE: The costliest branch runs on the
+    caller's stream). One stream runs lane 0 in launch order: a join subgraph another lane waits
+    for must not be launched behind tower work it does not depend on."""
+    import networkx as nx
+
+    torch.manual_seed(0)
+    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
+    compiled(*two_tower_inputs()).backward()
+    plan = getattr(apollo_compile.last_plan(), kind).lanes
+    assert sorted(plan.lanes) == [0, 1] and "on the main lane" in plan.reason
+    towers = {m.split("_")[0] for m in plan.lanes[0] if m != "fusion"}
+    assert len(towers) == 1 and towers.isdisjoint(m.split("_")[0] for m in plan.lanes[1])
+    from apollo_compile.annotations import info
+
+    moved = sum(sg.est_us for sg in plan.subgraphs if sg.lane == 0 and all(info(n).modality != "fusion" for n in sg.nodes))
+    assert moved >= sum(sg.est_us for sg in plan.subgraphs if sg.lane == 1)  # the costlier tower moved
+    main = [sg_id for sg_id in plan.order if plan.lane_of(sg_id) == 0]
+    for sg_id in plan.order:
+        if plan.lane_of(sg_id) == 0:
+            continue
+        for dep in plan.dag.predecessors(sg_id):
+            if plan.lane_of(dep) == 0:
+                before = main[:main.index(dep)]
+                assert set(before) <= nx.ancestors(plan.dag, dep), (dep, before)

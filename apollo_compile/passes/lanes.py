@@ -6,7 +6,19 @@ Reads ``NodeInfo.modality`` and ``NodeInfo.est_us``; writes ``NodeInfo.lane`` an
 Lane 0 is the main lane (the caller's stream): joins (``fusion``) run there. Every other
 modality gets a lane of its own, except that a modality fed by exactly one other modality (a
 projection after its tower, a tower's gradients after its projection's) continues on that
-modality's lane, so a chain never pays a cross-lane synchronisation.
+modality's lane, so a chain never pays a cross-lane synchronisation. Once the graph is cut, the
+costliest side lane's subgraphs move to the main lane (:func:`costliest_on_main`).
+
+[NOTE] The costliest branch runs on the caller's stream: the concurrency is the same (its
+subgraphs stay cut apart from the joins', so another lane waits only for what it reads), but
+PyTorch's caching allocator reuses a freed block only for the stream that allocated it, and a CUDA
+graph is captured on one capture stream. With every tower on a side stream, the backward's capture
+could reuse nothing of the saved activations the forward's towers had made (H200, CLIP at batch
+128: the two-lane graphs' pool 13.1 GB against one lane's 11.6 GB; RESULTS.md, session 7). With the
+costliest tower on the capture stream in both graphs, the backward reuses that tower's, the larger
+part (not yet measured on a GPU). The SM-quota candidates then limit the other lanes only (lane 0
+runs on the whole device). Each graph picks its costliest lane by its own estimates; should the
+forward and the backward pick different towers, less is reused, nothing is wrong.
 
 [NOTE] Segmentation keeps the subgraph DAG acyclic::
 
@@ -115,8 +127,9 @@ def assign_lanes(nodes: list[torch.fx.Node], max_lanes: int | None) -> tuple[dic
             cost[lane_root[m]] += info(n).est_us
     reason = f"{len(roots)} independent branches"
     if max_lanes is not None and len(roots) > max_lanes:
-        # keep the costliest branches on their own lanes, the rest on the main lane
-        kept = sorted(roots, key=lambda r: (-cost[r], roots.index(r)))[: max(max_lanes - 1, 0)]
+        # keep the max_lanes costliest branches on lanes of their own (the costliest then moves to
+        # the main lane: costliest_on_main), the rest on the main lane
+        kept = sorted(roots, key=lambda r: (-cost[r], roots.index(r)))[:max_lanes] if max_lanes > 1 else []
         roots_lane = {r: (kept.index(r) + 1 if r in kept else 0) for r in roots}
         reason += f", limited to max_lanes={max_lanes}"
     else:
@@ -165,16 +178,42 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
     return subgraphs, dag
 
 
+def costliest_on_main(subgraphs: list[Subgraph], lane_of: dict[str, int]) -> tuple[list[Subgraph], dict[str, int], str]:
+    """Move the costliest side lane's subgraphs (and modalities) to lane 0, when there are two or
+    more side lanes (see [NOTE] The costliest branch runs on the caller's stream); the remaining
+    side lanes are renumbered from 1 in order. Returns (subgraphs, lane_of, reason suffix)."""
+    cost: dict[int, float] = {}
+    for sg in subgraphs:
+        if sg.lane != 0:
+            cost[sg.lane] = cost.get(sg.lane, 0.0) + sg.est_us
+    if len(cost) < 2:
+        return subgraphs, lane_of, ""
+    heavy = min(cost, key=lambda lane: (-cost[lane], lane))
+    renumber = {lane: i for i, lane in enumerate([0] + sorted(set(cost) - {heavy}))} | {heavy: 0}
+    for sg in subgraphs:
+        sg.lane = renumber[sg.lane]
+        for n in sg.nodes:
+            info(n).lane = sg.lane
+    moved = ", ".join(sorted(m for m, lane in lane_of.items() if lane == heavy))
+    return subgraphs, {m: renumber[lane] for m, lane in lane_of.items()}, f"; the costliest ({moved}) on the main lane"
+
+
 def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
     nodes = list(gm.graph.nodes)
     for n in nodes:
         info(n).lane = info(n).subgraph = None
     lane_of, reason = assign_lanes(nodes, ctx.options.max_lanes)
     subgraphs, dag = segment(nodes, lane_of)
+    lane_before = {sg.id: sg.lane for sg in subgraphs}
+    subgraphs, lane_of, moved = costliest_on_main(subgraphs, lane_of)
+    reason += moved
+    # on the main lane, launch the joins' subgraphs before the moved tower's whenever the DAG allows:
+    # one stream runs them in launch order, and another lane may be waiting for a join
+    was_side = {sg.id for sg in subgraphs if sg.lane == 0 and lane_before[sg.id] != 0}
     lanes: dict[int, list[str]] = {}
     for m, lane in sorted(lane_of.items(), key=lambda kv: (kv[1], kv[0])):
         lanes.setdefault(lane, []).append(m)
     used = {sg.lane for sg in subgraphs}
     lanes = {k: v for k, v in lanes.items() if k in used}
-    order = list(nx.lexicographical_topological_sort(dag, key=lambda i: i))
+    order = list(nx.lexicographical_topological_sort(dag, key=lambda i: (i in was_side, i)))
     return LanePlan(lanes, subgraphs, dag, order, reason)

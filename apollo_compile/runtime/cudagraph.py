@@ -59,8 +59,10 @@ what a forward on one lane saved; a side lane holds what it reads from the main 
 (codegen's NOTE: Freeing across lanes), and a forward's side lane makes its outputs on a stream
 the backward never allocates on. So under a memory budget both graphs replay one lane
 (`_memory_first_one_lane`; H200, batch 64, budget 0.5: 3.72 instead of 4.55 GiB reserved, the
-step 28.45 instead of 27.96 ms). Without a budget time decides, and a two-lane backward after a
-two-lane forward reuses little (batch 128: the family's pool 13.1 GB against 11.6 for one lane).
+step 28.45 instead of 27.96 ms). Without a budget time decides; a two-lane backward after a
+two-lane forward reused little while both towers ran on side lanes (batch 128: the family's pool
+13.1 GB against 11.6 for one lane), hence the costliest tower now runs on the main lane in both
+graphs (lanes.py, NOTE: The costliest branch runs on the caller's stream; not yet measured).
 
 A donated saved activation is read once: AOTAutograd already refuses a second backward through a
 graph compiled with donated buffers (``retain_graph=True``), and compiles none when the first
