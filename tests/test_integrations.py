@@ -79,7 +79,8 @@ def assert_apollo_planned_every_graph(min_lanes: int = 2) -> None:
     for plan in plans:
         assert plan.forward is not None and plan.backward is not None, plan.name
         assert plan.forward.fallback is None and plan.backward.fallback is None, plan.summary()
-    assert max(len(p.forward.lanes.lanes) for p in plans) >= min_lanes  # main (fusion, costliest tower), the other tower
+    # the main lane (joins, the costliest tower) and the other tower's
+    assert max(len(p.forward.lanes.lanes) for p in plans) >= min_lanes
 
 
 def fallback_messages(caught) -> list[str]:

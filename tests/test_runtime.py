@@ -174,6 +174,8 @@ def test_the_costliest_tower_runs_on_the_main_lane_without_delaying_the_other(ki
     for must not be launched behind tower work it does not depend on."""
     import networkx as nx
 
+    from apollo_compile.annotations import info
+
     torch.manual_seed(0)
     compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
     compiled(*two_tower_inputs()).backward()
@@ -181,9 +183,8 @@ def test_the_costliest_tower_runs_on_the_main_lane_without_delaying_the_other(ki
     assert sorted(plan.lanes) == [0, 1] and "on the main lane" in plan.reason
     towers = {m.split("_")[0] for m in plan.lanes[0] if m != "fusion"}
     assert len(towers) == 1 and towers.isdisjoint(m.split("_")[0] for m in plan.lanes[1])
-    from apollo_compile.annotations import info
-
-    moved = sum(sg.est_us for sg in plan.subgraphs if sg.lane == 0 and all(info(n).modality != "fusion" for n in sg.nodes))
+    moved = sum(sg.est_us for sg in plan.subgraphs
+                if sg.lane == 0 and all(info(n).modality != "fusion" for n in sg.nodes))
     assert moved >= sum(sg.est_us for sg in plan.subgraphs if sg.lane == 1)  # the costlier tower moved
     main = [sg_id for sg_id in plan.order if plan.lane_of(sg_id) == 0]
     for sg_id in plan.order:
