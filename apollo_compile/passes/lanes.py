@@ -178,24 +178,26 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
     return subgraphs, dag
 
 
-def costliest_on_main(subgraphs: list[Subgraph], lane_of: dict[str, int]) -> tuple[list[Subgraph], dict[str, int], str]:
-    """Move the costliest side lane's subgraphs (and modalities) to lane 0, when there are two or
-    more side lanes (see [NOTE] The costliest branch runs on the caller's stream); the remaining
-    side lanes are renumbered from 1 in order. Returns (subgraphs, lane_of, reason suffix)."""
+def costliest_on_main(subgraphs: list[Subgraph], lane_of: dict[str, int]) -> tuple[dict[str, int], set[int], str]:
+    """Move the costliest side lane's subgraphs (in place) and modalities to lane 0, when there are
+    two or more side lanes (see [NOTE] The costliest branch runs on the caller's stream); the
+    remaining side lanes are renumbered from 1 in order. Returns (lane_of, the moved subgraphs'
+    ids, reason suffix)."""
     cost: dict[int, float] = {}
     for sg in subgraphs:
         if sg.lane != 0:
             cost[sg.lane] = cost.get(sg.lane, 0.0) + sg.est_us
     if len(cost) < 2:
-        return subgraphs, lane_of, ""
+        return lane_of, set(), ""
     heavy = min(cost, key=lambda lane: (-cost[lane], lane))
     renumber = {lane: i for i, lane in enumerate([0] + sorted(set(cost) - {heavy}))} | {heavy: 0}
+    moved_ids = {sg.id for sg in subgraphs if sg.lane == heavy}
     for sg in subgraphs:
         sg.lane = renumber[sg.lane]
         for n in sg.nodes:
             info(n).lane = sg.lane
-    moved = ", ".join(sorted(m for m, lane in lane_of.items() if lane == heavy))
-    return subgraphs, {m: renumber[lane] for m, lane in lane_of.items()}, f"; the costliest ({moved}) on the main lane"
+    names = ", ".join(sorted(m for m, lane in lane_of.items() if lane == heavy))
+    return {m: renumber[lane] for m, lane in lane_of.items()}, moved_ids, f"; the costliest ({names}) on the main lane"
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
@@ -204,16 +206,14 @@ def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
         info(n).lane = info(n).subgraph = None
     lane_of, reason = assign_lanes(nodes, ctx.options.max_lanes)
     subgraphs, dag = segment(nodes, lane_of)
-    lane_before = {sg.id: sg.lane for sg in subgraphs}
-    subgraphs, lane_of, moved = costliest_on_main(subgraphs, lane_of)
-    reason += moved
-    # on the main lane, launch the joins' subgraphs before the moved tower's whenever the DAG allows:
-    # one stream runs them in launch order, and another lane may be waiting for a join
-    was_side = {sg.id for sg in subgraphs if sg.lane == 0 and lane_before[sg.id] != 0}
+    lane_of, moved, why = costliest_on_main(subgraphs, lane_of)
+    reason += why
     lanes: dict[int, list[str]] = {}
     for m, lane in sorted(lane_of.items(), key=lambda kv: (kv[1], kv[0])):
         lanes.setdefault(lane, []).append(m)
     used = {sg.lane for sg in subgraphs}
     lanes = {k: v for k, v in lanes.items() if k in used}
-    order = list(nx.lexicographical_topological_sort(dag, key=lambda i: (i in was_side, i)))
+    # on the main lane, launch the joins' subgraphs before the moved tower's whenever the DAG allows:
+    # one stream runs them in launch order, and another lane may be waiting for a join
+    order = list(nx.lexicographical_topological_sort(dag, key=lambda i: (i in moved, i)))
     return LanePlan(lanes, subgraphs, dag, order, reason)
