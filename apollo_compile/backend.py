@@ -36,6 +36,7 @@ from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
 from .runtime.runner import build_runtime
 from .runtime.subgraphs import inductor_config
+from .tracing import fw_metadata
 
 log = logging.getLogger("apollo_compile")
 
@@ -174,8 +175,7 @@ def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, fami
     # a backward's inputs AOTAutograd lets it reuse: saved for the backward only, aliasing no
     # input or output; none if the first backward retained the graph (NOTE: Donation)
     donated: set[int] = set()
-    tc = torch._guards.TracingContext.try_get()
-    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+    meta = fw_metadata()
     if meta is not None and kind != "backward":
         static_idxs = set(meta.static_input_indices or ())
     if meta is not None and kind == "forward" and hasattr(meta, "num_forward_returns"):

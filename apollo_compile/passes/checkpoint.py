@@ -132,6 +132,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..annotations import KEY, info
 from ..shapes import concrete_numel
+from ..tracing import fw_metadata
 from . import modality
 from .cost import node_cost
 
@@ -392,8 +393,7 @@ def _is_primal(node: torch.fx.Node) -> bool:
 
 
 def _static_input_indices() -> list[int] | None:
-    tc = torch._guards.TracingContext.try_get()
-    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+    meta = fw_metadata()
     return list(getattr(meta, "static_input_indices", None) or []) if meta is not None else None
 
 
@@ -988,8 +988,7 @@ def mark_saved(gm: torch.fx.GraphModule, ctx) -> dict | None:
     """
     if ctx.kind != "forward" or ctx.options.memory_budget is None:
         return None
-    tc = torch._guards.TracingContext.try_get()
-    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+    meta = fw_metadata()
     if meta is None:
         return None
     n_user = getattr(meta, "num_forward", None)

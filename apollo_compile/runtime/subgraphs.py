@@ -14,6 +14,7 @@ import torch
 import torch.fx
 
 from ..passes.lanes import Subgraph
+from ..tracing import fw_metadata
 
 
 def extract(gm: torch.fx.GraphModule, sg: Subgraph) -> torch.fx.GraphModule:
@@ -57,8 +58,7 @@ def no_donated_inputs():
     replays each candidate runtime several times before the real replay, which must still find
     the saved activations intact. The runner reuses donated memory itself (cudagraph.py, NOTE:
     Donation), in the final capture only."""
-    tc = torch._guards.TracingContext.try_get()
-    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+    meta = fw_metadata()
     if meta is None or not getattr(meta, "bw_donated_idxs", None):
         yield
         return
