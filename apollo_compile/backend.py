@@ -121,7 +121,8 @@ def compile_graph(
             # quota candidates only pay off, and are only measured, as CUDA graphs
             quotas = _quota_candidates(ctx) if family is not None else None
             runtimes = build_runtime(gm, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
-                                     options.subgraph_compiler, device, quotas)
+                                     options.subgraph_compiler, device, quotas,
+                                     family.side_streams if family is not None else None)
         except Exception as e:  # name the stage, as PassError names the pass
             raise RuntimeError(f"building the runtime (compiling its subgraphs with {options.subgraph_compiler}) "
                                f"failed: {type(e).__name__}: {e}") from e

@@ -6,7 +6,8 @@ and five training loops: plain steps, two micro-batches per step with
 ``zero_grad(set_to_none=True)``, and the same with ``set_to_none=False``; then plain steps without
 a budget (the backward's lanes are measured and may be replayed) and with Inductor's subgraphs
 (which free each input at its last use, so the backward's capture really places its temporaries
-over the donated saved activations). Every step's loss and every gradient is compared with eager
+over the donated saved activations), with a budget and without one (lanes measured: a side lane
+may take over the saved activations the forward's same lane made). Every step's loss and every gradient is compared with eager
 PyTorch on the same weights (TF32 off, so both are true fp32), and each runner's summary is
 printed: replays, the runtime it chose, calls that ran without the graph (0 expected), gradients
 it moved out of the graph's memory because they were still held (the lent-gradient path; > 0 only
@@ -43,6 +44,8 @@ MODES = {  # name: (micro-batches per step, zero_grad(set_to_none), apollo optio
     "accumulate, set_to_none=False": (2, False, BUDGET),
     "plain, no budget": (1, True, {"subgraph_compiler": "eager"}),
     "plain, inductor, budget": (1, True, {"subgraph_compiler": "inductor", "memory_budget": 0.2}),
+    # lanes measured, Inductor freeing inputs: a side lane may take over its own saved activations
+    "plain, inductor": (1, True, {"subgraph_compiler": "inductor"}),
 }
 
 
@@ -103,13 +106,14 @@ def main() -> int:
     for r in results:
         print(json.dumps(r, default=str))
     print(f"\n{'mode':32} {'ok':5} {'loss rel err':>12} {'grad rel err':>12}  fw replays/ungraphed  "
-          "bw replays/ungraphed/moved  bw chosen  donated MiB")
+          "bw replays/ungraphed/moved  bw chosen  donated MiB (on side lanes, withheld)")
     for r in results:
         fw, bw = (r.get("runners") or {}).get("forward") or {}, (r.get("runners") or {}).get("backward") or {}
         print(f"{r['mode']:32} {str(r['ok']):5} {r.get('loss_rel_err', float('nan')):12.2e} "
               f"{r.get('grad_rel_err', float('nan')):12.2e}  {fw.get('replays')}/{fw.get('ungraphed_calls')}"
               f"                  {bw.get('replays')}/{bw.get('ungraphed_calls')}/{bw.get('lent_moved')}"
               f"                    {bw.get('chosen')}  {(bw.get('donated_bytes') or 0) / 2**20:.2f}"
+              f" ({(bw.get('side_lane_donated_bytes') or 0) / 2**20:.2f}, {(bw.get('withheld_bytes') or 0) / 2**20:.2f})"
               + (f"  {r['error']}" if "error" in r else ""))
     return 0 if all(r["ok"] for r in results) else 1
 

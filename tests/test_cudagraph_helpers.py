@@ -265,14 +265,107 @@ def test_a_backward_capture_takes_over_the_memory_of_donated_saved_activations()
     runner = _borrowing_backward(owners, static_inputs, donated_idxs={0, 2})
     assert runner._will_donate()
     donated = set()
-    inputs = runner._donating_inputs(donated)
+    inputs, freed_on_side_lanes = runner._donating_inputs(donated)
     assert donated == {donated_ptr} and set(runner.family.owners) == kept and runner.donated_bytes == 8 * 4
+    assert freed_on_side_lanes == {}  # no side lanes on the CPU
     assert inputs[0].data_ptr() == static_inputs[0].data_ptr() and inputs[0] is not static_inputs[0]
     assert all(inputs[i] is static_inputs[i] for i in (1, 2, 3, 4))
     assert not weak.expired()
     inputs.clear()  # what the boxed runtime does with what it read last
     assert weak.expired()  # the list held the only owner: freed during the capture
     assert not runner._will_donate()  # nothing left to take over
+
+
+def test_side_lanes_take_over_only_what_their_own_stream_made_and_alone_read():
+    """The allocator reuses a freed block only on the stream that made it, so a saved activation
+    freed under side lanes is safe only if no other lane could still read it when that stream
+    allocates again (cudagraph.py, NOTE: Donation on side lanes). Streams 10 (capture), 11 (side
+    lane 1, shared with the forward), 12 (a stream this backward never allocates on)."""
+    from apollo_compile.runtime.cudagraph import donations_safe_on_lanes
+
+    donatable = {100: [0], 200: [1], 300: [2, 3], 400: [4], 500: [5], 600: [6]}
+    made_on = {100: 10, 200: 11, 300: 11, 400: 11, 500: 12}  # 600: the allocator could not place it
+    input_lanes = [frozenset({0, 1}), frozenset({1}), frozenset({1}), frozenset({1}), frozenset({0}),
+                   frozenset({1}), frozenset({1})]
+    safe, local = donations_safe_on_lanes(donatable, made_on, {1: 11}, input_lanes)
+    # 100: made on the capture stream (held by lane 1 to the join, as before); 200 and 300: lane 1's
+    # own, read by it alone, freed at their last reader; 400: lane 1's, read on lane 0: withheld;
+    # 500: no lane of this backward allocates on stream 12; 600: unknown stream, withheld
+    assert safe == {100: [0], 200: [1], 300: [2, 3], 500: [5]}
+    assert local == {1: [1, 2, 3]}
+    # one lane, or a runtime that cannot say who reads what: nothing changes, nothing is freed early
+    assert donations_safe_on_lanes(donatable, made_on, {}, input_lanes) == (donatable, {})
+    assert donations_safe_on_lanes(donatable, made_on, {1: 11}, ())[1] == {}
+
+
+def test_allocation_streams_reads_the_allocator_segments(monkeypatch):
+    from apollo_compile.runtime import cudagraph
+
+    segments = [{"address": 1000, "total_size": 100, "stream": 7}, {"address": 500, "total_size": 50, "stream": 8}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert cudagraph.allocation_streams([1000, 1099, 1100, 520, 499, 10]) == {1000: 7, 1099: 7, 520: 8}
+
+    def no_cuda():
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", no_cuda)
+    assert cudagraph.allocation_streams([1000]) == {}
+
+
+def test_a_side_lane_frees_the_inputs_its_stream_made_at_their_last_reader():
+    """keep_alive holds what a side lane reads from another lane until the join; inputs the
+    capture says that lane's own stream made are not held (the lane frees them at their last
+    reader). Matched by identity, held weakly: a dead one never excuses another tensor."""
+    import gc
+    import weakref
+
+    from apollo_compile.runtime.streams import LaneRuntime
+
+    rt = LaneRuntime([], [], torch.device("cpu"))
+    rt.cuda = True  # keep_alive's bookkeeping only: no stream is touched
+    mine, other = torch.ones(2), torch.ones(2)
+    rt.free_at_last_reader({1: [mine]})
+    ref = weakref.ref(mine)
+    rt.keep_alive(1, mine, other)
+    rt.keep_alive(0, mine)  # another lane reading it still holds it
+    assert [tuple(map(id, vs)) for vs in rt.held] == [(id(other),), (id(mine),)]
+    rt.release()
+    del mine
+    gc.collect()
+    assert ref() is None  # the registration did not keep it alive
+    rt.free_at_last_reader({})
+    rt.keep_alive(1, other)
+    assert rt.held == [(other,)]
+
+
+def test_the_chosen_runtimes_side_lanes_decide_what_the_backward_takes_over(monkeypatch):
+    """With side lanes, the final capture donates by the stream that made each saved activation;
+    withheld memory stays the family's and is reported."""
+    from types import SimpleNamespace
+
+    from apollo_compile.runtime import cudagraph
+    from apollo_compile.runtime.cudagraph import borrowed, unowned
+
+    owners, full = {}, []
+    for n in (8, 4):
+        storage = torch.arange(float(n)).untyped_storage()
+        owners[storage.data_ptr()] = storage
+        full.append(borrowed(torch.empty(n), unowned(storage)))
+    mine, theirs = (t.untyped_storage().data_ptr() for t in full)
+    runner = _borrowing_backward(owners, list(full), donated_idxs={0, 1})
+
+    def lanes(args):
+        return args
+
+    lanes.lane_runtime = SimpleNamespace(streams={1: SimpleNamespace(cuda_stream=11)})
+    lanes.input_lanes = (frozenset({1}), frozenset({0, 1}))
+    runner.candidates, runner.chosen = {"lanes": lanes, "one_lane": None}, "lanes"
+    monkeypatch.setattr(cudagraph, "allocation_streams", lambda ptrs: {mine: 11, theirs: 11})
+    donated = set()
+    inputs, local = runner._donating_inputs(donated)
+    assert donated == {mine} and local == {1: [0]} and set(runner.family.owners) == {theirs}
+    assert runner.donated_bytes == runner.side_lane_donated_bytes == 8 * 4 and runner.withheld_bytes == 4 * 4
+    assert inputs[1] is full[1]
 
 
 def test_under_a_budget_a_donating_backward_replays_one_lane_unmeasured(monkeypatch):

@@ -194,3 +194,23 @@ def test_the_costliest_tower_runs_on_the_main_lane_without_delaying_the_other(ki
             if plan.lane_of(dep) == 0:
                 before = main[:main.index(dep)]
                 assert set(before) <= nx.ancestors(plan.dag, dep), (dep, before)
+
+
+def test_the_runtime_says_which_lanes_read_each_input():
+    """A backward's capture frees a saved activation on the side lane that made it only if no
+    other lane reads it (cudagraph.py, NOTE: Donation on side lanes): the runtime lists, per input,
+    the lanes whose subgraphs read it. The two-tower backward has inputs only the side lane reads
+    (the other tower's saved activations); its one-lane runtime reads everything on lane 0."""
+    from apollo_compile.annotations import info
+
+    torch.manual_seed(0)
+    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
+    compiled(*two_tower_inputs()).backward()
+    graph = apollo_compile.last_plan().backward
+    source, lanes = graph.decisions["codegen"], graph.decisions["lanes"]
+    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    assert len(source.input_lanes) == len(placeholders)
+    for p, read_by in zip(placeholders, source.input_lanes):
+        assert read_by == {lanes.lane_of(info(u).subgraph) for u in p.users if info(u).subgraph is not None}
+    assert frozenset({1}) in source.input_lanes
+    assert all(read_by <= {0} for read_by in source.one_lane.input_lanes)

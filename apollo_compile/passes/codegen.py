@@ -28,7 +28,9 @@ lane runtime (``rt.keep_alive``) until the main lane has joined every side lane
 (``rt.release()``), so the caching allocator (and the CUDA-graph pool during capture) never hands
 its bytes to a new tensor while the reader may still run. Such values are few (a tower's inputs
 and outputs, parameters, which are never freed anyway); the memory plan gives them the same
-lifetime (``passes/memory.py``).
+lifetime (``passes/memory.py``). Graph inputs count as the main lane's; a backward's capture may
+tell the runtime that a side lane's own stream made some (``input_lanes`` says who reads each;
+cudagraph.py, NOTE: Donation on side lanes), and that lane then frees them at their last reader.
 """
 
 from __future__ import annotations
@@ -67,12 +69,24 @@ class RuntimeSource:
     side_lanes: list[int] = field(default_factory=list)
     waits: int = 0
     one_lane: "RuntimeSource | None" = None  # the same subgraphs on one stream, when there are lanes
+    input_lanes: tuple[frozenset[int], ...] = ()  # per graph input: the lanes whose subgraphs read it
 
 
 def producer_lane(plan: LanePlan, node: torch.fx.Node) -> int:
     """The lane whose stream made `node`'s value: graph inputs arrive on the main lane."""
     sg = info(node).subgraph
     return plan.subgraphs[sg].lane if sg is not None else 0
+
+
+def input_lanes(plan: LanePlan, placeholders: list[torch.fx.Node]) -> tuple[frozenset[int], ...]:
+    """Per graph input, the lanes that read it: a backward's capture frees a saved activation on
+    the lane that made it only if no other lane reads it (cudagraph.py, NOTE: Donation on side lanes)."""
+    readers: dict[torch.fx.Node, set[int]] = {p: set() for p in placeholders}
+    for sg in plan.subgraphs:
+        for n in sg.inputs:
+            if n in readers:
+                readers[n].add(sg.lane)
+    return tuple(frozenset(readers[p]) for p in placeholders)
 
 
 def one_lane(plan: LanePlan) -> LanePlan:
@@ -202,9 +216,12 @@ def run(gm: torch.fx.GraphModule, ctx) -> RuntimeSource:
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     output_arg = out_node.args[0]
     outputs = list(out_node.all_input_nodes)
-    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    source = render(plan, schedule(plan, outputs), ctx.name, placeholders, output_arg)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [n.name for n in placeholders]
+    source = render(plan, schedule(plan, outputs), ctx.name, names, output_arg)
+    source.input_lanes = input_lanes(plan, placeholders)
     if source.side_lanes:
         single = one_lane(plan)
-        source.one_lane = render(single, schedule(single, outputs), ctx.name, placeholders, output_arg)
+        source.one_lane = render(single, schedule(single, outputs), ctx.name, names, output_arg)
+        source.one_lane.input_lanes = input_lanes(single, placeholders)
     return source

@@ -56,13 +56,28 @@ backward's capture takes the owners of the saved activations AOTAutograd lists a
 runs on, whose boxed subgraphs free each input after its last use. The allocator hands the bytes
 to what the capture allocates next in the same pool *and stream*: a backward on one lane reuses
 what a forward on one lane saved; a side lane holds what it reads from the main lane to the join
-(codegen's NOTE: Freeing across lanes), and a forward's side lane makes its outputs on a stream
-the backward never allocates on. So under a memory budget both graphs replay one lane
+(codegen's NOTE: Freeing across lanes). So under a memory budget both graphs replay one lane
 (`_memory_first_one_lane`; H200, batch 64, budget 0.5: 3.72 instead of 4.55 GiB reserved, the
 step 28.45 instead of 27.96 ms). Without a budget time decides; a two-lane backward after a
 two-lane forward reused little while both towers ran on side lanes (batch 128: the family's pool
-13.1 GB against 11.6 for one lane), hence the costliest tower now runs on the main lane in both
-graphs (lanes.py, NOTE: The costliest branch runs on the caller's stream; not yet measured).
+13.1 GB against 11.6 for one lane), hence the costliest tower runs on the main lane in both graphs
+(lanes.py, NOTE: The costliest branch runs on the caller's stream; batch 128: 12.2 against 11.6).
+
+[NOTE] Donation on side lanes::
+
+    fw lane 1 (stream S1) ─► text act T       bw lane 1 (S1) reads T, frees it: S1 reuses it
+    fw lane 1 (stream S1) ─► text act U       bw lane 0 reads U: not donated (see below)
+
+The forward and backward of a family run each side lane on the same stream (``side_streams``),
+so the backward's side lane can take over what the forward's same lane saved: the backward's
+capture looks up which stream made each donated activation (the allocator's segments,
+`allocation_streams`) and `donations_safe_on_lanes` decides. Made on the capture stream, or on a
+stream this backward does not allocate on: donated as above. Made on side lane k's stream and read
+only on lane k: donated, and lane k frees it at its last reader instead of holding it to the join
+(``LaneRuntime.free_at_last_reader``). Made on lane k's stream but read on another lane: not
+donated; the block would go back to stream k, whose next allocation could overwrite it while the
+other lane still reads it. Unknown stream: not donated. The un-graphed path runs one lane, so
+this only ever concerns a capture.
 
 A donated saved activation is read once: AOTAutograd already refuses a second backward through a
 graph compiled with donated buffers (``retain_graph=True``), and compiles none when the first
@@ -74,11 +89,12 @@ go back to the heap.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import warnings
 import weakref
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -206,6 +222,48 @@ def pool_bytes(pool) -> int | None:
     return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id") or ()) == key)
 
 
+def allocation_streams(ptrs) -> dict[int, int]:
+    """data_ptr -> the stream (handle) whose allocator segment holds it: the only stream that
+    reuses its block once freed (NOTE: Donation on side lanes). Pointers the allocator cannot
+    place, or all of them without CUDA, are left out."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except (AttributeError, RuntimeError, AssertionError):
+        return {}
+    spans = sorted((seg["address"], seg["address"] + seg["total_size"], seg["stream"]) for seg in segments)
+    starts = [start for start, _, _ in spans]
+    out = {}
+    for ptr in ptrs:
+        k = bisect.bisect_right(starts, ptr) - 1
+        if k >= 0 and ptr < spans[k][1]:
+            out[ptr] = spans[k][2]
+    return out
+
+
+def donations_safe_on_lanes(donatable: dict[int, list[int]], made_on: dict[int, int],
+                            lane_streams: dict[int, int], input_lanes: Sequence[frozenset[int]]
+                            ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Of the saved activations a backward may take over (data_ptr -> its input positions), those
+    safe to free under its side lanes (NOTE: Donation on side lanes), and per side lane the input
+    positions it frees at their last reader. `made_on`: data_ptr -> the stream that allocated it;
+    `lane_streams`: side lane -> its stream; `input_lanes`: per input, the lanes that read it."""
+    if not lane_streams:
+        return donatable, {}
+    lane_of = {stream: lane for lane, stream in lane_streams.items()}
+    safe: dict[int, list[int]] = {}
+    local: dict[int, list[int]] = {}
+    for ptr, idxs in donatable.items():
+        if ptr not in made_on:
+            continue
+        lane = lane_of.get(made_on[ptr])
+        if lane is None:
+            safe[ptr] = idxs
+        elif input_lanes and all(input_lanes[i] <= {lane} for i in idxs):
+            safe[ptr] = idxs
+            local.setdefault(lane, []).extend(idxs)
+    return safe, local
+
+
 class GraphFamily:
     """State shared by the CUDA graphs of one Dynamo graph (forward + backward)."""
 
@@ -218,6 +276,8 @@ class GraphFamily:
         self.input_owners: list[weakref.ref] = []  # the last forward replay's inputs that require grad
         self.owners: dict[int, torch.UntypedStorage] = {}  # data_ptr -> the forward's outputs' memory (NOTE: Donation)
         self.backward_donates = False  # the backward may reuse saved activations (set when it is compiled)
+        # side lane -> its stream, the same in every graph of the family (NOTE: Donation on side lanes)
+        self.side_streams: dict[int, torch.cuda.Stream] = {}
 
     def forward_outputs_alive(self) -> bool:
         return any(ref() is not None for ref in self.pending)
@@ -283,6 +343,8 @@ class CudaGraphRunner:
         self.max_memory_ratio = max_memory_ratio  # concurrency within this much of one stream's pool (`fastest`)
         self.donated_idxs = donated_idxs or set()  # a backward's inputs AOTAutograd lets it reuse (NOTE: Donation)
         self.donated_bytes = 0  # saved-activation memory the backward's capture took over
+        self.side_lane_donated_bytes = 0  # ... of which a side lane frees (NOTE: Donation on side lanes)
+        self.withheld_bytes = 0  # donatable, but not safe to free under this backward's lanes
         if kind == "backward" and self.donated_idxs:
             family.backward_donates = True  # compiled at the first backward, before the forward captures
         # without the CUDA graph, launching from Python is the bottleneck and extra streams only
@@ -323,6 +385,7 @@ class CudaGraphRunner:
                 "measuring_left_bytes": self.measuring_left_bytes, "captured_bytes": self.captured_bytes,
                 "candidate_pool_bytes": dict(self.candidate_pool_bytes), "family_pool_bytes": self.family_pool_bytes,
                 "peak_after_capture": self.peak_after_capture, "donated_bytes": self.donated_bytes,
+                "side_lane_donated_bytes": self.side_lane_donated_bytes, "withheld_bytes": self.withheld_bytes,
                 "ungraphed_calls": self.ungraphed_calls, "disabled": self.disabled,
                 "lent_moved": self.lent.moved if self.lent is not None else 0}
 
@@ -354,8 +417,16 @@ class CudaGraphRunner:
             self.family.pool = torch.cuda.graph_pool_handle()
         allocated_before = torch.cuda.memory_allocated()
         donated = set()  # data_ptrs of the saved activations whose memory the capture takes over
-        graph, outputs = self._capture_one(self.candidates[self.chosen], self.family.pool,
-                                           self._donating_inputs(donated))
+        fn = self.candidates[self.chosen]
+        inputs, local = self._donating_inputs(donated)
+        rt = getattr(fn, "lane_runtime", None)
+        if local:  # only weak references: the list stays the inputs' one holder
+            rt.free_at_last_reader({lane: [inputs[i] for i in idxs] for lane, idxs in local.items()})
+        try:
+            graph, outputs = self._capture_one(fn, self.family.pool, inputs)
+        finally:
+            if local:
+                rt.free_at_last_reader({})
         self.captured_bytes = torch.cuda.memory_allocated() - allocated_before
         self.peak_after_capture = torch.cuda.max_memory_allocated()  # since the caller's last reset
         self.family_pool_bytes = pool_bytes(self.family.pool)
@@ -425,18 +496,39 @@ class CudaGraphRunner:
     def _will_donate(self) -> bool:
         return bool(self._donatable())
 
-    def _donating_inputs(self, donated: set[int]) -> list:
+    def _donating_inputs(self, donated: set[int]) -> tuple[list, dict[int, list[int]]]:
         """The list the final capture runs on: the static inputs, except that a backward gets the
-        owners of the saved activations it may reuse (`_donatable`), which the family then lets go
-        of; their data_ptrs are added to `donated`."""
+        owners of the saved activations it may reuse (`_donatable`, as far as the chosen runtime's
+        side lanes allow: `_safe_on_lanes`), which the family then lets go of; their data_ptrs are
+        added to `donated`. Also returned: side lane -> the positions it frees at their last reader."""
         inputs = list(self.static_inputs)
-        for ptr, idxs in self._donatable().items():
+        donatable = self._donatable()
+        safe, local = self._safe_on_lanes(donatable)
+        freed_on_side_lanes = {i for idxs in local.values() for i in idxs}
+        for ptr, idxs in donatable.items():
+            if ptr not in safe:
+                self.withheld_bytes += self.family.owners[ptr].nbytes()
+                continue
             owner = self.family.owners.pop(ptr)
             for i in idxs:
                 inputs[i] = borrowed(self.static_inputs[i], owner)
             self.donated_bytes += owner.nbytes()
+            if freed_on_side_lanes.intersection(idxs):
+                self.side_lane_donated_bytes += owner.nbytes()
             donated.add(ptr)
-        return inputs
+        return inputs, local
+
+    def _safe_on_lanes(self, donatable: dict[int, list[int]]
+                       ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """`donations_safe_on_lanes` for the chosen runtime: its side lanes' streams, which inputs
+        each lane reads, and the stream that made each saved activation."""
+        fn = self.candidates.get(self.chosen)
+        rt = getattr(fn, "lane_runtime", None)
+        lane_streams = {lane: s.cuda_stream for lane, s in rt.streams.items()} if rt is not None else {}
+        if not lane_streams or not donatable:
+            return donatable, {}
+        return donations_safe_on_lanes(donatable, allocation_streams(donatable), lane_streams,
+                                       getattr(fn, "input_lanes", ()))
 
     def _capture_one(self, fn: Callable[[list], list], pool, inputs: list | None = None
                      ) -> tuple[torch.cuda.CUDAGraph, list]:
@@ -508,13 +600,13 @@ class CudaGraphRunner:
         """Why this graph replays one lane unmeasured under a memory budget, or None.
 
         The caching allocator hands a freed block only to a tensor allocated on the stream that
-        allocated it. The backward's capture reuses a saved activation's memory only when both
-        were made on the capture stream: one lane in the forward (a side lane's outputs live on its
-        own stream, which the backward never allocates on) and one lane in the backward (a side
-        lane cannot take what the main lane freed, and holds what it reads from the main lane to
-        the join). Measuring would also set the whole run's peak, each candidate's pool held
-        beside every saved activation. The forward learns of the donation from the family: its
-        backward is compiled at the first backward, before the forward's second call captures."""
+        allocated it. On one lane in both graphs the backward's capture reuses every saved
+        activation; with side lanes it reuses only those made and read by the same lane, and a
+        side lane cannot take what the main lane freed (NOTE: Donation on side lanes; that rule is
+        newer than this one, which was measured before it: RESULTS.md, session 7). Measuring would
+        also set the whole run's peak, each candidate's pool held beside every saved activation.
+        The forward learns of the donation from the family: its backward is compiled at the first
+        backward, before the forward's second call captures."""
         if self.max_memory_ratio is None or "one_lane" not in self.candidates:
             return None
         if self._will_donate():

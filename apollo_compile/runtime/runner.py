@@ -28,16 +28,18 @@ def build_runtime(
     compiler: str,
     device: torch.device,
     quotas: dict[str, dict[int, int]] | None = None,
+    side_streams: dict[int, torch.cuda.Stream] | None = None,
 ) -> dict[str, Callable[[list], list]]:
     """Boxed callables (take a list of inputs, clear it) that run the graph's plan: "lanes", and
     "one_lane" when the plan has side lanes, and one per SM-quota candidate in `quotas` (name ->
     lane -> SMs: the lane program with its side lanes on green-context streams). All call the same
-    compiled subgraphs."""
+    compiled subgraphs. `side_streams` (lane -> stream, filled as needed) is shared with the other
+    graphs of the family, so a lane runs on the same stream in the forward and the backward."""
     compiled = {}
     for sg in plan.subgraphs:
         sub = extract(gm, sg)
         compiled[f"subgraph_{sg.id}"] = compile_subgraph(sub, example_inputs(sg), compiler, kind)
-    runtimes = {"lanes": _load(source, compiled, name, device)}
+    runtimes = {"lanes": _load(source, compiled, name, device, shared_streams=side_streams)}
     if source.one_lane is not None:
         runtimes["one_lane"] = _load(source.one_lane, compiled, f"{name} (one lane)", device)
     for candidate, lane_sms in (quotas or {}).items():
@@ -50,10 +52,11 @@ def build_runtime(
 
 
 def _load(source: RuntimeSource, compiled: dict, name: str, device: torch.device,
-          quotas: dict[int, int] | None = None) -> Callable[[list], list]:
+          quotas: dict[int, int] | None = None,
+          shared_streams: dict[int, torch.cuda.Stream] | None = None) -> Callable[[list], list]:
     """exec the generated program in a namespace of compiled subgraphs and a lane runtime."""
     recorded = sorted({op.subgraph for op in source.ops if op.kind in ("wait", "join")})
-    namespace = dict(compiled, rt=LaneRuntime(source.side_lanes, recorded, device, quotas))
+    namespace = dict(compiled, rt=LaneRuntime(source.side_lanes, recorded, device, quotas, shared_streams))
     exec(compile(source.text, f"<apollo runtime {name}>", "exec"), namespace)
     program, rt = namespace["run"], namespace["rt"]
 
@@ -66,4 +69,5 @@ def _load(source: RuntimeSource, compiled: dict, name: str, device: torch.device
 
     run._boxed_call = True  # type: ignore[attr-defined]
     run.lane_runtime = rt  # type: ignore[attr-defined]
+    run.input_lanes = source.input_lanes  # type: ignore[attr-defined]
     return run

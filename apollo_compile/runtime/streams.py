@@ -5,11 +5,17 @@ whatever stream is current when the graph runs (the caller's, or the CUDA-graph 
 With SM quotas, a side lane's stream belongs to a green context limited to that many SMs (lane 0
 always runs on the whole device). On CPU every call is a no-op, so the same generated program
 runs its subgraphs in launch order.
+
+A forward and its backward get the same plain stream for each side lane (``shared_streams``, the
+family's): the caching allocator hands a freed block only to a tensor allocated on the stream that
+allocated it, so a saved activation a forward's side lane made can be reused by the backward's
+same lane, and only there (cudagraph.py, NOTE: Donation on side lanes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -28,20 +34,25 @@ def quota_stream(sms: int, device: torch.device):
 
 class LaneRuntime:
     def __init__(self, side_lanes: list[int], recorded: list[int], device: torch.device,
-                 quotas: dict[int, int] | None = None) -> None:
+                 quotas: dict[int, int] | None = None,
+                 shared_streams: dict[int, torch.cuda.Stream] | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.streams: dict[int, torch.cuda.Stream] = {}
         self.events: dict[int, torch.cuda.Event] = {}
         self.green_contexts: list = []
         self.held: list[tuple] = []  # values read across lanes, until the join (keep_alive)
+        self.made_here: dict[int, dict[int, weakref.ref]] = {}  # lane -> id -> input made on its stream
         if self.cuda:
+            shared = {} if shared_streams is None else shared_streams
             for lane in side_lanes:
                 sms = (quotas or {}).get(lane)
-                if sms:
+                if sms:  # a quota stream is this runtime's own: its context limits it
                     ctx, self.streams[lane] = quota_stream(sms, device)
                     self.green_contexts.append(ctx)
                 else:
-                    self.streams[lane] = torch.cuda.Stream(device=device)
+                    if lane not in shared:
+                        shared[lane] = torch.cuda.Stream(device=device)
+                    self.streams[lane] = shared[lane]
             self.events = {sg: torch.cuda.Event() for sg in recorded}
 
     def fork(self, lanes: list[int]) -> None:
@@ -63,14 +74,26 @@ class LaneRuntime:
             torch.cuda.current_stream().wait_event(self.events[subgraph])
 
     def keep_alive(self, lane: int, *values) -> None:
-        """Hold values that `lane` reads but another lane made until :meth:`release`.
+        """Hold values that `lane` reads but another lane made until :meth:`release` (graph inputs
+        count as the main lane's, except those :meth:`free_at_last_reader` names).
 
         Not ``record_stream``: under CUDA-graph capture the allocator defers a recorded block's
         free until capture ends and keeps its events, and each call costs host time per tensor
         (parameters included). Holding a reference until the main lane has joined every side
         lane is exact in both modes and costs one append."""
         if self.cuda:
+            if self.made_here:
+                made = self.made_here.get(lane, {})
+                values = tuple(v for v in values if (ref := made.get(id(v))) is None or ref() is not v)
             self.held.append(values)
+
+    def free_at_last_reader(self, made_here: dict[int, list[torch.Tensor]]) -> None:
+        """Side lane -> inputs its own stream made and only it reads (saved activations of the
+        forward's same lane, found by the backward's capture): :meth:`keep_alive` does not hold
+        them, so the lane frees each at its last reader and its stream reuses the block. An empty
+        dict ends it. Held weakly (an input held here would never be freed) and matched by
+        identity, so a later tensor at the same address or with the same id is never mistaken for one."""
+        self.made_here = {lane: {id(t): weakref.ref(t) for t in ts} for lane, ts in made_here.items()}
 
     def abandon(self) -> None:
         """A run raised midway (an OOM): join every side lane into the caller's stream and let go
