@@ -21,6 +21,9 @@
 #   run(command="bash benchmarks/h200_session.sh diag1152pools ...")                  # ... per pool, also with expandable segments
 #   run(command="bash benchmarks/h200_session.sh step128 ...")                        # issue 3 at batch 128
 #   run(command="bash benchmarks/h200_session.sh onelane64 ...")                      # budgets: one-lane forward vs measured lanes
+#   run(command="bash benchmarks/h200_session.sh lanes3 ...")                         # issue 3 at 128, 32, 8: lanes vs one lane
+#   run(command="bash benchmarks/h200_session.sh sidelanes ...")                      # side lanes' donation exact, then lanes3
+#   run(command="bash benchmarks/h200_session.sh hostsplit ...")                      # host time per half step, no profiler
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -104,7 +107,21 @@ case "${1:-}" in
                apollo-bf16-budget-0.5 apollo-bf16-budget-0.5-fw-measured apollo-bf16-budget-0.4 \
                apollo-bf16-budget-0.4-fw-measured --out "$OUT/fw1lane"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64" >&2
+  sidelanes)  # session 8, call 3: side lanes take over their own saved activations: exact in fp32 on the
+             # base model with lanes replayed, then the lanes3 table again
+             timeout 150 python benchmarks/smoke_gpu.py --config base --batch 8 --steps 3 --mode "plain, inductor"
+             timeout 420 python benchmarks/bench_step.py --batch 128 8 32 --variants inductor-ro apollo-1lane apollo \
+               --steps 30 --out "$OUT/sidelanes"
+             exit $? ;;
+  hostsplit)  # session 8, calls 5-7 (as a scratch script): the host time of each half of the batch-8 step
+             timeout 300 python benchmarks/host_split.py --batch 8
+             exit $? ;;
+  lanes3)    # session 8, call 1: the costliest tower on the main lane (aea8336): memory and speed against one lane
+             # and reduce-overhead at every batch of issue 3, batch 128 first (the 1.1x memory bound)
+             timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
+               --steps 30 --out "$OUT/lanes3"
+             exit $? ;;
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit" >&2
      exit 2 ;;
 esac
 status=$?

@@ -1,0 +1,156 @@
+"""How long the host holds each half of a training step, without a profiler in the way.
+
+profile_step.py's trace inflates host work (the profiler instruments every op, and CUPTI every
+kernel a CUDA graph launches: a ``cudaGraphLaunch`` read 1.3-5 ms there and 0.09 ms here). This
+times, per variant, at one batch size, the median over ``--steps`` steps of:
+
+- ``fw host`` / ``bw host``: wall time of the forward call and of ``loss.backward()`` (the host
+  returns before the GPU is done, unless something in the call waits for it);
+- ``latency``: the step from an idle GPU (CUDA events), as bench_step.py reports it;
+- ``fw idle`` / ``bw idle``: each half's GPU span (events) when the GPU is idle at its start,
+  and ``bw host idle``: the backward call's host time then. ``bw host idle`` close to ``bw idle``
+  means the host waited for the GPU inside the backward call;
+- for apollo variants, the host time of one ``CUDAGraph.replay()`` of each graph, replayed in
+  the order training uses (forward, then backward: the backward overwrites the saved activations
+  it took over, so a second backward replay in a row would read garbage).
+
+With ``--sync-debug``, one more step per variant runs under ``torch.cuda.set_sync_debug_mode``,
+and every CUDA call that makes the host wait for the GPU is printed with the Python stack that
+made it (the lead for "bw host idle" close to "bw idle").
+
+    PYTHONPATH=. python benchmarks/host_split.py --batch 8 --variants inductor-ro apollo-1lane apollo
+    PYTHONPATH=. python benchmarks/host_split.py --batch 8 --variants apollo --sync-debug
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_step  # noqa: E402
+import clip  # noqa: E402
+
+import apollo_compile  # noqa: E402
+
+COLUMNS = ("fw host", "bw host", "latency", "fw idle", "bw idle", "bw host idle")
+
+
+def split(f, model, batch, steps: int) -> dict[str, float]:
+    rows: dict[str, list[float]] = {k: [] for k in COLUMNS}
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        e0, e1, e2 = events
+        e0.record()
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = f(*batch)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        e2.record()
+        torch.cuda.synchronize()
+        rows["fw host"].append((t1 - t0) * 1e3)
+        rows["bw host"].append((t2 - t1) * 1e3)
+        rows["latency"].append(e0.elapsed_time(e2))
+        model.zero_grad(set_to_none=True)  # again, the GPU idle before each half
+        e0.record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = f(*batch)
+        e1.record()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        e1.record()
+        loss.backward()
+        t2 = time.perf_counter()
+        e2.record()
+        torch.cuda.synchronize()
+        rows["fw idle"].append(e0.elapsed_time(e1))
+        rows["bw idle"].append(e1.elapsed_time(e2))
+        rows["bw host idle"].append((t2 - t1) * 1e3)
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
+def report_syncs(f, model, batch) -> int:
+    """One step under sync debug mode: print each synchronizing call with its Python stack."""
+    seen = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):  # other warnings of the step are not the question
+            return
+        seen.append(message)
+        print(f"  sync: {message}\n" + "".join(traceback.format_stack(limit=14)[:-2]), flush=True)
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = f(*batch)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return len(seen)
+
+
+def replay_host_ms(replays: int = 20) -> str:
+    plan = apollo_compile.last_plan()
+    times: dict[str, list[float]] = {"forward": [], "backward": []}
+    for _ in range(replays):
+        for kind in times:  # forward then backward, as training replays them
+            graph = plan.graphs[kind].runner.graph
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            graph.replay()
+            times[kind].append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return ", ".join(f"{kind} {statistics.median(v):.3f}" for kind, v in times.items())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--variants", nargs="+", default=["inductor-ro", "apollo-1lane", "apollo"],
+                   choices=bench_step.VARIANTS)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--sync-debug", action="store_true", help="print what makes the host wait for the GPU")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_split.py needs CUDA")
+        return 2
+    lines = [f"| variant | {' | '.join(COLUMNS)} | replay() host ms |", "|---" * (len(COLUMNS) + 2) + "|"]
+    for name in args.variants:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = clip.build("base", device="cuda")
+        batch = clip.make_batch(args.batch, "cuda", "base", seed=1)
+        f = bench_step.compile_variant(name, model)
+        for _ in range(args.warmup):
+            bench_step.train_step(model, f, batch, torch.device("cuda"), True)
+        row = split(f, model, batch, args.steps)
+        if args.sync_debug:
+            print(f"{name}: {report_syncs(f, model, batch)} synchronizing call(s) in one step", flush=True)
+        replays = replay_host_ms() if name.startswith("apollo") else ""
+        lines.append(f"| {name} | " + " | ".join(f"{row[k]:.2f}" for k in COLUMNS) + f" | {replays} |")
+        print(lines[-1], flush=True)
+        del f, model
+    print(f"\nbatch {args.batch}, medians of {args.steps} steps, ms\n" + "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
