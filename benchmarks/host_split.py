@@ -8,15 +8,18 @@ times, per variant, at one batch size, the median over ``--steps`` steps of:
   returns before the GPU is done, unless something in the call waits for it);
 - ``latency``: the step from an idle GPU (CUDA events), as bench_step.py reports it;
 - ``fw idle`` / ``bw idle``: each half's GPU span (events) when the GPU is idle at its start,
-  and ``bw host idle``: the backward call's host time then. ``bw host idle`` close to ``bw idle``
-  means the host waited for the GPU inside the backward call;
-- for apollo variants, the host time of one ``CUDAGraph.replay()`` of each graph, replayed in
-  the order training uses (forward, then backward: the backward overwrites the saved activations
-  it took over, so a second backward replay in a row would read garbage).
+  and ``bw host idle``: the backward call's host time then. The end event is queued when the call
+  returns, so ``bw host idle`` close to ``bw idle`` means the host, not the GPU, set the span
+  (more host work, or a wait for the GPU inside the call);
+- for apollo variants, the runner's own account of each replayed call's host time and of its
+  launch alone (``summary()["replay_host_ms"]``, ``["launch_host_ms"]``), and the host time of
+  one ``CUDAGraph.replay()`` of each graph, replayed in the order training uses (forward, then
+  backward: the backward overwrites the saved activations it took over, so a second backward
+  replay in a row would read garbage).
 
 With ``--sync-debug``, one more step per variant runs under ``torch.cuda.set_sync_debug_mode``,
 and every CUDA call that makes the host wait for the GPU is printed with the Python stack that
-made it (the lead for "bw host idle" close to "bw idle").
+made it.
 
     PYTHONPATH=. python benchmarks/host_split.py --batch 8 --variants inductor-ro apollo-1lane apollo
     PYTHONPATH=. python benchmarks/host_split.py --batch 8 --variants apollo --sync-debug
@@ -144,6 +147,12 @@ def main(argv=None) -> int:
         row = split(f, model, batch, args.steps)
         if args.sync_debug:
             print(f"{name}: {report_syncs(f, model, batch)} synchronizing call(s) in one step", flush=True)
+        if name.startswith("apollo"):  # the runner's own account: host ms per replayed call, launch alone
+            plan = apollo_compile.last_plan()
+            for kind in ("forward", "backward"):
+                summary = plan.graphs[kind].runner.summary()
+                print(f"  {name} {kind}: replayed call {summary['replay_host_ms']} ms on the host, "
+                      f"its launch {summary['launch_host_ms']} ms", flush=True)
         replays = replay_host_ms() if name.startswith("apollo") else ""
         lines.append(f"| {name} | " + " | ".join(f"{row[k]:.2f}" for k in COLUMNS) + f" | {replays} |")
         print(lines[-1], flush=True)

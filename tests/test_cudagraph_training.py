@@ -75,6 +75,9 @@ def test_training_through_the_runner_equals_eager(runners, compiler):
     assert forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
     assert forward.fixed_ptrs and backward.fixed_ptrs  # parameters / saved activations used in place
     assert backward.summary()["lent_moved"] == 0  # set_to_none: nothing held a gradient at a replay
+    for runner in runners:  # each replayed call's host time, of which the launch is a part
+        summary = runner.summary()
+        assert 0 < summary["launch_host_ms"] <= summary["replay_host_ms"]
     for loss, ref_loss in losses:  # kept losses were never rewritten by later replays
         torch.testing.assert_close(loss, ref_loss, **TOLERANCE[compiler])
 

@@ -92,6 +92,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 import warnings
 import weakref
 from typing import Callable, Sequence
@@ -367,6 +368,10 @@ class CudaGraphRunner:
         self._warned: set[str] = set()
         self._boxed_call = True
         self.replays = 0
+        # host time of the replayed calls (checks, input copies, launch, handing out outputs) and of
+        # their launches alone: where a small step's time goes (benchmarks/host_split.py)
+        self.replay_host_s = 0.0
+        self.launch_host_s = 0.0
 
     # -- helpers -------------------------------------------------------------------------
     def _warn_once(self, key: str, why: str) -> None:
@@ -382,6 +387,8 @@ class CudaGraphRunner:
 
     def summary(self) -> dict:
         return {"replays": self.replays, "chosen": self.chosen, "measured_ms": dict(self.measured_ms),
+                "replay_host_ms": round(1e3 * self.replay_host_s / self.replays, 4) if self.replays else None,
+                "launch_host_ms": round(1e3 * self.launch_host_s / self.replays, 4) if self.replays else None,
                 "measuring_left_bytes": self.measuring_left_bytes, "captured_bytes": self.captured_bytes,
                 "candidate_pool_bytes": dict(self.candidate_pool_bytes), "family_pool_bytes": self.family_pool_bytes,
                 "peak_after_capture": self.peak_after_capture, "donated_bytes": self.donated_bytes,
@@ -629,7 +636,9 @@ class CudaGraphRunner:
             self.static_inputs[i].copy_(args[i])
         if self.kind == "forward":  # a user input's .grad is the backward's memory too (saliency, say)
             self.family.input_owners = [weakref.ref(args[i]) for i in self.copy_idxs if args[i].requires_grad]
+        launch = time.perf_counter()
         self.graph.replay()
+        self.launch_host_s += time.perf_counter() - launch
         self.replays += 1
         outs = list(self.static_outputs)
         for j, i in self.output_is_input.items():
@@ -650,6 +659,7 @@ class CudaGraphRunner:
         return outs
 
     def __call__(self, args: list) -> list:
+        start = time.perf_counter()
         self.calls += 1
         if self.disabled is not None or self.calls == 1:
             return self._eager(args)
@@ -678,4 +688,6 @@ class CudaGraphRunner:
             self._warn_once("lent", "a gradient the previous backward handed out in the graph's memory is "
                                     "still referenced through a view or another tensor")
             return self._eager(args)
-        return self._replay(args)
+        outs = self._replay(args)
+        self.replay_host_s += time.perf_counter() - start
+        return outs
