@@ -21,10 +21,12 @@ Variants, run side by side in ONE process (absolute times drift between runs; DE
     apollo-bf16-budget-0.1   ... 0.1 and 0.05: below what the base model's partition can reach
     apollo-bf16-budget-0.05      (about 0.11 of the plain partition's predicted peak): the lowest
                                  predicted peak, for the largest batch within a memory limit
-    apollo-bf16-budget-<f>[-bytes-per-us][-fw-measured]   any other fraction f in (0, 1], named on the
-                             command line; -fw-measured: the forward's lane candidates measured and
-                             free to win even though its backward reuses the saved activations'
-                             memory (the rule before session 7: CudaGraphRunner._memory_first_one_lane)
+    apollo-bf16-budget-<f>[-bytes-per-us][-fw-measured|-lanes-measured]   any other fraction f in
+                             (0, 1], named on the command line; -fw-measured: the forward's lane
+                             candidates measured and free to win even though its backward reuses the
+                             saved activations' memory (the rule before session 7:
+                             CudaGraphRunner._memory_first_one_lane); -lanes-measured: both graphs'
+                             (no memory-first rule; the 1.1x pool bound of `fastest` still applies)
 
 Method (shared with bench_step.py, whose helpers this script imports): for each batch size, every
 variant gets a deep copy of one fp32 model built on the CPU from a fixed seed, moved to the device;
@@ -133,6 +135,7 @@ class Variant:
     tf32: bool = True  # False: TF32 off for matmuls and convolutions (true fp32)
     memory_bound_first: bool = True  # apollo's checkpoint order (checkpoint.MEMORY_BOUND_FIRST)
     forward_measured: bool = False  # the forward may replay lanes beside a donating backward (-fw-measured)
+    lanes_measured: bool = False  # both graphs may replay lanes under the budget (-lanes-measured)
 
     @property
     def compiled(self) -> bool:
@@ -158,6 +161,8 @@ class Variant:
             parts.append("recompute order: bytes freed per microsecond alone (matmuls not last)")
         if self.forward_measured:
             parts.append("forward's lane candidates measured beside a donating backward")
+        if self.lanes_measured:
+            parts.append("both graphs' lane candidates measured under the budget")
         return ", ".join(parts)
 
     @contextlib.contextmanager
@@ -181,6 +186,11 @@ class Variant:
                 stack.enter_context(unittest.mock.patch.object(
                     CudaGraphRunner, "_memory_first_one_lane",
                     lambda runner: None if runner.kind == "forward" else rule(runner)))
+            if self.lanes_measured:
+                from apollo_compile.runtime.cudagraph import CudaGraphRunner
+
+                stack.enter_context(unittest.mock.patch.object(
+                    CudaGraphRunner, "_memory_first_one_lane", lambda runner: None))
             yield
 
     def prepare(self, model: nn.Module) -> Callable[..., torch.Tensor]:
@@ -222,24 +232,27 @@ VARIANTS: dict[str, Variant] = {
                 options={"precision": "bf16", "memory_budget": 0.05}),
     )
 }
-_BUDGET_VARIANT = re.compile(r"apollo-bf16-budget-((?:0\.\d+)|1(?:\.0)?)(-bytes-per-us)?(-fw-measured)?")
+_BUDGET_VARIANT = re.compile(r"apollo-bf16-budget-((?:0\.\d+)|1(?:\.0)?)(-bytes-per-us)?(-fw-measured|-lanes-measured)?")
 
 
 def variant_name(name: str) -> str:
-    """argparse type: a listed variant, or any ``apollo-bf16-budget-<fraction>[-bytes-per-us][-fw-measured]``
+    """argparse type: a listed variant, or any
+    ``apollo-bf16-budget-<fraction>[-bytes-per-us][-fw-measured|-lanes-measured]``
     (added to VARIANTS, after the listed apollo budgets)."""
     if name in VARIANTS:
         return name
     m = _BUDGET_VARIANT.fullmatch(name)
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)} "
-                                         "or apollo-bf16-budget-<fraction in (0, 1]>[-bytes-per-us][-fw-measured]")
+                                         "or apollo-bf16-budget-<fraction in (0, 1]>[-bytes-per-us]"
+                                         "[-fw-measured|-lanes-measured]")
     budget = float(m.group(1))
     if budget <= 0:
         raise argparse.ArgumentTypeError(f"{name!r}: the budget must be in (0, 1]")
     VARIANTS[name] = Variant(name, autocast=False, compiler="apollo",
                              options={"precision": "bf16", "memory_budget": budget},
-                             memory_bound_first=m.group(2) is None, forward_measured=m.group(3) is not None)
+                             memory_bound_first=m.group(2) is None, forward_measured=m.group(3) == "-fw-measured",
+                             lanes_measured=m.group(3) == "-lanes-measured")
     return name
 
 

@@ -24,6 +24,7 @@
 #   run(command="bash benchmarks/h200_session.sh lanes3 ...")                         # issue 3 at 128, 32, 8: lanes vs one lane
 #   run(command="bash benchmarks/h200_session.sh sidelanes ...")                      # side lanes' donation exact, then lanes3
 #   run(command="bash benchmarks/h200_session.sh hostsplit ...")                      # host time per half step, no profiler
+#   run(command="bash benchmarks/h200_session.sh next9 ...")                          # session 9's first call
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -113,6 +114,12 @@ case "${1:-}" in
              timeout 420 python benchmarks/bench_step.py --batch 128 8 32 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/sidelanes"
              exit $? ;;
+  next9)     # for session 9: what holds the host in the two-lane backward (runner's own account, synchronizing
+             # calls), then whether a budget still needs one lane now that side lanes reuse their own activations
+             timeout 150 python benchmarks/host_split.py --batch 8 --variants apollo-1lane apollo --sync-debug
+             timeout 380 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
+               apollo-bf16 apollo-bf16-budget-0.5 apollo-bf16-budget-0.5-lanes-measured --out "$OUT/mem64lanes"
+             exit $? ;;
   hostsplit)  # session 8, calls 5-7 (as a scratch script): the host time of each half of the batch-8 step
              timeout 300 python benchmarks/host_split.py --batch 8
              exit $? ;;
@@ -121,7 +128,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9" >&2
      exit 2 ;;
 esac
 status=$?

@@ -64,6 +64,14 @@ def test_budget_variants_by_name():
     with measured.context():  # the rule before session 7: the forward measures its candidates
         assert forward._memory_first_one_lane() is None
     assert forward._memory_first_one_lane() is not None
+    both = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.5-lanes-measured")]
+    assert both.lanes_measured and not both.forward_measured and not measured.lanes_measured
+    backward = CudaGraphRunner({"lanes": None, "one_lane": None}, "g_backward", "backward", family, set(), None,
+                               max_memory_ratio=1.1)
+    backward._will_donate = lambda: True
+    assert backward._memory_first_one_lane() is not None
+    with both.context():  # no memory-first rule in either graph
+        assert forward._memory_first_one_lane() is None and backward._memory_first_one_lane() is None
     for bad in ("apollo-bf16-budget-0", "apollo-bf16-budget-1.5", "eager-fp16"):
         with pytest.raises(Exception, match="unknown variant|must be in"):
             bench_memory.variant_name(bad)
