@@ -2,17 +2,17 @@
 
 The tiny CLIP of clip.py (``--config`` for another) with apollo's eager subgraph compiler (ATen
 ops, no Inductor compile, so it takes seconds), a memory budget (recomputation in the backward),
-and five training loops: plain steps, two micro-batches per step with
+and six training loops: plain steps, two micro-batches per step with
 ``zero_grad(set_to_none=True)``, and the same with ``set_to_none=False``; then plain steps without
 a budget (the backward's lanes are measured and may be replayed) and with Inductor's subgraphs
 (which free each input at its last use, so the backward's capture really places its temporaries
 over the donated saved activations), with a budget and without one (lanes measured: a side lane
-may take over the saved activations the forward's same lane made). Every step's loss and every gradient is compared with eager
-PyTorch on the same weights (TF32 off, so both are true fp32), and each runner's summary is
-printed: replays, the runtime it chose, calls that ran without the graph (0 expected), gradients
-it moved out of the graph's memory because they were still held (the lent-gradient path; > 0 only
-with accumulation and set_to_none=True), and the saved-activation memory the backward took over
-(cudagraph.py, NOTE: Donation).
+may take over the saved activations the forward's same lane made). Every step's loss and every
+gradient is compared with eager PyTorch on the same weights (TF32 off, so both are true fp32), and
+each runner's summary is printed: replays, the runtime it chose, calls that ran without the graph
+(0 expected), gradients it moved out of the graph's memory because they were still held (the
+lent-gradient path; > 0 only with accumulation and set_to_none=True), and the saved-activation
+memory the backward took over (cudagraph.py, NOTE: Donation).
 
     PYTHONPATH=. python benchmarks/smoke_gpu.py            # exit status 1 if anything disagrees
     PYTHONPATH=. python benchmarks/smoke_gpu.py --cpu      # the same loops on the CPU (no CUDA graphs)

@@ -92,7 +92,7 @@ class LaneRuntime:
         forward's same lane, found by the backward's capture): :meth:`keep_alive` does not hold
         them, so the lane frees each at its last reader and its stream reuses the block. An empty
         dict ends it. Held weakly (an input held here would never be freed) and matched by
-        identity, so a later tensor at the same address or with the same id is never mistaken for one."""
+        identity, so a later tensor at the same address or with the same id is never taken for one."""
         self.made_here = {lane: {id(t): weakref.ref(t) for t in ts} for lane, ts in made_here.items()}
 
     def abandon(self) -> None:
