@@ -16,9 +16,11 @@ graph is captured on one capture stream. With every tower on a side stream, the 
 could reuse nothing of the saved activations the forward's towers had made (H200, CLIP at batch
 128: the two-lane graphs' pool 13.1 GB against one lane's 11.6 GB; RESULTS.md, session 7). With the
 costliest tower on the capture stream in both graphs, the backward reuses that tower's, the larger
-part (not yet measured on a GPU). The SM-quota candidates then limit the other lanes only (lane 0
-runs on the whole device). Each graph picks its costliest lane by its own estimates; should the
-forward and the backward pick different towers, less is reused, nothing is wrong.
+part (batch 128: 12.2 GB against one lane's 11.6; RESULTS.md, session 8; the other towers' own
+lanes reuse theirs too: cudagraph.py, NOTE: Donation on side lanes). The SM-quota candidates then
+limit the other lanes only (lane 0 runs on the whole device). Each graph picks its costliest lane
+by its own estimates; should the forward and the backward pick different towers, less is reused,
+nothing is wrong.
 
 [NOTE] Segmentation keeps the subgraph DAG acyclic::
 
