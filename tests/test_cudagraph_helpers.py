@@ -264,8 +264,7 @@ def test_a_backward_capture_takes_over_the_memory_of_donated_saved_activations()
     weak = StorageWeakRef(owners[donated_ptr])
     runner = _borrowing_backward(owners, static_inputs, donated_idxs={0, 2})
     assert runner._will_donate()
-    donated = set()
-    inputs, freed_on_side_lanes = runner._donating_inputs(donated)
+    inputs, donated, freed_on_side_lanes = runner._donating_inputs()
     assert donated == {donated_ptr} and set(runner.family.owners) == kept and runner.donated_bytes == 8 * 4
     assert freed_on_side_lanes == {}  # no side lanes on the CPU
     assert inputs[0].data_ptr() == static_inputs[0].data_ptr() and inputs[0] is not static_inputs[0]
@@ -361,8 +360,7 @@ def test_the_chosen_runtimes_side_lanes_decide_what_the_backward_takes_over(monk
     lanes.input_lanes = (frozenset({1}), frozenset({0, 1}))
     runner.candidates, runner.chosen = {"lanes": lanes, "one_lane": None}, "lanes"
     monkeypatch.setattr(cudagraph, "allocation_streams", lambda ptrs: {mine: 11, theirs: 11})
-    donated = set()
-    inputs, local = runner._donating_inputs(donated)
+    inputs, donated, local = runner._donating_inputs()
     assert donated == {mine} and local == {1: [0]} and set(runner.family.owners) == {theirs}
     assert runner.donated_bytes == runner.side_lane_donated_bytes == 8 * 4 and runner.withheld_bytes == 4 * 4
     assert inputs[1] is full[1]

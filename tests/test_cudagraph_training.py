@@ -95,11 +95,11 @@ def test_the_backward_takes_over_the_saved_activations_aotautograd_donates(runne
     pool: list[torch.UntypedStorage] = []
     take_over = cudagraph.CudaGraphRunner._donating_inputs
 
-    def donating_inputs(self, donated):
+    def donating_inputs(self):
         owners = dict(self.family.owners)
-        inputs = take_over(self, donated)
-        pool.extend(owners[ptr] for ptr in donated)
-        return inputs
+        taken = take_over(self)
+        pool.extend(owners[ptr] for ptr in taken[1])  # (inputs, donated data_ptrs, side lanes' inputs)
+        return taken
 
     monkeypatch.setattr(cudagraph.CudaGraphRunner, "_donating_inputs", donating_inputs)
     model, ref, compiled = twins("eager")

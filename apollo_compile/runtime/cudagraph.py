@@ -423,9 +423,9 @@ class CudaGraphRunner:
         if self.family.pool is None:
             self.family.pool = torch.cuda.graph_pool_handle()
         allocated_before = torch.cuda.memory_allocated()
-        donated = set()  # data_ptrs of the saved activations whose memory the capture takes over
         fn = self.candidates[self.chosen]
-        inputs, local = self._donating_inputs(donated)
+        # donated: data_ptrs of the saved activations whose memory the capture takes over
+        inputs, donated, local = self._donating_inputs()
         rt = getattr(fn, "lane_runtime", None)
         if local:  # only weak references: the list stays the inputs' one holder
             rt.free_at_last_reader({lane: [inputs[i] for i in idxs] for lane, idxs in local.items()})
@@ -503,12 +503,13 @@ class CudaGraphRunner:
     def _will_donate(self) -> bool:
         return bool(self._donatable())
 
-    def _donating_inputs(self, donated: set[int]) -> tuple[list, dict[int, list[int]]]:
+    def _donating_inputs(self) -> tuple[list, set[int], dict[int, list[int]]]:
         """The list the final capture runs on: the static inputs, except that a backward gets the
         owners of the saved activations it may reuse (`_donatable`, as far as the chosen runtime's
-        side lanes allow: `_safe_on_lanes`), which the family then lets go of; their data_ptrs are
-        added to `donated`. Also returned: side lane -> the positions it frees at their last reader."""
+        side lanes allow: `_safe_on_lanes`), which the family then lets go of. Also returned: their
+        data_ptrs, and side lane -> the positions it frees at their last reader."""
         inputs = list(self.static_inputs)
+        donated: set[int] = set()
         donatable = self._donatable()
         safe, local = self._safe_on_lanes(donatable)
         freed_on_side_lanes = {i for idxs in local.values() for i in idxs}
@@ -523,7 +524,7 @@ class CudaGraphRunner:
             if freed_on_side_lanes.intersection(idxs):
                 self.side_lane_donated_bytes += owner.nbytes()
             donated.add(ptr)
-        return inputs, local
+        return inputs, donated, local
 
     def _safe_on_lanes(self, donatable: dict[int, list[int]]
                        ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
