@@ -179,18 +179,14 @@ class Variant:
                 from apollo_compile.passes import checkpoint
 
                 stack.enter_context(unittest.mock.patch.object(checkpoint, "MEMORY_BOUND_FIRST", False))
-            if self.forward_measured:
+            if self.forward_measured or self.lanes_measured:  # the memory-first rule off for these graphs
                 from apollo_compile.runtime.cudagraph import CudaGraphRunner
 
                 rule = CudaGraphRunner._memory_first_one_lane
+                measured = ("forward",) if self.forward_measured else ("forward", "backward", "inference")
                 stack.enter_context(unittest.mock.patch.object(
                     CudaGraphRunner, "_memory_first_one_lane",
-                    lambda runner: None if runner.kind == "forward" else rule(runner)))
-            if self.lanes_measured:
-                from apollo_compile.runtime.cudagraph import CudaGraphRunner
-
-                stack.enter_context(unittest.mock.patch.object(
-                    CudaGraphRunner, "_memory_first_one_lane", lambda runner: None))
+                    lambda runner: None if runner.kind in measured else rule(runner)))
             yield
 
     def prepare(self, model: nn.Module) -> Callable[..., torch.Tensor]:
