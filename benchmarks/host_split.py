@@ -46,17 +46,21 @@ import apollo_compile  # noqa: E402
 COLUMNS = ("fw host", "bw host", "latency", "fw idle", "bw idle", "bw host idle")
 
 
+def forward(f, model, batch) -> torch.Tensor:
+    """The step's first half, as bench_step.train_step runs it: zero_grad, forward under bf16 autocast."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return f(*batch)
+
+
 def split(f, model, batch, steps: int) -> dict[str, float]:
     rows: dict[str, list[float]] = {k: [] for k in COLUMNS}
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     for _ in range(steps):
         torch.cuda.synchronize()
-        e0, e1, e2 = events
         e0.record()
         t0 = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = f(*batch)
+        loss = forward(f, model, batch)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -65,19 +69,17 @@ def split(f, model, batch, steps: int) -> dict[str, float]:
         rows["fw host"].append((t1 - t0) * 1e3)
         rows["bw host"].append((t2 - t1) * 1e3)
         rows["latency"].append(e0.elapsed_time(e2))
-        model.zero_grad(set_to_none=True)  # again, the GPU idle before each half
-        e0.record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = f(*batch)
+        e0.record()  # again, the GPU idle before each half
+        loss = forward(f, model, batch)
         e1.record()
         torch.cuda.synchronize()
-        t1 = time.perf_counter()
+        rows["fw idle"].append(e0.elapsed_time(e1))
         e1.record()
+        t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
         e2.record()
         torch.cuda.synchronize()
-        rows["fw idle"].append(e0.elapsed_time(e1))
         rows["bw idle"].append(e1.elapsed_time(e2))
         rows["bw host idle"].append((t2 - t1) * 1e3)
     return {k: statistics.median(v) for k, v in rows.items()}
@@ -99,10 +101,7 @@ def report_syncs(f, model, batch) -> int:
         warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            model.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = f(*batch)
-            loss.backward()
+            bench_step.train_step(model, f, batch, torch.device("cuda"), True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
