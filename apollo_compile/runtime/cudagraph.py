@@ -680,6 +680,7 @@ class CudaGraphRunner:
                 self._warn_once("capture", f"CUDA-graph capture failed ({self.disabled})")
                 torch.cuda.synchronize()
                 return self._eager(args)
+            start = time.perf_counter()  # capturing and measuring took seconds: not a replay's host time
         if not self._inputs_in_place(args):
             self._warn_once("moved", "an input captured in place (a parameter or a saved activation) "
                                      "now lives at another address")
