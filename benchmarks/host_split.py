@@ -11,7 +11,9 @@ times, per variant, at one batch size, the median over ``--steps`` steps of:
   and ``bw host idle``: the backward call's host time then. The end event is queued when the call
   returns, so ``bw host idle`` close to ``bw idle`` means the host, not the GPU, set the span
   (more host work, or a wait for the GPU inside the call);
-- for apollo variants, the runner's own account of each replayed call's host time and of its
+- for apollo variants, where the host time goes around each launch (``prelaunch``: zero_grad,
+  the framework before apollo's runner, apollo's checks before the launch, the rest), and the
+  runner's own account of each replayed call's host time and of its
   launch alone (``summary()["replay_host_ms"]``, ``["launch_host_ms"]``), and the host time of
   one ``CUDAGraph.replay()`` of each graph, replayed in the order training uses (forward, then
   backward: the backward overwrites the saved activations it took over, so a second backward
@@ -85,6 +87,55 @@ def split(f, model, batch, steps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
+STAMPS = ("zero_grad", "fw to runner", "fw to launch", "fw after launch", "bw to runner", "bw to launch",
+          "bw after launch")
+
+
+def prelaunch(model, f, batch, steps: int) -> dict[str, float]:
+    """Medians over `steps` of where an apollo step's host time goes around each graph launch:
+    ``zero_grad``; from the call (forward, ``loss.backward()``) to apollo's runner (Dynamo,
+    AOTAutograd, autograd: the framework) and from there to the launch (apollo's checks and input
+    copies); the rest of the call. With the GPU idle at the step's start, everything before the
+    forward's launch is exposed in the step's latency."""
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner
+
+    plan = apollo_compile.last_plan()
+    at: dict[str, float] = {}
+    runner_call = CudaGraphRunner.__call__
+
+    def call(self, args):
+        at[f"{self.kind} entry"] = time.perf_counter()
+        return runner_call(self, args)
+
+    for kind in ("forward", "backward"):
+        graph = plan.graphs[kind].runner.graph
+        graph.replay = (lambda g, k: lambda: (at.__setitem__(f"{k} launch", time.perf_counter()), g())[1])(
+            graph.replay, kind)
+    rows: dict[str, list[float]] = {k: [] for k in STAMPS}
+    CudaGraphRunner.__call__ = call
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            t1 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = f(*batch)
+            t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
+            for name, value in zip(STAMPS, (t1 - t0, at["forward entry"] - t1, at["forward launch"] - at["forward entry"],
+                                            t2 - at["forward launch"], at["backward entry"] - t2,
+                                            at["backward launch"] - at["backward entry"], t3 - at["backward launch"])):
+                rows[name].append(value * 1e3)
+    finally:
+        CudaGraphRunner.__call__ = runner_call
+        for kind in ("forward", "backward"):
+            del plan.graphs[kind].runner.graph.replay
+    torch.cuda.synchronize()
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
 def report_syncs(f, model, batch) -> int:
     """One step under sync debug mode: print each synchronizing call with its Python stack."""
     seen = []
@@ -135,6 +186,7 @@ def main(argv=None) -> int:
         print("host_split.py needs CUDA")
         return 2
     lines = [f"| variant | {' | '.join(COLUMNS)} | replay() host ms |", "|---" * (len(COLUMNS) + 2) + "|"]
+    around = [f"| variant | {' | '.join(STAMPS)} |", "|---" * (len(STAMPS) + 1) + "|"]
     for name in args.variants:
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -153,10 +205,16 @@ def main(argv=None) -> int:
                 print(f"  {name} {kind}: replayed call {summary['replay_host_ms']} ms on the host, "
                       f"its launch {summary['launch_host_ms']} ms", flush=True)
         replays = replay_host_ms() if name.startswith("apollo") else ""
+        if name.startswith("apollo"):
+            host = prelaunch(model, f, batch, args.steps)
+            around.append(f"| {name} | " + " | ".join(f"{host[k]:.3f}" for k in STAMPS) + " |")
+            print(around[-1], flush=True)
         lines.append(f"| {name} | " + " | ".join(f"{row[k]:.2f}" for k in COLUMNS) + f" | {replays} |")
         print(lines[-1], flush=True)
         del f, model
     print(f"\nbatch {args.batch}, medians of {args.steps} steps, ms\n" + "\n".join(lines))
+    if len(around) > 2:
+        print("\nhost ms around each launch (prelaunch())\n" + "\n".join(around))
     return 0
 
 

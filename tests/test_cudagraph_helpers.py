@@ -497,3 +497,36 @@ def test_pool_bytes_without_cuda_is_none():
     from apollo_compile.runtime.cudagraph import pool_bytes
 
     assert pool_bytes((0, 1)) is None
+
+
+def _reference_ptrs_equal(tensors, ptrs, indices):
+    """torch._C._tensors_data_ptrs_at_indices_equal as documented (CUDA builds have it in C++)."""
+    for i in indices:
+        if not isinstance(tensors[i], torch.Tensor):
+            raise TypeError("not a tensor")
+        if tensors[i].data_ptr() != ptrs[i]:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("check", ["python", "reference", "torch"])
+def test_inputs_in_place_checks_only_the_fixed_positions(monkeypatch, check):
+    """The pre-launch check of inputs captured in place: what moved, what did not, what is no
+    longer a tensor; the other inputs (copied in) may live anywhere."""
+    from apollo_compile.runtime import cudagraph
+
+    if check == "torch" and cudagraph._data_ptrs_equal is None:
+        pytest.skip("this torch build has no _tensors_data_ptrs_at_indices_equal (CUDA builds do)")
+    if check != "torch":
+        monkeypatch.setattr(cudagraph, "_data_ptrs_equal", None if check == "python" else _reference_ptrs_equal)
+    runner = CudaGraphRunner({"lanes": lambda args: args}, "g", "forward", GraphFamily(), set(), None)
+    a, b, c = torch.zeros(2), torch.ones(3), torch.arange(4.0)
+    runner.fixed_ptrs = {1: a.data_ptr(), 3: b.data_ptr()}
+    assert runner._inputs_in_place([c.clone(), a, 7, b])
+    assert runner._inputs_in_place([c, a, c, b, c])  # the copied-in positions may be anything
+    assert not runner._inputs_in_place([c, a, 7, a.clone()])
+    assert not runner._inputs_in_place([c, 5, 7, b])
+    runner.fixed_ptrs = {0: c.data_ptr()}  # a new capture lays the check out again
+    assert runner._inputs_in_place([c]) and not runner._inputs_in_place([a])
+    runner.fixed_ptrs = {}
+    assert runner._inputs_in_place([a, b])
