@@ -118,6 +118,13 @@ case "${1:-}" in
              timeout 250 python benchmarks/host_split.py --batch 8 --variants inductor-ro apollo-1lane apollo
              timeout 200 python benchmarks/host_split.py --batch 32 --variants apollo-1lane apollo
              exit $? ;;
+  final9)    # session 9's closing table: issue 3's benchmark at 8 and 32 on the tree with the C++ pointer check,
+             # after that check's own test on a CUDA build
+             timeout 60 python -m pytest -q -p no:cacheprovider tests/test_cudagraph_helpers.py -k inputs_in_place \
+               2>&1 | tail -3 | tee "$OUT/pytest.txt"
+             timeout 420 python benchmarks/bench_step.py --batch 8 32 --variants inductor-ro apollo-1lane apollo \
+               --steps 30 --out "$OUT/final9"
+             exit $? ;;
   next9)     # for session 9: what holds the host in the two-lane backward (runner's own account, synchronizing
              # calls), then whether a budget still needs one lane now that side lanes reuse their own activations
              timeout 150 python benchmarks/host_split.py --batch 8 --variants apollo-1lane apollo --sync-debug
@@ -132,7 +139,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9" >&2
      exit 2 ;;
 esac
 status=$?
