@@ -125,6 +125,9 @@ case "${1:-}" in
              timeout 420 python benchmarks/bench_step.py --batch 8 32 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/final9"
              exit $? ;;
+  host9b)    # session 9, last call: the host breakdown again with the C++ pointer check (7173680), apollo at batch 8
+             timeout 200 python benchmarks/host_split.py --batch 8 --variants apollo --steps 50
+             exit $? ;;
   next9)     # for session 9: what holds the host in the two-lane backward (runner's own account, synchronizing
              # calls), then whether a budget still needs one lane now that side lanes reuse their own activations
              timeout 150 python benchmarks/host_split.py --batch 8 --variants apollo-1lane apollo --sync-debug
@@ -139,7 +142,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b" >&2
      exit 2 ;;
 esac
 status=$?
