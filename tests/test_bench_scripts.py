@@ -165,3 +165,22 @@ def test_a_probe_that_ran_without_its_cuda_graphs_is_no_pass(monkeypatch):
     assert bench_memory.ungraphed_runners() == ["frame0_0 backward: OutOfMemoryError: CUDA out of memory"]
     Plan.graphs = {"forward": Graph(None), "backward": Graph({"disabled": None, "ungraphed_calls": 0})}
     assert bench_memory.ungraphed_runners() == []
+
+
+def test_the_step_table_reports_back_to_back_steps_beside_the_idle_gpu_latency():
+    """bench_step's back-to-back column: every queued step runs, and the table's rows (a failed
+    one too) keep one cell per header."""
+    import torch
+
+    calls = []
+    ms = bench_step.time_back_to_back(lambda: calls.append(1), 4, torch.device("cpu"))
+    assert len(calls) == 4 and ms >= 0
+    numerics = {"loss_abs_diff": 0.0, "grad_rel_err_max": 0.0, "pass": True, "params_within_bf16_noise": 0}
+    ok = {"variant": "inductor-ro", "status": "ok", "median_ms": 8.0, "p10_ms": 7.0, "p90_ms": 9.0,
+          "back_to_back_ms": 6.0, "compile_s": 1.0, "numerics": numerics}
+    fast = dict(ok, variant="apollo", median_ms=6.0, back_to_back_ms=5.0)
+    failed = {"variant": "apollo-1lane", "status": "OOM", "error": "CUDA out of memory"}
+    table = bench_step.markdown_table([{"batch": 8, "variants": [ok, fast, failed]}]).splitlines()
+    width = table[0].count("|")
+    assert all(line.count("|") == width for line in table)
+    assert "| 8 | apollo | 6.00 | 7.00 | 9.00 | 1.33x | 5.00 | 1.20x |" in table[3]
