@@ -25,6 +25,10 @@
 #   run(command="bash benchmarks/h200_session.sh sidelanes ...")                      # side lanes' donation exact, then lanes3
 #   run(command="bash benchmarks/h200_session.sh hostsplit ...")                      # host time per half step, no profiler
 #   run(command="bash benchmarks/h200_session.sh next9 ...")                          # session 9's first call
+#   run(command="bash benchmarks/h200_session.sh host9 ...")                          # host ms around each launch, 8 and 32
+#   run(command="bash benchmarks/h200_session.sh final9 ...")                         # session 9's closing table
+#   run(command="bash benchmarks/h200_session.sh host9b ...")                         # host9 at 8 with the C++ check
+#   run(command="bash benchmarks/h200_session.sh next10 ...")                         # session 10's first call
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -125,6 +129,11 @@ case "${1:-}" in
              timeout 420 python benchmarks/bench_step.py --batch 8 32 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/final9"
              exit $? ;;
+  next10)    # for session 10: issue 3's table with bench_step's back-to-back column (does apollo's gain hold once
+             # the host's work hides behind the GPU's?)
+             timeout 420 python benchmarks/bench_step.py --batch 8 32 --variants inductor-ro apollo-1lane apollo \
+               --steps 30 --out "$OUT/next10"
+             exit $? ;;
   host9b)    # session 9, last call: the host breakdown again with the C++ pointer check (7173680), apollo at batch 8
              timeout 200 python benchmarks/host_split.py --batch 8 --variants apollo --steps 50
              exit $? ;;
@@ -142,7 +151,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10" >&2
      exit 2 ;;
 esac
 status=$?
