@@ -21,12 +21,14 @@ Variants, run side by side in ONE process (absolute times drift between runs; DE
     apollo-bf16-budget-0.1   ... 0.1 and 0.05: below what the base model's partition can reach
     apollo-bf16-budget-0.05      (about 0.11 of the plain partition's predicted peak): the lowest
                                  predicted peak, for the largest batch within a memory limit
-    apollo-bf16-budget-<f>[-bytes-per-us][-fw-measured|-lanes-measured]   any other fraction f in
-                             (0, 1], named on the command line; -fw-measured: the forward's lane
+    apollo-bf16-budget-<f>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows]
+                             any other fraction f in (0, 1], named on the command line; -fw-measured: the forward's lane
                              candidates measured and free to win even though its backward reuses the
                              saved activations' memory (the rule before session 7:
                              CudaGraphRunner._memory_first_one_lane); -lanes-measured: both graphs'
-                             (no memory-first rule; the 1.1x pool bound of `fastest` still applies)
+                             (no memory-first rule; the 1.1x pool bound of `fastest` still applies);
+                             -bw-follows: the forward's measured, and its donating backward replays
+                             the forward's choice unmeasured (follow_the_forward)
 
 Method (shared with bench_step.py, whose helpers this script imports): for each batch size, every
 variant gets a deep copy of one fp32 model built on the CPU from a fixed seed, moved to the device;
@@ -136,6 +138,7 @@ class Variant:
     memory_bound_first: bool = True  # apollo's checkpoint order (checkpoint.MEMORY_BOUND_FIRST)
     forward_measured: bool = False  # the forward may replay lanes beside a donating backward (-fw-measured)
     lanes_measured: bool = False  # both graphs may replay lanes under the budget (-lanes-measured)
+    backward_follows: bool = False  # the forward measured, its donating backward replays its choice (-bw-follows)
 
     @property
     def compiled(self) -> bool:
@@ -163,6 +166,8 @@ class Variant:
             parts.append("forward's lane candidates measured beside a donating backward")
         if self.lanes_measured:
             parts.append("both graphs' lane candidates measured under the budget")
+        if self.backward_follows:
+            parts.append("the forward's lane candidates measured, its backward replays the forward's choice unmeasured")
         return ", ".join(parts)
 
     @contextlib.contextmanager
@@ -187,6 +192,8 @@ class Variant:
                 stack.enter_context(unittest.mock.patch.object(
                     CudaGraphRunner, "_memory_first_one_lane",
                     lambda runner: None if runner.kind in measured else rule(runner)))
+            if self.backward_follows:
+                stack.enter_context(follow_the_forward())
             yield
 
     def prepare(self, model: nn.Module) -> Callable[..., torch.Tensor]:
@@ -204,6 +211,32 @@ class Variant:
 
             return torch.compile(model, backend="apollo", options=dict(self.options), dynamic=False)
         raise ValueError(self.compiler)
+
+
+@contextlib.contextmanager
+def follow_the_forward():
+    """Under a budget, the forward measures its candidates and a backward that reuses its saved
+    activations replays the same one, unmeasured. Measuring the backward held each candidate's pool
+    beside every saved activation: 4.18 vs 3.33 GiB whole-run peak at batch 64, budget 0.5, for a
+    3% faster step (RESULTS.md, session 9). With the forward's lanes and the backward's on the
+    same side streams, the backward's side lane reuses what the forward's made (NOTE: Donation on
+    side lanes), so following the forward should keep most of the gain at one lane's memory: to be
+    measured."""
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner
+
+    rule, choose = CudaGraphRunner._memory_first_one_lane, CudaGraphRunner._choose_candidate
+
+    def follow(runner):
+        chosen = runner.family.forward_chosen
+        if (runner.kind == "backward" and runner.max_memory_ratio is not None and chosen in runner.candidates
+                and runner._will_donate()):
+            return chosen
+        return choose(runner)
+
+    with unittest.mock.patch.object(CudaGraphRunner, "_memory_first_one_lane",
+                                    lambda runner: None if runner.kind == "forward" else rule(runner)), \
+            unittest.mock.patch.object(CudaGraphRunner, "_choose_candidate", follow):
+        yield
 
 
 VARIANTS: dict[str, Variant] = {
@@ -228,12 +261,13 @@ VARIANTS: dict[str, Variant] = {
                 options={"precision": "bf16", "memory_budget": 0.05}),
     )
 }
-_BUDGET_VARIANT = re.compile(r"apollo-bf16-budget-((?:0\.\d+)|1(?:\.0)?)(-bytes-per-us)?(-fw-measured|-lanes-measured)?")
+_BUDGET_VARIANT = re.compile(
+    r"apollo-bf16-budget-((?:0\.\d+)|1(?:\.0)?)(-bytes-per-us)?(-fw-measured|-lanes-measured|-bw-follows)?")
 
 
 def variant_name(name: str) -> str:
     """argparse type: a listed variant, or any
-    ``apollo-bf16-budget-<fraction>[-bytes-per-us][-fw-measured|-lanes-measured]``
+    ``apollo-bf16-budget-<fraction>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows]``
     (added to VARIANTS, after the listed apollo budgets)."""
     if name in VARIANTS:
         return name
@@ -241,14 +275,15 @@ def variant_name(name: str) -> str:
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)} "
                                          "or apollo-bf16-budget-<fraction in (0, 1]>[-bytes-per-us]"
-                                         "[-fw-measured|-lanes-measured]")
+                                         "[-fw-measured|-lanes-measured|-bw-follows]")
     budget = float(m.group(1))
     if budget <= 0:
         raise argparse.ArgumentTypeError(f"{name!r}: the budget must be in (0, 1]")
     VARIANTS[name] = Variant(name, autocast=False, compiler="apollo",
                              options={"precision": "bf16", "memory_budget": budget},
                              memory_bound_first=m.group(2) is None, forward_measured=m.group(3) == "-fw-measured",
-                             lanes_measured=m.group(3) == "-lanes-measured")
+                             lanes_measured=m.group(3) == "-lanes-measured",
+                             backward_follows=m.group(3) == "-bw-follows")
     return name
 
 

@@ -72,6 +72,14 @@ def test_budget_variants_by_name():
     assert backward._memory_first_one_lane() is not None
     with both.context():  # no memory-first rule in either graph
         assert forward._memory_first_one_lane() is None and backward._memory_first_one_lane() is None
+    follows = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.5-bw-follows")]
+    assert follows.backward_follows and not follows.lanes_measured and not both.backward_follows
+    with follows.context():  # the forward measures; the donating backward replays its choice, unmeasured
+        assert forward._memory_first_one_lane() is None
+        for chosen in ("lanes", "one_lane"):
+            family.forward_chosen = chosen
+            assert backward._choose_candidate() == chosen
+    assert forward._memory_first_one_lane() is not None  # the rule is back after the variant
     for bad in ("apollo-bf16-budget-0", "apollo-bf16-budget-1.5", "eager-fp16"):
         with pytest.raises(Exception, match="unknown variant|must be in"):
             bench_memory.variant_name(bad)

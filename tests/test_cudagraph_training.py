@@ -72,6 +72,7 @@ def test_training_through_the_runner_equals_eager(runners, compiler):
             o.zero_grad(set_to_none=True)
     forward, backward = runners
     assert forward.replays == 4 and backward.replays == 4  # call 1 eager, then capture + replays
+    assert forward.family is backward.family and forward.family.forward_chosen == forward.chosen == "lanes"
     assert forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
     assert forward.fixed_ptrs and backward.fixed_ptrs  # parameters / saved activations used in place
     assert backward.summary()["lent_moved"] == 0  # set_to_none: nothing held a gradient at a replay

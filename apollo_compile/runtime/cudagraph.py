@@ -277,6 +277,7 @@ class GraphFamily:
         self.input_owners: list[weakref.ref] = []  # the last forward replay's inputs that require grad
         self.owners: dict[int, torch.UntypedStorage] = {}  # data_ptr -> the forward's outputs' memory (NOTE: Donation)
         self.backward_donates = False  # the backward may reuse saved activations (set when it is compiled)
+        self.forward_chosen: str | None = None  # the candidate the forward replays, once captured
         # side lane -> its stream, the same in every graph of the family (NOTE: Donation on side lanes)
         self.side_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -423,6 +424,8 @@ class CudaGraphRunner:
                 self.static_inputs.append(buf)
                 self.copy_idxs.append(i)
         self.chosen = self._choose_candidate()
+        if self.kind == "forward":
+            self.family.forward_chosen = self.chosen
         if self.family.pool is None:
             self.family.pool = torch.cuda.graph_pool_handle()
         allocated_before = torch.cuda.memory_allocated()
