@@ -370,7 +370,7 @@ class CudaGraphRunner:
         self.disabled: str | None = None
         self._warned: set[str] = set()
         self._boxed_call = True
-        self._fixed_check: tuple | None = None  # fixed_ptrs laid out for `_inputs_in_place`
+        self._fixed_check: tuple | None = None  # fixed_ptrs laid out for `_inputs_in_place` (per capture's dict)
         self.replays = 0
         # host time of the replayed calls (checks, input copies, launch, handing out outputs) and of
         # their launches alone: where a small step's time goes (benchmarks/host_split.py)
