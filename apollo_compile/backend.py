@@ -186,7 +186,7 @@ def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, fami
     return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
                            on_measured=functools.partial(_calibrate, ctx),
                            max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None,
-                           donated_idxs=donated)
+                           donated_idxs=donated, capture_near_limit=ctx.options.cudagraphs is True)
 
 
 def _calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:

@@ -171,8 +171,21 @@ def test_a_probe_that_ran_without_its_cuda_graphs_is_no_pass(monkeypatch):
 
     monkeypatch.setattr(apollo_compile, "plans", lambda: [Plan()])
     assert bench_memory.ungraphed_runners() == ["frame0_0 backward: OutOfMemoryError: CUDA out of memory"]
+    assert bench_memory.ungraphed_runners(by_design=True) == []
     Plan.graphs = {"forward": Graph(None), "backward": Graph({"disabled": None, "ungraphed_calls": 0})}
     assert bench_memory.ungraphed_runners() == []
+    # too close to the limit to capture, on purpose (cudagraph.py, NOTE: A capture needs headroom): trains
+    why = "its first step peaked at 17.55 GiB, 88% of the 20.00 GiB this process may hold"
+    Plan.graphs = {kind: Graph({"disabled": why, "capture_refused": why, "ungraphed_calls": 4})
+                   for kind in ("forward", "backward")}
+    assert bench_memory.ungraphed_runners() == []
+    assert bench_memory.ungraphed_runners(by_design=True) == [f"frame0_0 forward: {why}", f"frame0_0 backward: {why}"]
+    search = {"variant": "apollo-bf16-budget-0.05", "largest_ok": 1152, "smallest_fail": 1280, "stop": "budget",
+              "probes_run": 2, "peak_at_largest_gib": 17.6,
+              "records": [{"batch": 1152, "source": "probe", "status": "ok", "pass": True,
+                           "ungraphed_by_design": [why]},
+                          {"batch": 1280, "source": "probe", "status": "OOM", "pass": False}]}
+    assert "un-graphed by design at 1152" in bench_memory.search_table([search], 20)
 
 
 def test_the_step_table_reports_back_to_back_steps_beside_the_idle_gpu_latency():

@@ -83,6 +83,16 @@ def test_training_through_the_runner_equals_eager(runners, compiler):
         torch.testing.assert_close(loss, ref_loss, **TOLERANCE[compiler])
 
 
+@pytest.mark.parametrize("cudagraphs, near_limit", [("auto", False), (True, True)])
+def test_cudagraphs_true_reaches_the_runner_as_capture_near_the_limit(runners, cudagraphs, near_limit):
+    """NOTE: A capture needs headroom: "auto" checks it, True captures regardless."""
+    torch.manual_seed(0)
+    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager",
+                                                                    "cudagraphs": cudagraphs})
+    compiled(*two_tower_inputs(seed=0)).backward()
+    assert [r.capture_near_limit for r in runners] == [near_limit, near_limit]
+
+
 def test_replay_host_time_leaves_out_the_capturing_call(runners, monkeypatch):
     """Capturing and measuring candidates take seconds on a GPU; counted as a replay, they made
     session 8's `replay_host_ms` read 2 ms for a call whose launch took 0.06."""

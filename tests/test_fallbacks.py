@@ -459,6 +459,48 @@ def test_cudagraph_capture_failure_runs_the_runtime_and_warns_once(monkeypatch):
     assert fallback_messages(caught) == messages  # filterable as ApolloFallbackWarning
 
 
+@pytest.mark.parametrize("peak_gib, captured", [(17.55, False), (15.6, True)])
+def test_a_family_near_the_memory_limit_stays_ungraphed_with_one_warning_per_graph(monkeypatch, peak_gib, captured):
+    """NOTE: A capture needs headroom. The session-7 step at 17.55 of 20 GiB (88%) lost its second
+    step capturing; at about 15.6 (78%) both graphs captured. The forward decides for its family
+    and the backward follows; both stay correct, running what the first step ran."""
+    from apollo_compile.runtime import cudagraph
+
+    monkeypatch.setattr(cudagraph, "memory_pressure", lambda: (int(peak_gib * 2**30), 20 * 2**30))
+    family = GraphFamily()
+    (forward, fake_fw), (backward, fake_bw) = _runner("forward", family), _runner("backward", family)
+    captures = []
+    for runner in (forward, backward):
+        monkeypatch.setattr(runner, "_capture", lambda args, r=runner: captures.append(r.kind) or setattr(r, "graph", 1))
+        monkeypatch.setattr(runner, "_inputs_in_place", lambda args: True)
+        monkeypatch.setattr(runner, "_replay", lambda args: ["replayed"])
+    x = torch.arange(3.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [(forward([x]), backward([x])) for _ in range(3)]
+    messages = _graph_warnings(caught)
+    if captured:
+        assert captures == ["forward", "backward"] and not messages and family.capture_refused is None
+        assert outs[2] == (["replayed"], ["replayed"])
+    else:
+        assert captures == [] and fake_fw.calls["one_lane"] == 3 and fake_bw.calls["one_lane"] == 3
+        assert len(messages) == 2 and all("88% of the 20.00 GiB" in m and "cudagraphs=True" in m for m in messages)
+        assert forward.summary()["capture_refused"] == backward.summary()["capture_refused"] == family.capture_refused
+        assert forward.ungraphed_calls == backward.ungraphed_calls == 2
+
+
+def test_cudagraphs_true_captures_near_the_memory_limit(monkeypatch):
+    from apollo_compile.runtime import cudagraph
+
+    monkeypatch.setattr(cudagraph, "memory_pressure", lambda: (19 * 2**30, 20 * 2**30))
+    runner = CudaGraphRunner(FakeRuntimes().candidates(), "g_forward", "forward", GraphFamily(), set(), None,
+                             capture_near_limit=True)
+    assert runner._capture_refused() is None
+    assert cudagraph.too_close_to_the_limit(19 * 2**30, 20 * 2**30) is not None
+    assert cudagraph.too_close_to_the_limit(17 * 2**30, 20 * 2**30) is None  # 85% exactly: captured
+    assert cudagraph.too_close_to_the_limit(5, 0) is None  # an unknown limit refuses nothing
+
+
 def test_cudagraph_capture_failure_frees_what_the_failed_capture_held_before_the_fallback(monkeypatch):
     """The un-graphed run after a failed capture must not run while the exception (and through its
     traceback, every temporary the failed capture allocated) is still alive: at the edge of memory

@@ -265,6 +265,43 @@ def donations_safe_on_lanes(donatable: dict[int, list[int]], made_on: dict[int, 
     return safe, local
 
 
+# [NOTE] A capture needs headroom: it cannot release cached memory (eager code that runs out
+# frees the allocator's cached segments and retries; a capture may not), and a graph pool's free
+# blocks serve only its graphs. On the H200 a budgeted CLIP step whose first, un-graphed step
+# peaked at 17.55 GiB, 88% of a 20 GiB limit, ran out capturing its backward with 4.19 GiB free in
+# the pool in pieces of at most 0.98; the un-graphed fallback then ran out beside the forward's
+# pool, and the step was lost. At batch 1024 (about 78%, estimated) both graphs captured
+# (RESULTS.md, session 7). So a family is not captured where its first step used more than
+# CAPTURE_HEADROOM of the memory the process may hold: the un-graphed path it keeps is the one
+# the first step already ran at that size. Graphs save little on large steps (batch 128: Inductor
+# without them took 1.10x reduce-overhead's step, session 7). cudagraphs=True captures regardless.
+CAPTURE_HEADROOM = 0.85
+
+
+def memory_pressure() -> tuple[int, int] | None:
+    """(this process's peak allocated bytes so far, the bytes it may hold) on the current device:
+    the per-process fraction of the device, or what is free plus what the allocator already holds
+    if less (other processes). None where the allocator cannot say. The peak counts since the last
+    ``reset_peak_memory_stats``: work before training can only make it larger (more cautious)."""
+    try:
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        fraction = torch.cuda.get_per_process_memory_fraction() if hasattr(
+            torch.cuda, "get_per_process_memory_fraction") else 1.0
+        return peak, int(min(total * fraction, free + torch.cuda.memory_reserved()))
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+
+
+def too_close_to_the_limit(peak: int, limit: int, headroom: float = CAPTURE_HEADROOM) -> str | None:
+    """Why a family is not captured at `peak` bytes of `limit` (NOTE: A capture needs headroom)."""
+    if limit <= 0 or peak <= headroom * limit:
+        return None
+    return (f"its first step peaked at {peak / 2**30:.2f} GiB, {peak / limit:.0%} of the {limit / 2**30:.2f} GiB "
+            f"this process may hold (over {headroom:.0%}): a capture cannot release cached memory, and near the "
+            "limit it can run out where the un-graphed step fits; cudagraphs=True captures regardless")
+
+
 class GraphFamily:
     """State shared by the CUDA graphs of one Dynamo graph (forward + backward)."""
 
@@ -278,6 +315,7 @@ class GraphFamily:
         self.owners: dict[int, torch.UntypedStorage] = {}  # data_ptr -> the forward's outputs' memory (NOTE: Donation)
         self.backward_donates = False  # the backward may reuse saved activations (set when it is compiled)
         self.forward_chosen: str | None = None  # the candidate the forward replays, once captured
+        self.capture_refused: str | None = None  # why the forward was not captured (NOTE: A capture needs headroom)
         # side lane -> its stream, the same in every graph of the family (NOTE: Donation on side lanes)
         self.side_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -341,8 +379,10 @@ class CudaGraphRunner:
     def __init__(self, candidates: dict[str, Callable[[list], list]], name: str, kind: str, family: GraphFamily,
                  static_input_idxs: set[int], user_visible_outputs: set[int] | None,
                  on_measured: Callable[[dict[str, float]], None] | None = None,
-                 max_memory_ratio: float | None = None, donated_idxs: set[int] | None = None) -> None:
+                 max_memory_ratio: float | None = None, donated_idxs: set[int] | None = None,
+                 capture_near_limit: bool = False) -> None:
         self.candidates, self.name, self.kind, self.family = candidates, name, kind, family
+        self.capture_near_limit = capture_near_limit  # cudagraphs=True: no headroom check before capture
         self.on_measured = on_measured  # gets {candidate: ms} once measured (the model calibrates from it)
         self.max_memory_ratio = max_memory_ratio  # concurrency within this much of one stream's pool (`fastest`)
         self.donated_idxs = donated_idxs or set()  # a backward's inputs AOTAutograd lets it reuse (NOTE: Donation)
@@ -368,6 +408,7 @@ class CudaGraphRunner:
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.disabled: str | None = None
+        self.capture_refused: str | None = None  # not captured by design (NOTE: A capture needs headroom)
         self._warned: set[str] = set()
         self._boxed_call = True
         self._fixed_check: tuple | None = None  # fixed_ptrs laid out for `_inputs_in_place` (per capture's dict)
@@ -398,6 +439,7 @@ class CudaGraphRunner:
                 "peak_after_capture": self.peak_after_capture, "donated_bytes": self.donated_bytes,
                 "side_lane_donated_bytes": self.side_lane_donated_bytes, "withheld_bytes": self.withheld_bytes,
                 "ungraphed_calls": self.ungraphed_calls, "disabled": self.disabled,
+                "capture_refused": self.capture_refused,
                 "lent_moved": self.lent.moved if self.lent is not None else 0}
 
     def _is_user_visible(self, i: int) -> bool:
@@ -632,6 +674,20 @@ class CudaGraphRunner:
                     "a forward on the capture stream makes reusable")
         return None
 
+    def _capture_refused(self) -> str | None:
+        """Why this graph is not captured, or None (NOTE: A capture needs headroom). The forward
+        decides for its family, at the memory its first step used; its backward follows, since a
+        backward run un-graphed beside the forward's pool, or captured after an un-graphed
+        forward, needs memory the first step did not."""
+        if self.kind == "backward":
+            return self.family.capture_refused
+        why = None
+        if not self.capture_near_limit and (pressure := memory_pressure()) is not None:
+            why = too_close_to_the_limit(*pressure)
+        if self.kind == "forward":
+            self.family.capture_refused = why
+        return why
+
     # -- replay ----------------------------------------------------------------------------
     def _inputs_in_place(self, args: list) -> bool:
         # hundreds of parameters and saved activations per call, before the launch: at batch 8 on
@@ -689,6 +745,10 @@ class CudaGraphRunner:
                                        "(two forwards before a backward, or retain_graph=True)")
             return self._eager(args)
         if self.graph is None:
+            self.capture_refused = self.disabled = self._capture_refused()
+            if self.disabled is not None:
+                self._warn_once("memory", self.disabled)
+                return self._eager(args)
             try:
                 self._capture(args)
             except Exception as e:  # capture unsupported here: run the runtime as it is
