@@ -530,3 +530,15 @@ def test_inputs_in_place_checks_only_the_fixed_positions(monkeypatch, check):
     assert runner._inputs_in_place([c]) and not runner._inputs_in_place([a])
     runner.fixed_ptrs = {}
     assert runner._inputs_in_place([a, b])
+
+
+def test_memory_pressure_without_cuda_is_none_and_refuses_nothing():
+    """No CUDA to ask (a CPU build): the headroom check refuses no capture (NOTE: A capture needs
+    headroom); the runner captures only on CUDA anyway."""
+    from apollo_compile.runtime import cudagraph
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine has an allocator to ask")
+    assert cudagraph.memory_pressure() is None
+    runner = CudaGraphRunner({"lanes": lambda args: args}, "g_forward", "forward", GraphFamily(), set(), None)
+    assert runner._capture_refused() is None and runner.family.capture_refused is None
