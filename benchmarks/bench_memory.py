@@ -184,11 +184,12 @@ class Variant:
                 from apollo_compile.passes import checkpoint
 
                 stack.enter_context(unittest.mock.patch.object(checkpoint, "MEMORY_BOUND_FIRST", False))
-            if self.forward_measured or self.lanes_measured:  # the memory-first rule off for these graphs
+            if self.forward_measured or self.lanes_measured or self.backward_follows:
+                # the memory-first rule off for these graphs (-bw-follows: the forward's, as -fw-measured)
                 from apollo_compile.runtime.cudagraph import CudaGraphRunner
 
                 rule = CudaGraphRunner._memory_first_one_lane
-                measured = ("forward",) if self.forward_measured else ("forward", "backward", "inference")
+                measured = ("forward", "backward", "inference") if self.lanes_measured else ("forward",)
                 stack.enter_context(unittest.mock.patch.object(
                     CudaGraphRunner, "_memory_first_one_lane",
                     lambda runner: None if runner.kind in measured else rule(runner)))
@@ -215,8 +216,8 @@ class Variant:
 
 @contextlib.contextmanager
 def follow_the_forward():
-    """Under a budget, the forward measures its candidates and a backward that reuses its saved
-    activations replays the same one, unmeasured. Measuring the backward held each candidate's pool
+    """Under a budget, a backward that reuses its saved activations replays the candidate its
+    forward replays, unmeasured (`Variant.context` lets the forward measure). Measuring the backward held each candidate's pool
     beside every saved activation: 4.18 vs 3.33 GiB whole-run peak at batch 64, budget 0.5, for a
     3% faster step (RESULTS.md, session 9). With the forward's lanes and the backward's on the
     same side streams, the backward's side lane reuses what the forward's made (NOTE: Donation on
@@ -224,7 +225,7 @@ def follow_the_forward():
     measured."""
     from apollo_compile.runtime.cudagraph import CudaGraphRunner
 
-    rule, choose = CudaGraphRunner._memory_first_one_lane, CudaGraphRunner._choose_candidate
+    choose = CudaGraphRunner._choose_candidate
 
     def follow(runner):
         chosen = runner.family.forward_chosen
@@ -233,9 +234,7 @@ def follow_the_forward():
             return chosen
         return choose(runner)
 
-    with unittest.mock.patch.object(CudaGraphRunner, "_memory_first_one_lane",
-                                    lambda runner: None if runner.kind == "forward" else rule(runner)), \
-            unittest.mock.patch.object(CudaGraphRunner, "_choose_candidate", follow):
+    with unittest.mock.patch.object(CudaGraphRunner, "_choose_candidate", follow):
         yield
 
 
