@@ -210,14 +210,22 @@ def unowned(storage):
     return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
 
 
+def allocator_segments() -> list[dict] | None:
+    """The caching allocator's segments (``torch.cuda.memory_snapshot``), or None where it cannot
+    say (no CUDA)."""
+    try:
+        return torch.cuda.memory_snapshot()
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+
+
 def pool_bytes(pool) -> int | None:
     """Bytes the caching allocator holds for the private pool `pool`: a captured graph's memory,
     temporaries included (a pool keeps every segment its capture needed), so the memory a
     candidate costs, which a replay's ``max_memory_allocated`` does not show. None where the
     allocator cannot say (no CUDA)."""
-    try:
-        segments = torch.cuda.memory_snapshot()
-    except (AttributeError, RuntimeError, AssertionError):
+    segments = allocator_segments()
+    if segments is None:
         return None
     key = tuple(pool) if isinstance(pool, (tuple, list)) else pool
     return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id") or ()) == key)
@@ -227,11 +235,8 @@ def allocation_streams(ptrs) -> dict[int, int]:
     """data_ptr -> the stream (handle) whose allocator segment holds it: the only stream that
     reuses its block once freed (NOTE: Donation on side lanes). Pointers the allocator cannot
     place, or all of them without CUDA, are left out."""
-    try:
-        segments = torch.cuda.memory_snapshot()
-    except (AttributeError, RuntimeError, AssertionError):
-        return {}
-    spans = sorted((seg["address"], seg["address"] + seg["total_size"], seg["stream"]) for seg in segments)
+    spans = sorted((seg["address"], seg["address"] + seg["total_size"], seg["stream"])
+                   for seg in allocator_segments() or ())
     starts = [start for start, _, _ in spans]
     out = {}
     for ptr in ptrs:
