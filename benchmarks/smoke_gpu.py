@@ -43,7 +43,7 @@ MODES = {  # name: (micro-batches per step, zero_grad(set_to_none), apollo optio
     "accumulate, set_to_none=True": (2, True, BUDGET),
     "accumulate, set_to_none=False": (2, False, BUDGET),
     "plain, no budget": (1, True, {"subgraph_compiler": "eager"}),
-    "plain, inductor, budget": (1, True, {"subgraph_compiler": "inductor", "memory_budget": 0.2}),
+    "plain, inductor, budget": (1, True, dict(BUDGET, subgraph_compiler="inductor")),
     # lanes measured, Inductor freeing inputs: a side lane may take over its own saved activations
     "plain, inductor": (1, True, {"subgraph_compiler": "inductor"}),
 }
