@@ -205,14 +205,14 @@ def main(argv=None) -> int:
         row = split(f, model, batch, args.steps)
         if args.sync_debug:
             print(f"{name}: {report_syncs(f, model, batch)} synchronizing call(s) in one step", flush=True)
+        replays = ""
         if name.startswith("apollo"):  # the runner's own account: host ms per replayed call, launch alone
             plan = apollo_compile.last_plan()
             for kind in ("forward", "backward"):
                 summary = plan.graphs[kind].runner.summary()
                 print(f"  {name} {kind}: replayed call {summary['replay_host_ms']} ms on the host, "
                       f"its launch {summary['launch_host_ms']} ms", flush=True)
-        replays = replay_host_ms() if name.startswith("apollo") else ""
-        if name.startswith("apollo"):
+            replays = replay_host_ms()
             host = prelaunch(model, f, batch, args.steps)
             around.append(f"| {name} | " + " | ".join(f"{host[k]:.3f}" for k in STAMPS) + " |")
             print(around[-1], flush=True)
