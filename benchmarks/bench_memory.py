@@ -63,7 +63,9 @@ another error, or a peak over LIMIT fails it. Search: powers of two until one pa
 two between them if there is one, else the midpoint, until the gap is <= 1/16 of the passing batch or
 ``--search-probes`` (default 4) probes have run for the variant. Results of the main phase are
 reused without a probe where they decide the question: reserved <= LIMIT (the cap would never have
-been reached, so a capped run is the same run) passes, allocated > LIMIT fails.
+been reached, so a capped run is the same run) passes, allocated > LIMIT fails. ``--search-at B ...``
+replaces the doubling and bisection: it probes exactly those batches, in that order (to check an edge
+already located without re-finding it), skipping the ones already known, still within ``--search-probes``.
 
 Compiles: each compiled variant (inductor-*, apollo-*) costs one compile per main-phase batch and
 per probe (~40 s each on an H200; Inductor's on-disk caches shorten repeats). One command may run at
@@ -595,9 +597,12 @@ def search_variant(spec: Variant, base: nn.Module, args, device: torch.device, m
         lo, hi = bracket(known)
         res["largest_ok"], res["smallest_fail"] = lo, hi
         pred = predict_max_batch(points, limit, fixed_guess) if points else None
-        b = next_candidate(lo, hi, pred, args.search_start)
+        if args.search_at:  # the listed batches, in order, none probed twice
+            b = next((x for x in args.search_at if x not in known), None)
+        else:
+            b = next_candidate(lo, hi, pred, args.search_start)
         if b is None or b in known:
-            res["stop"] = "resolved" if b is None else "repeat"
+            res["stop"] = "repeat" if b is not None else "listed batches probed" if args.search_at else "resolved"
             break
         if res["probes_run"] >= args.search_probes:
             res["stop"] = "probe budget spent"
@@ -646,7 +651,7 @@ def environment(device: torch.device, args) -> dict:
         "variants": {name: VARIANTS[name].describe() for name in args.variants},
         "search": None if args.skip_search else {
             "limit_gib": args.max_batch_search, "probes_per_variant": args.search_probes,
-            "steps_per_probe": f"{args.warmup} warm-up + {args.search_steps}"},
+            "steps_per_probe": f"{args.warmup} warm-up + {args.search_steps}", "listed_batches": args.search_at},
     }
     if is_cuda(device):
         props = torch.cuda.get_device_properties(device)
@@ -785,9 +790,10 @@ def report(env: dict, results: list[dict], searches: list[dict], out_dir: Path, 
     if notes:
         text += "\napollo's plans and runtimes (candidate: replay ms / capture pool):\n" + notes + "\n"
     if searches:
+        tried = f"those listed, {args.search_at}" if args.search_at else "powers of two, then midpoints"
         text += (f"\nLargest batch whose step (with compile and {args.warmup} warm-up + {args.search_steps} steps) "
                  f"stays within {args.max_batch_search:g} GiB peak allocated, the allocator capped at that limit; "
-                 f"batches tried: powers of two, then midpoints; main-phase results reused where they decide.\n\n"
+                 f"batches tried: {tried}; main-phase results reused where they decide.\n\n"
                  + search_table(searches, args.max_batch_search) + "\n")
     (out_dir / "memory_results.md").write_text(text)
     (out_dir / "memory_results.json").write_text(
@@ -815,7 +821,12 @@ def parse_args(argv=None):
     p.add_argument("--skip-search", action="store_true", help="no largest-batch search")
     p.add_argument("--search-probes", type=int, default=4, help="most probe runs per variant (default 4)")
     p.add_argument("--search-steps", type=int, default=2, help="steps after the warm-up in a probe (default 2)")
-    p.add_argument("--search-start", type=int, default=64, help="first probe when nothing is measured yet")
+    p.add_argument("--search-start", type=int, default=64,
+                   help="first probe when nothing is measured yet (ignored with --search-at)")
+    p.add_argument("--search-at", type=int, nargs="+", metavar="B",
+                   help="probe exactly these batches, in this order, for each searched variant: no doubling or "
+                        "bisection; batches already known are skipped, --search-probes still caps; wins over "
+                        "--search-start")
     p.add_argument("--search-variants", nargs="+", type=variant_name, metavar="VARIANT",
                    help="the variants to search, in this order (default: --variants)")
     p.add_argument("--no-compile-cache", action="store_true", help="disable Inductor's on-disk caches")
@@ -826,6 +837,10 @@ def parse_args(argv=None):
         p.error("--steps and --warmup must be >= 1")
     if args.max_batch_search <= 0 or args.search_probes < 0 or args.search_steps < 1 or args.search_start < 1:
         p.error("--max-batch-search must be > 0, --search-probes >= 0, --search-steps and --search-start >= 1")
+    if args.search_at and min(args.search_at) < 1:
+        p.error("--search-at batches must be >= 1")
+    if args.search_at and args.skip_search:
+        p.error("--search-at and --skip-search contradict each other")
     if args.device == "cpu" and not args.skip_search:
         args.skip_search = True
         args.search_skipped_reason = "the batch search needs CUDA (allocator cap); skipped on the CPU"
@@ -838,18 +853,19 @@ def announce_plan(args) -> None:
     compiled = [v for v in args.variants if VARIANTS[v].compiled]
     main_compiles = len(args.batch) * len(compiled)
     searched = [v for v in args.search_variants if VARIANTS[v].compiled]
-    search_compiles = 0 if args.skip_search else args.search_probes * len(searched)
+    probes = min(len(args.search_at), args.search_probes) if args.search_at else args.search_probes
+    search_compiles = 0 if args.skip_search else probes * len(searched)
     total = main_compiles + search_compiles
     log(f"compiles: {main_compiles} in the main phase ({len(args.batch)} batches x {len(compiled)} compiled variants)"
         + ("" if args.skip_search else
-           f" + up to {search_compiles} in the search ({args.search_probes} probes x {len(searched)}; fewer where "
+           f" + up to {search_compiles} in the search ({probes} probes x {len(searched)}; fewer where "
            f"main-phase results decide)")
         + f" = up to {total}; at ~{COMPILE_S_ESTIMATE} s each on an H200 ~{total * COMPILE_S_ESTIMATE / 60:.1f} min "
         f"of compiling, plus the steps")
     if not args.skip_search:
         eager = [v for v in args.search_variants if not VARIANTS[v].compiled]
         if eager:
-            log(f"search: up to {args.search_probes} probes for each of {len(eager)} eager variants too (seconds each)")
+            log(f"search: up to {probes} probes for each of {len(eager)} eager variants too (seconds each)")
     if total * COMPILE_S_ESTIMATE > 480:
         log("  note: more than ~8 min of compiling; a device command may run at most 10 min: "
             "split with --variants / --skip-search / --search-probes")

@@ -188,6 +188,45 @@ def test_a_probe_that_ran_without_its_cuda_graphs_is_no_pass(monkeypatch):
     assert "un-graphed by design at 1152" in bench_memory.search_table([search], 20)
 
 
+def test_search_at_probes_the_listed_batches_in_order(monkeypatch, capsys):
+    """--search-at: exactly the listed batches, in order, none already known (main phase or an earlier
+    probe) twice, at most --search-probes of them; the bracket comes from what was measured."""
+    import torch
+
+    probed = []
+
+    def fake_probe(spec, base, b, args, device):
+        probed.append(b)
+        ok = b <= 1200
+        return {"batch": b, "source": "probe", "status": "ok" if ok else "OOM", "pass": ok,
+                "peak_alloc_gib": b / 64, "wall_s": 0.0}
+
+    monkeypatch.setattr(bench_memory, "probe", fake_probe)
+    fits = {"status": "ok", "peak_alloc_all_gib": 15.0, "peak_reserved_all_gib": 16.0}  # decides a pass at 20 GiB
+
+    def search(argv, main_rows=()):
+        probed.clear()
+        args = bench_memory.parse_args(["--batch", "--variants", "eager-bf16", *argv])
+        res = {}
+        bench_memory.search_variant(bench_memory.VARIANTS["eager-bf16"], None, args, torch.device("cpu"),
+                                    list(main_rows), 1.0, res, on_update=lambda: None)
+        return list(probed), (res["largest_ok"], res["smallest_fail"], res["probes_run"], res["stop"])
+
+    assert search(["--search-at", "1152", "1280", "1216", "1280"]) == (
+        [1152, 1280, 1216], (1152, 1216, 3, "listed batches probed"))
+    assert search(["--search-at", "1152", "1280", "1216", "--search-probes", "2"], [(1152, fits)]) == (
+        [1280, 1216], (1152, 1216, 2, "listed batches probed"))
+    assert search(["--search-at", "1152", "1280", "1216", "--search-probes", "2"]) == (
+        [1152, 1280], (1152, 1280, 2, "probe budget spent"))
+    capsys.readouterr()
+    bench_memory.announce_plan(bench_memory.parse_args(["--batch", "--variants", "apollo-bf16", "--search-at", "1152",
+                                                        "1280", "1216", "--search-probes", "2"]))
+    assert "up to 2 in the search (2 probes x 1;" in capsys.readouterr().out
+    for argv in (["--skip-search", "--search-at", "1152"], ["--search-at", "1152", "0"]):
+        with pytest.raises(SystemExit):
+            bench_memory.parse_args(argv)
+
+
 def test_the_step_table_reports_back_to_back_steps_beside_the_idle_gpu_latency():
     """bench_step's back-to-back column: every queued step runs, and the table's rows (a failed
     one too) keep one cell per header."""
