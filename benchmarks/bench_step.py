@@ -26,7 +26,8 @@ Method, for each batch size:
 4. Timing: ``--steps`` steps, each bracketed by a ``torch.cuda.Event`` pair after a
    ``synchronize()`` (the step's latency from an idle GPU, host launch overhead included);
    ``time.perf_counter`` on the CPU. Reported: median, p10, p90 in ms. Then ``--steps`` more
-   steps queued back to back, one synchronize before and after ("back-to-back ms", per step): a
+   steps queued back to back, one synchronize before and after, five times ("back-to-back ms",
+   per step, the median round; "b2b host ms", the host's own time per step in those rounds): a
    loop that never reads a value from the GPU hides the host's work behind the GPU's, where
    the idle-GPU latency shows all of it before the first launch.
 5. Memory: ``reset_peak_memory_stats()`` right before the timed steps, then
@@ -85,6 +86,7 @@ import clip  # noqa: E402  (benchmarks/clip.py)
 
 VARIANTS = ("eager", "inductor", "inductor-ro", "apollo-1lane", "apollo")
 BASELINE = "inductor-ro"  # the "ratio" column is BASELINE median / variant median
+BACK_TO_BACK_ROUNDS = 5  # rounds of --steps queued steps; their median is the back-to-back figure
 
 # Tolerances of the numerics check against eager (same weights, same batch, same autocast).
 # bf16 autocast: bf16 keeps 8 significand bits (relative rounding ~2e-3 to 4e-3 per op). A compiled
@@ -176,25 +178,36 @@ def time_steps(run_step: Callable[[], Any], steps: int, device: torch.device,
     return times
 
 
-def time_back_to_back(run_step: Callable[[], Any], steps: int, device: torch.device) -> float:
+def time_back_to_back(run_step: Callable[[], Any], steps: int, device: torch.device,
+                      rounds: int = BACK_TO_BACK_ROUNDS) -> dict[str, Any]:
     """Milliseconds per step with `steps` steps queued back to back, one synchronize before and
     after, as a training loop that never reads a value from the GPU runs: the host prepares the
     next step while the GPU still runs the last one, so a step costs max(host, GPU) rather than
     the idle-GPU latency `time_steps` reports (host launch overhead included). Neither replaces
-    the other: a loop that logs the loss every step synchronizes every step."""
-    synchronize(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    the other: a loop that logs the loss every step synchronizes every step.
+
+    One round is one sample, and a single host hiccup (a garbage collection) in it moves the
+    whole round (session 10: 11.19 ms back to back against a 10.13 ms idle-GPU median), so the
+    median of `rounds` rounds is reported, with the host's own time per step (the loop's wall
+    time before the final synchronize): host ms close to the round's ms means the host, not the
+    GPU, sets the pace."""
+    per_step, host = [], []
+    for _ in range(rounds):
+        synchronize(device)
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         for _ in range(steps):
             run_step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / steps
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        run_step()
-    return (time.perf_counter() - t0) * 1e3 / steps
+        host.append((time.perf_counter() - t0) * 1e3 / steps)
+        if device.type == "cuda":
+            end.record()
+            end.synchronize()
+            per_step.append(start.elapsed_time(end) / steps)
+        else:
+            per_step.append(host[-1])
+    return {"ms": float(np.median(per_step)), "rounds_ms": per_step, "host_ms": float(np.median(host))}
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,9 +372,11 @@ def _run_variant(row: dict, name: str, base: nn.Module, batch: tuple, numerics_b
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GiB
     p10, median, p90 = np.percentile(times, [10, 50, 90])
     row.update(times_ms=times, median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90))
-    row["back_to_back_ms"] = time_back_to_back(run_step, args.steps, device)
+    b2b = time_back_to_back(run_step, args.steps, device)
+    row.update(back_to_back_ms=b2b["ms"], back_to_back_rounds_ms=b2b["rounds_ms"], back_to_back_host_ms=b2b["host_ms"])
     log(f"  [{name}] {args.steps} steps: median {median:.2f} ms (p10 {p10:.2f}, p90 {p90:.2f}), "
-        f"{row['back_to_back_ms']:.2f} ms per step back to back"
+        f"{b2b['ms']:.2f} ms per step back to back (median of {len(b2b['rounds_ms'])} rounds, host "
+        f"{b2b['host_ms']:.2f} ms per step)"
         + (f", peak {row['peak_alloc_gib']:.2f} GiB allocated / {row['peak_reserved_gib']:.2f} reserved"
            if "peak_alloc_gib" in row else ""))
 
@@ -456,7 +471,7 @@ def fmt(value: Any, spec: str) -> str:
 
 def markdown_table(results: list[dict]) -> str:
     header = ["batch", "variant", "median ms", "p10", "p90", f"vs {BASELINE}", "back-to-back ms",
-              f"back-to-back vs {BASELINE}", "peak GiB", "reserved GiB", "compile s", "numerics"]
+              f"back-to-back vs {BASELINE}", "b2b host ms", "peak GiB", "reserved GiB", "compile s", "numerics"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for entry in results:
         rows = entry["variants"]
@@ -474,7 +489,8 @@ def markdown_table(results: list[dict]) -> str:
                 cells = [
                     str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}",
                     f"{r['p90_ms']:.2f}", fmt(ratio, ".2f") + ("x" if ratio else ""), fmt(b2b, ".2f"),
-                    fmt(b2b_ratio, ".2f") + ("x" if b2b_ratio else ""), fmt(r.get("peak_alloc_gib"), ".2f"),
+                    fmt(b2b_ratio, ".2f") + ("x" if b2b_ratio else ""), fmt(r.get("back_to_back_host_ms"), ".2f"),
+                    fmt(r.get("peak_alloc_gib"), ".2f"),
                     fmt(r.get("peak_reserved_gib"), ".2f"), f"{r['compile_s']:.1f}", check,
                 ]
             lines.append("| " + " | ".join(cells) + " |")

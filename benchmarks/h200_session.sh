@@ -31,6 +31,7 @@
 #   run(command="bash benchmarks/h200_session.sh next10 ...")                         # session 10's first call
 #   run(command="bash benchmarks/h200_session.sh follow10 ...")                       # budget 0.5: backward follows forward
 #   run(command="bash benchmarks/h200_session.sh edge10 ...")                         # 1152 in 20 GiB with the headroom rule
+#   run(command="bash benchmarks/h200_session.sh last10 ...")                         # follow10, then batch 8 back to back
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -137,14 +138,23 @@ case "${1:-}" in
                --steps 30 --out "$OUT/next10"
              exit $? ;;
   edge10)    # for session 10: issue 4's target 3 with the headroom rule (cudagraph.py, NOTE: A capture needs
-             # headroom): does budget 0.05 now train 1152 in 20 GiB, un-graphed by design, and what about 1280?
-             timeout 500 python benchmarks/bench_memory.py --batch --search-start 1152 --search-probes 2 \
-               --variants apollo-bf16-budget-0.05 --search-variants apollo-bf16-budget-0.05 --out "$OUT/edge10"
+             # headroom): 1152 first (un-graphed by design?), then 1216 and 1280, the batches between eager
+             # per-block checkpointing's last pass and first OOM (session 7), for both
+             timeout 500 python benchmarks/bench_memory.py --batch --search-at 1152 1216 1280 --search-probes 3 \
+               --variants eager-bf16-ckpt apollo-bf16-budget-0.05 \
+               --search-variants eager-bf16-ckpt apollo-bf16-budget-0.05 --out "$OUT/edge10"
              exit $? ;;
   follow10)  # for session 10: issue 4's target 1 at batch 64 with the backward following its forward's measured
              # lanes (bench_memory.follow_the_forward), beside one lane and apollo's fastest plan
              timeout 420 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
                apollo-bf16 apollo-bf16-budget-0.5 apollo-bf16-budget-0.5-bw-follows --out "$OUT/follow10"
+             exit $? ;;
+  last10)    # session 10, last call: follow10 cut to fit, then issue 3 at batch 8 again with the back-to-back
+             # rounds (median of 5, host ms per step); no cache save (nothing runs after it)
+             timeout 320 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
+               apollo-bf16 apollo-bf16-budget-0.5 apollo-bf16-budget-0.5-bw-follows --out "$OUT/follow10"
+             timeout 220 python benchmarks/bench_step.py --batch 8 --variants inductor-ro apollo-1lane apollo \
+               --steps 30 --out "$OUT/b2b8"
              exit $? ;;
   host9b)    # session 9, last call: the host breakdown again with the C++ pointer check (7173680), apollo at batch 8
              timeout 200 python benchmarks/host_split.py --batch 8 --variants apollo --steps 50
@@ -163,7 +173,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10" >&2
      exit 2 ;;
 esac
 status=$?

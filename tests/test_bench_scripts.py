@@ -233,14 +233,14 @@ def test_the_step_table_reports_back_to_back_steps_beside_the_idle_gpu_latency()
     import torch
 
     calls = []
-    ms = bench_step.time_back_to_back(lambda: calls.append(1), 4, torch.device("cpu"))
-    assert len(calls) == 4 and ms >= 0
+    b2b = bench_step.time_back_to_back(lambda: calls.append(1), 4, torch.device("cpu"), rounds=3)
+    assert len(calls) == 12 and len(b2b["rounds_ms"]) == 3 and b2b["ms"] >= 0 and b2b["host_ms"] >= 0
     numerics = {"loss_abs_diff": 0.0, "grad_rel_err_max": 0.0, "pass": True, "params_within_bf16_noise": 0}
     ok = {"variant": "inductor-ro", "status": "ok", "median_ms": 8.0, "p10_ms": 7.0, "p90_ms": 9.0,
-          "back_to_back_ms": 6.0, "compile_s": 1.0, "numerics": numerics}
+          "back_to_back_ms": 6.0, "back_to_back_host_ms": 4.0, "compile_s": 1.0, "numerics": numerics}
     fast = dict(ok, variant="apollo", median_ms=6.0, back_to_back_ms=5.0)
     failed = {"variant": "apollo-1lane", "status": "OOM", "error": "CUDA out of memory"}
     table = bench_step.markdown_table([{"batch": 8, "variants": [ok, fast, failed]}]).splitlines()
     width = table[0].count("|")
     assert all(line.count("|") == width for line in table)
-    assert "| 8 | apollo | 6.00 | 7.00 | 9.00 | 1.33x | 5.00 | 1.20x |" in table[3]
+    assert "| 8 | apollo | 6.00 | 7.00 | 9.00 | 1.33x | 5.00 | 1.20x | 4.00 |" in table[3]
