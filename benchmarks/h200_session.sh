@@ -32,6 +32,7 @@
 #   run(command="bash benchmarks/h200_session.sh follow10 ...")                       # budget 0.5: backward follows forward
 #   run(command="bash benchmarks/h200_session.sh edge10 ...")                         # 1152 in 20 GiB with the headroom rule
 #   run(command="bash benchmarks/h200_session.sh last10 ...")                         # follow10, then batch 8 back to back
+#   run(command="bash benchmarks/h200_session.sh band10 ...")                         # 1088 and 1024: captures below the bar
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -149,6 +150,11 @@ case "${1:-}" in
              timeout 420 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
                apollo-bf16 apollo-bf16-budget-0.5 apollo-bf16-budget-0.5-bw-follows --out "$OUT/follow10"
              exit $? ;;
+  band10)    # session 10: the headroom rule's untested band: 1088 (first step ~83% of 20 GiB, under the 85% bar,
+             # so it captures: does the capture fit?) and 1024 (~78%, captured in session 7)
+             timeout 300 python benchmarks/bench_memory.py --batch --search-at 1088 1024 --search-probes 2 \
+               --variants apollo-bf16-budget-0.05 --search-variants apollo-bf16-budget-0.05 --out "$OUT/band10"
+             exit $? ;;
   last10)    # session 10, last call: follow10 cut to fit, then issue 3 at batch 8 again with the back-to-back
              # rounds (median of 5, host ms per step); no cache save (nothing runs after it)
              timeout 320 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
@@ -173,7 +179,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10" >&2
      exit 2 ;;
 esac
 status=$?
