@@ -33,6 +33,7 @@
 #   run(command="bash benchmarks/h200_session.sh edge10 ...")                         # 1152 in 20 GiB with the headroom rule
 #   run(command="bash benchmarks/h200_session.sh last10 ...")                         # follow10, then batch 8 back to back
 #   run(command="bash benchmarks/h200_session.sh band10 ...")                         # 1088 and 1024: captures below the bar
+#   run(command="bash benchmarks/h200_session.sh band10b ...")                        # 960 and 896: where the capture fits
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -155,6 +156,11 @@ case "${1:-}" in
              timeout 300 python benchmarks/bench_memory.py --batch --search-at 1088 1024 --search-probes 2 \
                --variants apollo-bf16-budget-0.05 --search-variants apollo-bf16-budget-0.05 --out "$OUT/band10"
              exit $? ;;
+  band10b)   # session 10: band10 lost 1024 and 1088 (the backward's capture ran out at a first-step peak of
+             # 81-83% of 20 GiB): where below that does the capture still fit? 960 (~76%) and 896 (~71%)
+             timeout 300 python benchmarks/bench_memory.py --batch --search-at 960 896 --search-probes 2 \
+               --variants apollo-bf16-budget-0.05 --search-variants apollo-bf16-budget-0.05 --out "$OUT/band10b"
+             exit $? ;;
   last10)    # session 10, last call: follow10 cut to fit, then issue 3 at batch 8 again with the back-to-back
              # rounds (median of 5, host ms per step); no cache save (nothing runs after it)
              timeout 320 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
@@ -179,7 +185,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b" >&2
      exit 2 ;;
 esac
 status=$?
