@@ -67,7 +67,7 @@ class ApolloOptions:
         subgraph_compiler: ``"inductor"`` (default) or ``"eager"`` (ATen ops, no codegen).
         max_lanes: most concurrent lanes per graph; ``1`` forces single-stream execution.
         cudagraphs: replay each graph as a CUDA graph on CUDA (``"auto"``: on where CUDA is, unless
-            the first step used over 85% of the memory the process may hold; ``True``: even then).
+            the first step used over 75% of the memory the process may hold; ``True``: even then).
         strict: raise instead of falling back when apollo cannot plan a graph.
         precision: ``"bf16"``, ``"fp16"`` or ``"fp32"``: compute-bound ops run in this dtype,
             numerically sensitive ones stay fp32, parameters stay fp32 masters (cast pass).

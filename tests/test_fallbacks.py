@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import warnings
 import weakref
 
@@ -459,11 +460,12 @@ def test_cudagraph_capture_failure_runs_the_runtime_and_warns_once(monkeypatch):
     assert fallback_messages(caught) == messages  # filterable as ApolloFallbackWarning
 
 
-@pytest.mark.parametrize("peak_gib, captured", [(17.55, False), (15.6, True)])
+@pytest.mark.parametrize("peak_gib, captured", [(17.55, False), (15.6, False), (14.6, True)])
 def test_a_family_near_the_memory_limit_stays_ungraphed_with_one_warning_per_graph(monkeypatch, peak_gib, captured):
-    """NOTE: A capture needs headroom. The session-7 step at 17.55 of 20 GiB (88%) lost its second
-    step capturing; at about 15.6 (78%) both graphs captured. The forward decides for its family
-    and the backward follows; both stay correct, running what the first step ran."""
+    """NOTE: A capture needs headroom. On the H200, steps whose first step peaked at 17.55 of 20 GiB
+    (88%, batch 1152) and about 15.6 (78%, batch 1024, session 10) lost their second step
+    capturing; at about 14.6 (73%, batch 960) both graphs captured. The forward decides for its
+    family and the backward follows; both stay correct, running what the first step ran."""
     from apollo_compile.runtime import cudagraph
 
     monkeypatch.setattr(cudagraph, "memory_pressure", lambda: (int(peak_gib * 2**30), 20 * 2**30))
@@ -484,7 +486,8 @@ def test_a_family_near_the_memory_limit_stays_ungraphed_with_one_warning_per_gra
         assert outs[2] == (["replayed"], ["replayed"])
     else:
         assert captures == [] and fake_fw.calls["one_lane"] == 3 and fake_bw.calls["one_lane"] == 3
-        assert len(messages) == 2 and all("88% of the 20.00 GiB" in m and "cudagraphs=True" in m for m in messages)
+        share = f"{peak_gib / 20:.0%} of the 20.00 GiB"
+        assert len(messages) == 2 and all(share in m and "cudagraphs=True" in m for m in messages)
         assert forward.summary()["capture_refused"] == backward.summary()["capture_refused"] == family.capture_refused
         assert forward.ungraphed_calls == backward.ungraphed_calls == 2
 
@@ -497,7 +500,8 @@ def test_cudagraphs_true_captures_near_the_memory_limit(monkeypatch):
                              capture_near_limit=True)
     assert runner._capture_refused() is None
     assert cudagraph.too_close_to_the_limit(19 * 2**30, 20 * 2**30) is not None
-    assert cudagraph.too_close_to_the_limit(17 * 2**30, 20 * 2**30) is None  # 85% exactly: captured
+    assert cudagraph.too_close_to_the_limit(15 * 2**30, 20 * 2**30) is None  # 75% exactly: captured
+    assert cudagraph.too_close_to_the_limit(int(15.6 * 2**30), 20 * 2**30) is not None  # 78%: ran out (session 10)
     assert cudagraph.too_close_to_the_limit(5, 0) is None  # an unknown limit refuses nothing
 
 
@@ -535,6 +539,34 @@ def test_cudagraph_capture_failure_frees_what_the_failed_capture_held_before_the
         out = runner([x])  # call 2: capture fails -> eager
     torch.testing.assert_close(out[0], x * 2)
     assert seen[-1] == (None, None), seen  # no exception in flight, the temporary already freed
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_an_out_of_memory_after_a_failed_capture_says_why_and_what_to_do(monkeypatch):
+    """H200, session 10: batch 1024 in 20 GiB: its backward's capture ran out, then the un-graphed
+    fallback did too (it cannot use the pool's free memory): the user's OutOfMemoryError, still of
+    that type, says so and names cudagraphs=False. An OOM with no failed capture behind it is left
+    as PyTorch raised it."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    runner, fake = _runner()
+
+    def capture(args):
+        raise torch.OutOfMemoryError("synthetic: out of memory during capture")
+
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("synthetic: out of memory in the fallback")
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    monkeypatch.setattr(runner, "fn", out_of_memory)
+    x = torch.arange(3.0)
+    with pytest.raises(torch.OutOfMemoryError) as first:
+        runner([x])  # call 1: un-graphed warm-up, no capture tried yet
+    assert not getattr(first.value, "__notes__", None)
+    with warnings.catch_warnings(record=True), pytest.raises(torch.OutOfMemoryError) as caught:
+        warnings.simplefilter("always")
+        runner([x])  # call 2: the capture fails, then the fallback
+    note = " ".join(caught.value.__notes__)
+    assert "capture failed" in note and "cudagraphs=False" in note and "synthetic: out of memory during" in note
 
 
 def test_cudagraph_pending_forward_runs_eager_and_warns_once(monkeypatch):

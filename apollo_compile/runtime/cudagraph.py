@@ -272,15 +272,20 @@ def donations_safe_on_lanes(donatable: dict[int, list[int]], made_on: dict[int, 
 
 # [NOTE] A capture needs headroom: it cannot release cached memory (eager code that runs out
 # frees the allocator's cached segments and retries; a capture may not), and a graph pool's free
-# blocks serve only its graphs. On the H200 a budgeted CLIP step whose first, un-graphed step
-# peaked at 17.55 GiB, 88% of a 20 GiB limit, ran out capturing its backward with 4.19 GiB free in
-# the pool in pieces of at most 0.98; the un-graphed fallback then ran out beside the forward's
-# pool, and the step was lost. At batch 1024 (about 78%, estimated) both graphs captured
-# (RESULTS.md, session 7). So a family is not captured where its first step used more than
-# CAPTURE_HEADROOM of the memory the process may hold: the un-graphed path it keeps is the one
-# the first step already ran at that size. Graphs save little on large steps (batch 128: Inductor
-# without them took 1.10x reduce-overhead's step, session 7). cudagraphs=True captures regardless.
-CAPTURE_HEADROOM = 0.85
+# blocks serve only its graphs. When a backward's capture runs out, its un-graphed fallback runs
+# beside the forward's pool, with the saved activations it reads already handed over to the
+# capture (NOTE: Donation): it cannot borrow the pool's free memory without risking them, and
+# the step is lost. Measured on the H200 (budgeted CLIP in 20 GiB; the first step's peak as a
+# share of it, measured at 1152 and scaled by batch below; RESULTS.md, sessions 7 and 10):
+# batches 896 (~68%) and 960 (~73%) captured; 1024 (~78%), 1088 (~83%) and 1152 (88%) ran out
+# capturing their backward, then in the fallback. The edge moves with the allocation order (1024
+# captured in session 7, before the lanes changed). So a
+# family is not captured where its first step used more than CAPTURE_HEADROOM of the memory the
+# process may hold, a little under the last share that fit: the un-graphed path it keeps is the
+# one the first step already ran at that size. Graphs save little on large steps (batch 128:
+# Inductor without them took 1.10x reduce-overhead's step, session 7). cudagraphs=True captures
+# regardless.
+CAPTURE_HEADROOM = 0.75
 
 
 def memory_pressure() -> tuple[int, int] | None:
@@ -433,7 +438,15 @@ class CudaGraphRunner:
     def _eager(self, args: list) -> list:
         if self.calls > 1:
             self.ungraphed_calls += 1
-        return self.fn(args)
+        try:
+            return self.fn(args)
+        except torch.OutOfMemoryError as e:
+            if self.disabled is not None and self.capture_refused is None and hasattr(e, "add_note"):
+                e.add_note(f"apollo: {self.name} runs without its CUDA graph because its capture failed "
+                           f"({self.disabled[:120]}), beside the graph pool its family keeps, whose free memory "
+                           "this run cannot use (cudagraph.py, NOTE: A capture needs headroom). "
+                           "cudagraphs=False trains this size the way the first step ran.")
+            raise
 
     def summary(self) -> dict:
         return {"replays": self.replays, "chosen": self.chosen, "measured_ms": dict(self.measured_ms),
