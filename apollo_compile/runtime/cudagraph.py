@@ -276,8 +276,8 @@ def donations_safe_on_lanes(donatable: dict[int, list[int]], made_on: dict[int, 
 # beside the forward's pool, with the saved activations it reads already handed over to the
 # capture (NOTE: Donation): it cannot borrow the pool's free memory without risking them, and
 # the step is lost. Measured on the H200 (budgeted CLIP in 20 GiB; the first step's peak as a
-# share of it, measured at 1152 and scaled by batch below; RESULTS.md, sessions 7 and 10):
-# batches 896 (~68%) and 960 (~73%) captured; 1024 (~78%), 1088 (~83%) and 1152 (88%) ran out
+# share of it, measured at 1024 and 1152, interpolated between; RESULTS.md, sessions 7 and 10):
+# batches 896 (~69%) and 960 (~74%) captured; 1024 (79%), 1088 (~83%) and 1152 (88%) ran out
 # capturing their backward, then in the fallback. The edge moves with the allocation order (1024
 # captured in session 7, before the lanes changed). So a
 # family is not captured where its first step used more than CAPTURE_HEADROOM of the memory the
