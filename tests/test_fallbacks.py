@@ -569,6 +569,53 @@ def test_an_out_of_memory_after_a_failed_capture_says_why_and_what_to_do(monkeyp
     assert "capture failed" in note and "cudagraphs=False" in note and "synthetic: out of memory during" in note
 
 
+def test_a_failed_backward_capture_makes_the_forward_let_its_graph_go(monkeypatch):
+    """NOTE: A capture needs headroom. Un-graphed, a backward cannot use the pool its forward's
+    graph keeps, so after its capture fails the forward drops its graph and the memory it owns
+    there, at its first call once the last forward's saved activations are dead (not while they
+    are: the pending backward may still read them), and the family runs as its first step did."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    family = GraphFamily()
+    (forward, fake_fw), (backward, fake_bw) = _runner("forward", family), _runner("backward", family)
+    saved = torch.zeros(4)
+
+    def capture_forward(args):
+        forward.graph, forward.static_inputs, forward.static_outputs = object(), list(args), [saved]
+        family.owners[saved.data_ptr()] = saved.untyped_storage()
+
+    def capture_backward(args):
+        raise torch.OutOfMemoryError("synthetic: the backward's capture ran out")
+
+    alias = []
+
+    def replay_forward(args):
+        alias[:] = [saved.detach()]
+        family.pending = [weakref.ref(alias[0])]
+        return ["replayed"]
+
+    monkeypatch.setattr(forward, "_capture", capture_forward)
+    monkeypatch.setattr(backward, "_capture", capture_backward)
+    monkeypatch.setattr(forward, "_inputs_in_place", lambda args: True)
+    monkeypatch.setattr(forward, "_replay", replay_forward)
+    x = torch.arange(3.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forward([x]), backward([x])  # step 1: un-graphed
+        assert forward([x]) == ["replayed"]  # step 2: the forward captured and replayed ...
+        backward([x])  # ... its backward's capture fails: un-graphed
+        assert family.backward_capture_failed and "ran out" in family.backward_capture_failed
+        forward([x])  # step 3 while step 2's saved activations live: un-graphed, graph kept
+        assert forward.graph is not None and family.owners
+        alias.clear()
+        forward([x])  # step 4: they are dead, so the forward lets go
+    assert forward.graph is None and not family.owners and not forward.static_outputs
+    assert "its backward's CUDA-graph capture failed" in forward.summary()["disabled"]
+    assert fake_fw.calls["one_lane"] == 3 and fake_bw.calls["one_lane"] == 2  # steps 1, 3, 4; 1, 2
+    messages = _graph_warnings(caught)
+    assert any(m.startswith("apollo: frame0_0_forward") and "backward's CUDA-graph capture failed" in m
+               for m in messages), messages
+
+
 def test_cudagraph_pending_forward_runs_eager_and_warns_once(monkeypatch):
     """Two forwards before a backward: while the last forward's saved activations are alive the
     forward runs without its graph (capture is not even tried); once they die, capture is tried."""

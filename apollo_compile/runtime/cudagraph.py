@@ -275,7 +275,9 @@ def donations_safe_on_lanes(donatable: dict[int, list[int]], made_on: dict[int, 
 # blocks serve only its graphs. When a backward's capture runs out, its un-graphed fallback runs
 # beside the forward's pool, with the saved activations it reads already handed over to the
 # capture (NOTE: Donation): it cannot borrow the pool's free memory without risking them, and
-# the step is lost. Measured on the H200 (budgeted CLIP in 20 GiB; the first step's peak as a
+# the step is lost. Then, once that step's saved activations are dead, the forward lets its graph
+# go (`_let_go`), so the pool can return to the allocator and later steps run as the first did
+# (not measured on a GPU yet). Measured on the H200 (budgeted CLIP in 20 GiB; the first step's peak as a
 # share of it, measured at 1024 and 1152, interpolated between; RESULTS.md, sessions 7 and 10):
 # batches 896 (~69%) and 960 (~74%) captured; 1024 (79%), 1088 (~83%) and 1152 (88%) ran out
 # capturing their backward, then in the fallback. The edge moves with the allocation order (1024
@@ -326,6 +328,7 @@ class GraphFamily:
         self.backward_donates = False  # the backward may reuse saved activations (set when it is compiled)
         self.forward_chosen: str | None = None  # the candidate the forward replays, once captured
         self.capture_refused: str | None = None  # why the forward was not captured (NOTE: A capture needs headroom)
+        self.backward_capture_failed: str | None = None  # why; the forward then lets its graph go (`_let_go`)
         # side lane -> its stream, the same in every graph of the family (NOTE: Donation on side lanes)
         self.side_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -444,8 +447,9 @@ class CudaGraphRunner:
             if self.disabled is not None and self.capture_refused is None and hasattr(e, "add_note"):
                 e.add_note(f"apollo: {self.name} runs without its CUDA graph because its capture failed "
                            f"({self.disabled[:120]}), beside the graph pool its family keeps, whose free memory "
-                           "this run cannot use (cudagraph.py, NOTE: A capture needs headroom). "
-                           "cudagraphs=False trains this size the way the first step ran.")
+                           "this run cannot use (cudagraph.py, NOTE: A capture needs headroom). Once this "
+                           "step's tensors are gone the family runs without its graphs; cudagraphs=False "
+                           "trains this size that way from the start.")
             raise
 
     def summary(self) -> dict:
@@ -753,9 +757,25 @@ class CudaGraphRunner:
         args.clear()
         return outs
 
+    def _let_go(self) -> None:
+        """A forward whose backward failed to capture stops replaying and drops its graph and the
+        memory it owns in the family's pool: un-graphed, the backward cannot use that pool's free
+        memory (NOTE: A capture needs headroom), and near the limit it would run out at every step.
+        With no graph left the pool goes back to the allocator once the last step's tensors die,
+        and the family runs as its first step did. Called only once the last forward's saved
+        activations are dead, so nothing still reads what the owners held."""
+        self.disabled = f"its backward's CUDA-graph capture failed ({self.family.backward_capture_failed[:200]})"
+        self.graph = None
+        self.static_inputs, self.static_outputs = [], []
+        self.family.owners.clear()
+        self._warn_once("capture", self.disabled)
+
     def __call__(self, args: list) -> list:
         start = time.perf_counter()
         self.calls += 1
+        if (self.kind == "forward" and self.graph is not None and self.family.backward_capture_failed is not None
+                and not self.family.forward_outputs_alive()):
+            self._let_go()
         if self.disabled is not None or self.calls == 1:
             return self._eager(args)
         if self.kind == "forward" and self.family.forward_outputs_alive():
@@ -776,6 +796,8 @@ class CudaGraphRunner:
                 # frames, and so its temporaries, for as long as the block runs (a fallback at the edge
                 # of memory needs those bytes)
                 self._warn_once("capture", f"CUDA-graph capture failed ({self.disabled})")
+                if self.kind == "backward":
+                    self.family.backward_capture_failed = self.disabled
                 torch.cuda.synchronize()
                 return self._eager(args)
             start = time.perf_counter()  # capturing and measuring took seconds: not a replay's host time
