@@ -186,7 +186,7 @@ def time_back_to_back(run_step: Callable[[], Any], steps: int, device: torch.dev
     the idle-GPU latency `time_steps` reports (host launch overhead included). Neither replaces
     the other: a loop that logs the loss every step synchronizes every step.
 
-    One round is one sample, and a single host hiccup (a garbage collection) in it moves the
+    One round is one sample, and a single host hiccup in it moves the
     whole round (session 10: 11.19 ms back to back against a 10.13 ms idle-GPU median), so the
     median of `rounds` rounds is reported, with the host's own time per step (the loop's wall
     time before the final synchronize): host ms close to the round's ms means the host, not the
