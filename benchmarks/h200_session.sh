@@ -34,6 +34,7 @@
 #   run(command="bash benchmarks/h200_session.sh last10 ...")                         # follow10, then batch 8 back to back
 #   run(command="bash benchmarks/h200_session.sh band10 ...")                         # 1088 and 1024: captures below the bar
 #   run(command="bash benchmarks/h200_session.sh band10b ...")                        # 960 and 896: where the capture fits
+#   run(command="bash benchmarks/h200_session.sh next11 ...")                         # training after a failed capture; issue 3
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -161,6 +162,14 @@ case "${1:-}" in
              timeout 300 python benchmarks/bench_memory.py --batch --search-at 960 896 --search-probes 2 \
                --variants apollo-bf16-budget-0.05 --search-variants apollo-bf16-budget-0.05 --out "$OUT/band10b"
              exit $? ;;
+  next11)    # for session 11: does training go on after a backward's capture runs out (cudagraph.py, _let_go)?
+             # batch 1024 in 20 GiB with cudagraphs=True: step 2 lost, the steps after it un-graphed and ok?
+             # then issue 3 at 32 with the back-to-back rounds (GPU-bound there: the lanes' gain by itself)
+             timeout 200 python benchmarks/capture_recovery.py --batch 1024 --budget 0.05 --limit-gib 20 --steps 6 \
+               --out "$OUT/recover11"
+             timeout 300 python benchmarks/bench_step.py --batch 32 --variants inductor-ro apollo-1lane apollo \
+               --steps 30 --out "$OUT/next11"
+             exit $? ;;
   last10)    # session 10, last call: follow10 cut to fit, then issue 3 at batch 8 again with the back-to-back
              # rounds (median of 5, host ms per step); no cache save (nothing runs after it)
              timeout 320 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
@@ -185,7 +194,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|next11" >&2
      exit 2 ;;
 esac
 status=$?
