@@ -35,6 +35,7 @@
 #   run(command="bash benchmarks/h200_session.sh band10 ...")                         # 1088 and 1024: captures below the bar
 #   run(command="bash benchmarks/h200_session.sh band10b ...")                        # 960 and 896: where the capture fits
 #   run(command="bash benchmarks/h200_session.sh next11 ...")                         # training after a failed capture; issue 3
+#   run(command="bash benchmarks/h200_session.sh host11 ...")                         # the host in back-to-back batch-8 steps
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -170,6 +171,11 @@ case "${1:-}" in
              timeout 300 python benchmarks/bench_step.py --batch 32 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/next11"
              exit $? ;;
+  host11)    # for session 11: where the host's 5.8-7.5 ms per step go when batch-8 steps are queued back to back
+             # (session 10: host-bound for every compiled variant): garbage collections, cProfile's top functions
+             timeout 400 python benchmarks/host_split.py --batch 8 --variants inductor-ro apollo-1lane apollo \
+               --steps 30 --b2b-profile > "$OUT/host11.txt" 2>&1
+             status=$?; tail -c 6000 "$OUT/host11.txt"; exit $status ;;
   last10)    # session 10, last call: follow10 cut to fit, then issue 3 at batch 8 again with the back-to-back
              # rounds (median of 5, host ms per step); no cache save (nothing runs after it)
              timeout 320 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
@@ -194,7 +200,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|next11" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|next11|host11" >&2
      exit 2 ;;
 esac
 status=$?

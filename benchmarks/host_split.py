@@ -23,6 +23,12 @@ With ``--sync-debug``, one more step per variant runs under ``torch.cuda.set_syn
 and every CUDA call that makes the host wait for the GPU is printed with the Python stack that
 made it.
 
+With ``--b2b-profile``, ``--steps`` steps per variant also run back to back (no synchronize
+between them, as bench_step's back-to-back rounds: at batch 8 the host, 5.8-7.5 ms per step, set
+the pace there in session 10, above apollo's 5.1 ms of GPU work): the host ms per step, the
+garbage collections in them (count, ms), then the same steps under cProfile, its top functions
+by own time. cProfile slows Python calls, so read the shares, not the absolute times.
+
     PYTHONPATH=. python benchmarks/host_split.py --batch 8 --variants inductor-ro apollo-1lane apollo
     PYTHONPATH=. python benchmarks/host_split.py --batch 8 --variants apollo --sync-debug
 """
@@ -166,6 +172,46 @@ def report_syncs(f, model, batch) -> int:
     return len(seen)
 
 
+def b2b_profile(f, model, batch, steps: int, top: int = 25) -> str:
+    """Where the host's time goes in steps queued back to back (see the module docstring)."""
+    import cProfile
+    import gc
+    import io
+    import pstats
+
+    collections: list[float] = []
+    started: list[float] = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            collections.append((time.perf_counter() - started.pop()) * 1e3)
+
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    gc.callbacks.append(on_gc)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            bench_step.train_step(model, f, batch, device, True)
+        host_ms = (time.perf_counter() - t0) * 1e3 / steps
+    finally:
+        gc.callbacks.remove(on_gc)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        bench_step.train_step(model, f, batch, device, True)
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return (f"host {host_ms:.2f} ms per step back to back; {len(collections)} garbage collections in "
+            f"{steps} steps, {sum(collections):.2f} ms in all (longest {max(collections, default=0):.2f})\n"
+            + out.getvalue())
+
+
 def replay_host_ms(replays: int = 20) -> str:
     plan = apollo_compile.last_plan()
     times: dict[str, list[float]] = {"forward": [], "backward": []}
@@ -188,6 +234,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--sync-debug", action="store_true", help="print what makes the host wait for the GPU")
+    p.add_argument("--b2b-profile", action="store_true",
+                   help="also profile the host in steps queued back to back (garbage collections, cProfile)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("host_split.py needs CUDA")
@@ -216,6 +264,8 @@ def main(argv=None) -> int:
             host = prelaunch(model, f, batch, args.steps)
             around.append(f"| {name} | " + " | ".join(f"{host[k]:.3f}" for k in STAMPS) + " |")
             print(around[-1], flush=True)
+        if args.b2b_profile:
+            print(f"\n{name}, back to back:\n{b2b_profile(f, model, batch, args.steps)}", flush=True)
         lines.append(f"| {name} | " + " | ".join(f"{row[k]:.2f}" for k in COLUMNS) + f" | {replays} |")
         print(lines[-1], flush=True)
         del f, model

@@ -258,3 +258,21 @@ def test_capture_recovery_runs_its_loop_on_the_cpu(tmp_path, capsys):
     steps = json.loads((tmp_path / "capture_recovery.json").read_text())["steps"]
     assert [s["status"] for s in steps] == ["ok", "ok"] and all(s["graphs"] for s in steps)
     assert "steps lost: none" in capsys.readouterr().out
+
+
+def test_host_split_profiles_the_host_in_steps_queued_back_to_back(monkeypatch):
+    """host_split.py --b2b-profile (a device diagnostic), on the CPU with the synchronizes stubbed:
+    it times the steps, counts garbage collections in them and lists cProfile's top functions."""
+    import torch
+
+    import clip
+    import host_split
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    train_step = bench_step.train_step
+    monkeypatch.setattr(bench_step, "train_step",
+                        lambda model, f, batch, device, amp: train_step(model, f, batch, torch.device("cpu"), False))
+    model = clip.build("tiny")
+    text = host_split.b2b_profile(model, model, clip.make_batch(2, "cpu", "tiny"), steps=2, top=5)
+    assert text.startswith("host ") and "garbage collections in 2 steps" in text
+    assert "run_backward" in text  # the profile's table, loss.backward() among its top functions
