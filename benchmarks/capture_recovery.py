@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import apollo_compile  # noqa: E402  (registers the backend without an install)
+import bench_step  # noqa: E402
 import clip  # noqa: E402
 
 GiB = 2**30
@@ -47,7 +48,8 @@ def main(argv=None) -> int:
                    help="cpu: the loop alone, no CUDA graphs (the tests check the script runs)")
     p.add_argument("--out", default=None, help="also write the per-step records here as JSON")
     args = p.parse_args(argv)
-    cuda = args.device == "cuda"
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     if cuda and not torch.cuda.is_available():
         print("needs CUDA: the question is what a failed CUDA-graph capture leaves behind", file=sys.stderr)
         return 2
@@ -66,21 +68,16 @@ def main(argv=None) -> int:
     records = []
     for step in range(1, args.steps + 1):
         rec = {"step": step}
-        loss = None
-        try:
-            model.zero_grad(set_to_none=True)
-            loss = step_fn(*batch)
-            loss.backward()
-            if cuda:
-                torch.cuda.synchronize()
+        try:  # the precision option casts, so no autocast
+            bench_step.train_step(model, step_fn, batch, device, amp=False)
+            bench_step.synchronize(device)
             rec["status"] = "ok"
         except torch.OutOfMemoryError as e:
             rec["status"] = "OOM"
             rec["error"] = str(e).splitlines()[0][:200]
             rec["notes"] = list(getattr(e, "__notes__", []))
         finally:
-            loss = None  # a trainer that skips the batch drops its references to the step
-            gc.collect()
+            gc.collect()  # a trainer that skips the batch drops its references to the step
         if cuda:
             rec.update(allocated_gib=torch.cuda.memory_allocated() / GiB,
                        reserved_gib=torch.cuda.memory_reserved() / GiB, peak_gib=torch.cuda.max_memory_allocated() / GiB)

@@ -188,23 +188,22 @@ def b2b_profile(f, model, batch, steps: int, top: int = 25) -> str:
         elif started:
             collections.append((time.perf_counter() - started.pop()) * 1e3)
 
-    device = torch.device("cuda")
-    torch.cuda.synchronize()
+    device = batch[0].device
+
+    def step():
+        bench_step.train_step(model, f, batch, device, True)
+
     gc.callbacks.append(on_gc)
     try:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            bench_step.train_step(model, f, batch, device, True)
-        host_ms = (time.perf_counter() - t0) * 1e3 / steps
+        host_ms = bench_step.time_back_to_back(step, steps, device, rounds=1)["host_ms"]
     finally:
         gc.callbacks.remove(on_gc)
-    torch.cuda.synchronize()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
-        bench_step.train_step(model, f, batch, device, True)
+        step()
     profiler.disable()
-    torch.cuda.synchronize()
+    bench_step.synchronize(device)
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
     return (f"host {host_ms:.2f} ms per step back to back; {len(collections)} garbage collections in "
