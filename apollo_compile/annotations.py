@@ -29,6 +29,8 @@ class NodeInfo:
     cast: str | None = None  # this node is a cast apollo inserted, to this dtype ("bf16", ...)
     # checkpoint pass
     saved: bool = False  # a forward value the backward reads (saved, not recomputed)
+    # offload pass
+    transfer: str | None = None  # a copy of a saved value "to host" (forward) or "to device" (backward)
     # lanes pass
     lane: int | None = None
     subgraph: int | None = None

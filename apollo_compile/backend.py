@@ -29,7 +29,7 @@ from .devices import DEVICE_SPECS, DeviceSpec, detect_device_spec
 from . import calibration, logs, pipeline
 from .fallback import ApolloFallbackWarning
 from .options import ApolloOptions, ApolloOptionsError
-from .passes import checkpoint
+from .passes import checkpoint, offload
 from .passes.quotas import MIN_GAIN
 from .pipeline import GraphContext, run_passes
 from .plan import GraphPlan, ModelPlan
@@ -233,6 +233,10 @@ def _inductor_joint_passes(gm: torch.fx.GraphModule, joint_inputs) -> torch.fx.G
     return out if out is not None else work  # older releases rewrite in place and return None
 
 
+# what the joint passes write for the partitioner: checkpoint's recompute policy, offload's marks
+_JOINT_TAGS = ("recompute", "should_offload")
+
+
 def _partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext, **kwargs):
     """Our partition hook: Inductor's joint-graph passes (when it compiles the subgraphs), our joint
     passes tag recomputation, then Inductor's min-cut partitions.
@@ -248,19 +252,20 @@ def _partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext
             warnings.warn(f"apollo: {ctx.name} is partitioned without Inductor's joint-graph passes because "
                           f"{type(e).__name__}: {e} (correct, maybe slower)", ApolloFallbackWarning, stacklevel=2)
     if pipeline.JOINT_PASSES:
-        before = {n: n.meta.get("recompute") for n in joint_module.graph.nodes}
+        before = {n: {k: n.meta.get(k) for k in _JOINT_TAGS} for n in joint_module.graph.nodes}
         try:
             run_passes(joint_module, ctx, pipeline.JOINT_PASSES)
         except Exception as e:
             if ctx.options.strict:
                 raise
-            for n, tag in before.items():
-                if tag is None:
-                    n.meta.pop("recompute", None)
-                else:
-                    n.meta["recompute"] = tag
-            _warn_fallback(ctx.name, "the default partition (no apollo recompute tags)", e)
-    with checkpoint.attention_recomputed_as_is():
+            for n, tags in before.items():
+                for key, tag in tags.items():
+                    if tag is None:
+                        n.meta.pop(key, None)
+                    else:
+                        n.meta[key] = tag
+            _warn_fallback(ctx.name, "the default partition (no apollo recompute or offload tags)", e)
+    with checkpoint.attention_recomputed_as_is(), offload.partitioner_offloads(ctx.options):
         return min_cut_rematerialization_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                    **kwargs)
 
@@ -298,7 +303,10 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     spec = DEVICE_SPECS[opts.device] if opts.device else detect_device_spec(device)
     name = _graph_name()
     model_plan = ModelPlan(name)
-    use_cudagraphs = device.type == "cuda" and opts.cudagraphs in ("auto", True)
+    # an offloading model copies to host memory Inductor allocates per call: no CUDA graph (offload.py)
+    use_cudagraphs = device.type == "cuda" and opts.cudagraphs in ("auto", True) and not opts.offload_activations
+    if opts.offload_activations and device.type == "cuda" and opts.cudagraphs == "auto":
+        log.info("apollo: %s runs un-graphed: offload_activations copies to host memory each step", name)
     if opts.cudagraphs is True and device.type != "cuda":
         log.warning("apollo: cudagraphs=True ignored for %s: CUDA graphs need a CUDA device", device)
     compiler = functools.partial(compile_graph, name=name, options=opts, spec=spec, device=device,

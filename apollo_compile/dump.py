@@ -3,7 +3,8 @@
 The listing (``*.apollo.txt``) is deterministic — no addresses, paths or timings — so golden
 tests can pin it. Columns: node, op, value (dtype[shape]), modality (``*`` = recomputed in the
 backward), lane/subgraph, FLOPs, bytes, FLOP/byte, bound, estimated µs, and marks: ``cast->bf16``
-for a cast apollo inserted, ``saved`` for a forward value the backward reads.
+for a cast apollo inserted, ``saved`` for a forward value the backward reads, ``to-host`` /
+``to-device`` for the copies of an offloaded saved value.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def rows(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
             "lane": a.lane, "subgraph": a.subgraph,
             "flops": a.flops, "bytes": a.bytes, "intensity": round(a.intensity, 2), "bound": a.bound,
             "est_us": round(a.est_us, 2), "cast": a.cast, "saved": a.saved,
+            "transfer": a.transfer,
             "inputs": [i.name for i in n.all_input_nodes],
         })
     return out
@@ -81,12 +83,15 @@ def listing(gm: torch.fx.GraphModule, title: str) -> str:
 
 
 def _mark(row: dict[str, Any]) -> str:
-    """Decisions of the memory passes: casts apollo inserted, values saved for the backward."""
+    """Decisions of the memory passes: casts apollo inserted, values saved for the backward, copies
+    of the offloaded ones."""
     marks = []
     if row["cast"]:
         marks.append(f"cast->{row['cast']}")
     if row["saved"]:
         marks.append("saved")
+    if row["transfer"]:
+        marks.append(row["transfer"].replace(" ", "-"))
     return ",".join(marks)
 
 

@@ -13,6 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import torch
+import torch._functorch.config
+
 from .devices import DEVICE_SPECS
 
 
@@ -75,6 +78,10 @@ class ApolloOptions:
         memory_budget: activation memory kept without recomputation: a fraction (0, 1] of what
             the plain partition saves, a number of bytes (int > 1), or a per-modality dict of
             fractions such as ``{"vision": 0.3, "text": 1.0}`` (checkpoint pass). Default ``None``.
+        offload_activations: keep the large values saved for the backward in host memory between
+            their last forward use and their first backward use (offload pass; PyTorch >= 2.9).
+            Frees GPU memory for a larger batch at the price of two PCIe copies per value per
+            step; the model runs without CUDA graphs. Default ``False``.
     """
 
     dump_dir: str | None = None
@@ -86,6 +93,7 @@ class ApolloOptions:
     strict: bool = False
     precision: str | None = None
     memory_budget: float | int | Mapping[str, float] | None = None
+    offload_activations: bool = False
 
     @classmethod
     def from_user(cls, options: Mapping[str, Any] | None = None, mode: str | None = None) -> "ApolloOptions":
@@ -141,6 +149,17 @@ class ApolloOptions:
         if self.memory_budget is not None and not _valid_budget(self.memory_budget):
             raise bad("memory_budget", "a fraction in (0, 1], a byte count (int > 1), or a dict of "
                                        "modality name -> fraction in (0, 1]")
+        if not isinstance(self.offload_activations, bool):
+            raise bad("offload_activations", "True or False")
+        if self.offload_activations:
+            if not hasattr(torch._functorch.config, "enable_activation_offloading"):
+                raise ApolloOptionsError(
+                    f"apollo: option 'offload_activations' needs PyTorch 2.9 or later (activation offloading "
+                    f"in the partitioner); this is {torch.__version__}")
+            if self.cudagraphs is True:
+                raise ApolloOptionsError(
+                    "apollo: options 'offload_activations' and cudagraphs=True do not go together: the copies "
+                    "to host memory cannot be replayed as a CUDA graph; use cudagraphs='auto' or False")
 
 
 DEFAULT_OPTIONS = ApolloOptions()

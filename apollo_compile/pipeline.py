@@ -17,7 +17,7 @@ import torch.fx
 
 from .devices import DeviceSpec
 from .options import ApolloOptions
-from .passes import casts, checkpoint, codegen, cost, lanes, memory, modality, quotas
+from .passes import casts, checkpoint, codegen, cost, lanes, memory, modality, offload, quotas
 
 log = logging.getLogger("apollo_compile")
 
@@ -32,12 +32,14 @@ PRE_GRAD_PASSES: list[tuple[str, Pass]] = [
 # On the joint forward+backward graph, before the min-cut partitioner splits it.
 JOINT_PASSES: list[tuple[str, Pass]] = [
     ("checkpoint", checkpoint.run),  # memory_budget: tag what the backward recomputes instead of saving
+    ("offload", offload.mark),  # offload_activations: mark what the partition may keep on the host
 ]
 
 # On each forward, backward or inference ATen graph.
 GRAPH_PASSES: list[tuple[str, Pass]] = [
     ("modality", modality.run),  # label every node by tower: vision, text, ..., fusion for joins
     ("saved", checkpoint.mark_saved),  # forward values handed to the backward (with a memory_budget)
+    ("offload", offload.label),  # the copies of offloaded saved values, to the host and back
     ("cost", cost.run),          # FLOPs, bytes, compute/memory bound, roofline time per node
     ("lanes", lanes.run),        # concurrent subgraphs, one lane per independent branch
     ("quotas", quotas.run),      # candidate runtimes (one lane, lanes, SM quotas) the CUDA runner measures

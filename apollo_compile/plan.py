@@ -73,6 +73,8 @@ class GraphPlan:
             out["checkpoint"] = self.checkpoint.summary()
         if self.decisions.get("saved") is not None:
             out["saved"] = self.decisions["saved"]
+        if self.decisions.get("offload") is not None:  # copies of saved values to the host and back
+            out["offload"] = self.decisions["offload"]
         if self.fallback:
             out["fallback"] = self.fallback
         if self.runner is not None:

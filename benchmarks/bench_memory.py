@@ -21,7 +21,13 @@ Variants, run side by side in ONE process (absolute times drift between runs; DE
     apollo-bf16-budget-0.1   ... 0.1 and 0.05: below what the base model's partition can reach
     apollo-bf16-budget-0.05      (about 0.11 of the plain partition's predicted peak): the lowest
                                  predicted peak, for the largest batch within a memory limit
-    apollo-bf16-budget-<f>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows]
+    eager-bf16-ckpt-offload  eager-bf16-ckpt with torch.autograd.graph.save_on_cpu(pin_memory=True)
+                             around the forward: what checkpointing saves (each block's input) waits
+                             on the host (the by-hand counterpart of -offload)
+    apollo-bf16-budget-0.05-offload
+                             ... options={"precision": "bf16", "memory_budget": 0.05,
+                             "offload_activations": True}: the saved values wait on the host
+    apollo-bf16-budget-<f>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows][-offload]
                              any other fraction f in (0, 1], named on the command line; -fw-measured: the forward's lane
                              candidates measured and free to win even though its backward reuses the
                              saved activations' memory (the rule before session 7:
@@ -141,6 +147,7 @@ class Variant:
     forward_measured: bool = False  # the forward may replay lanes beside a donating backward (-fw-measured)
     lanes_measured: bool = False  # both graphs may replay lanes under the budget (-lanes-measured)
     backward_follows: bool = False  # the forward measured, its donating backward replays its choice (-bw-follows)
+    save_on_cpu: bool = False  # eager: torch.autograd.graph.save_on_cpu(pin_memory=True) around the forward
 
     @property
     def compiled(self) -> bool:
@@ -170,6 +177,8 @@ class Variant:
             parts.append("both graphs' lane candidates measured under the budget")
         if self.backward_follows:
             parts.append("the forward's lane candidates measured, its backward replays the forward's choice unmeasured")
+        if self.save_on_cpu:
+            parts.append("save_on_cpu(pin_memory=True): saved tensors on the host")
         return ", ".join(parts)
 
     @contextlib.contextmanager
@@ -197,6 +206,8 @@ class Variant:
                     lambda runner: None if runner.kind in measured else rule(runner)))
             if self.backward_follows:
                 stack.enter_context(follow_the_forward())
+            if self.save_on_cpu:  # packs what the forward saves; the backward unpacks it wherever it runs
+                stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=True))
             yield
 
     def prepare(self, model: nn.Module) -> Callable[..., torch.Tensor]:
@@ -246,6 +257,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("eager-fp32", autocast=False, tf32=False),
         Variant("eager-bf16", autocast=True),
         Variant("eager-bf16-ckpt", autocast=True, checkpoint_blocks=True),
+        Variant("eager-bf16-ckpt-offload", autocast=True, checkpoint_blocks=True, save_on_cpu=True),
         Variant("inductor-budget-0.5", autocast=True, compiler="inductor", functorch_budget=0.5),
         Variant("apollo-bf16", autocast=False, compiler="apollo", options={"precision": "bf16"}),
         Variant("apollo-bf16-budget-0.5", autocast=False, compiler="apollo",
@@ -260,15 +272,18 @@ VARIANTS: dict[str, Variant] = {
                 options={"precision": "bf16", "memory_budget": 0.1}),
         Variant("apollo-bf16-budget-0.05", autocast=False, compiler="apollo",
                 options={"precision": "bf16", "memory_budget": 0.05}),
+        Variant("apollo-bf16-budget-0.05-offload", autocast=False, compiler="apollo",
+                options={"precision": "bf16", "memory_budget": 0.05, "offload_activations": True}),
     )
 }
 _BUDGET_VARIANT = re.compile(
-    r"apollo-bf16-budget-((?:0\.\d+)|1(?:\.0)?)(-bytes-per-us)?(-fw-measured|-lanes-measured|-bw-follows)?")
+    r"apollo-bf16-budget-((?:0\.\d+)|1(?:\.0)?)(-bytes-per-us)?(-fw-measured|-lanes-measured|-bw-follows)?"
+    r"(-offload)?")
 
 
 def variant_name(name: str) -> str:
     """argparse type: a listed variant, or any
-    ``apollo-bf16-budget-<fraction>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows]``
+    ``apollo-bf16-budget-<fraction>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows][-offload]``
     (added to VARIANTS, after the listed apollo budgets)."""
     if name in VARIANTS:
         return name
@@ -276,12 +291,14 @@ def variant_name(name: str) -> str:
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)} "
                                          "or apollo-bf16-budget-<fraction in (0, 1]>[-bytes-per-us]"
-                                         "[-fw-measured|-lanes-measured|-bw-follows]")
+                                         "[-fw-measured|-lanes-measured|-bw-follows][-offload]")
     budget = float(m.group(1))
     if budget <= 0:
         raise argparse.ArgumentTypeError(f"{name!r}: the budget must be in (0, 1]")
-    VARIANTS[name] = Variant(name, autocast=False, compiler="apollo",
-                             options={"precision": "bf16", "memory_budget": budget},
+    options = {"precision": "bf16", "memory_budget": budget}
+    if m.group(4):
+        options["offload_activations"] = True
+    VARIANTS[name] = Variant(name, autocast=False, compiler="apollo", options=options,
                              memory_bound_first=m.group(2) is None, forward_measured=m.group(3) == "-fw-measured",
                              lanes_measured=m.group(3) == "-lanes-measured",
                              backward_follows=m.group(3) == "-bw-follows")
@@ -712,6 +729,9 @@ def runtime_notes(results: list[dict]) -> str:
                         text += ", not met"
                     parts.append(text)
                 for kind, g in plan["graphs"].items():
+                    if (moved := g.get("offload")) and moved.get("to_host"):
+                        parts.append(f"offload: {moved['to_host']} saved values, {moved['bytes'] / 2**30:.2f} GiB "
+                                     "to the host and back")
                     cg = g.get("cuda_graph")
                     if not cg:
                         continue

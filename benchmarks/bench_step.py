@@ -411,7 +411,7 @@ def apollo_diagnostics(row: dict, name: str):
                 if ckpt is not None:
                     entry["checkpoint"] = ckpt.summary()  # predicted peaks and bytes, per_block, relaxed, met
                 summaries = {k: g.summary() for k, g in plan.graphs.items()}
-                entry["graphs"] = {k: {key: summary.get(key) for key in ("lanes", "cuda_graph", "fallback")}
+                entry["graphs"] = {k: {key: summary.get(key) for key in ("lanes", "cuda_graph", "fallback", "offload")}
                                    for k, summary in summaries.items()}
                 row["apollo"].append(entry)
             for w in row["warnings"]:

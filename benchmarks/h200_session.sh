@@ -34,6 +34,7 @@
 #   run(command="bash benchmarks/h200_session.sh last10 ...")                         # follow10, then batch 8 back to back
 #   run(command="bash benchmarks/h200_session.sh band10 ...")                         # 1088 and 1024: captures below the bar
 #   run(command="bash benchmarks/h200_session.sh band10b ...")                        # 960 and 896: where the capture fits
+#   run(command="bash benchmarks/h200_session.sh off11 ...")                          # offload_activations; issue 4 target 3
 #   run(command="bash benchmarks/h200_session.sh next11 ...")                         # training after a failed capture; issue 3
 #   run(command="bash benchmarks/h200_session.sh host11 ...")                         # the host in back-to-back batch-8 steps
 #
@@ -163,6 +164,16 @@ case "${1:-}" in
              timeout 300 python benchmarks/bench_memory.py --batch --search-at 960 896 --search-probes 2 \
                --variants apollo-bf16-budget-0.05 --search-variants apollo-bf16-budget-0.05 --out "$OUT/band10b"
              exit $? ;;
+  off11)     # session 11: offload_activations (the saved block inputs wait on the host) at batch 64 against
+             # per-block checkpointing with and without save_on_cpu, numerics included; then the 20 GiB edge
+             python -c "import torch._functorch.config as c; print('partitioner offloading:', hasattr(c, 'enable_activation_offloading'))"
+             timeout 230 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 5 --variants eager-fp32 \
+               eager-bf16-ckpt eager-bf16-ckpt-offload apollo-bf16-budget-0.05 apollo-bf16-budget-0.05-offload \
+               --out "$OUT/off64"
+             timeout 330 python benchmarks/bench_memory.py --batch --variants eager-bf16-ckpt-offload \
+               apollo-bf16-budget-0.05-offload --search-variants eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload \
+               --search-at 1536 2048 --search-probes 2 --out "$OUT/off20"
+             exit $? ;;
   next11)    # for session 11: does training go on after a backward's capture runs out (cudagraph.py, _let_go)?
              # batch 1024 in 20 GiB with cudagraphs=True: step 2 lost, the steps after it un-graphed and ok?
              # then issue 3 at 32 with the back-to-back rounds (GPU-bound there: the lanes' gain by itself)
@@ -200,7 +211,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|next11|host11" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|next11|host11" >&2
      exit 2 ;;
 esac
 status=$?

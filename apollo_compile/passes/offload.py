@@ -1,0 +1,93 @@
+"""Offload pass: saved activations wait for the backward in host memory, not on the GPU.
+
+With ``options={"offload_activations": True}`` the forward copies each large value it saves for
+the backward to host memory right after its last forward use, so its GPU memory is free for the
+rest of the forward; the backward copies it back just before its first use. Per-block
+checkpointing (a small ``memory_budget``) still saves every block's input, fp32 under autocast:
+on the CLIP benchmark that is most of the GPU memory a large batch needs (NOTE in bench_memory's
+results), and the only way below it without changing the model is to keep those inputs off the
+GPU. The price is PCIe traffic: each offloaded byte crosses twice per step.
+
+PyTorch already implements the graph rewrite (``torch._functorch._activation_offloading``): the
+min-cut partitioner applies it to forward values marked ``should_offload`` that it ends up
+saving, when ``torch._functorch.config.enable_activation_offloading`` is on. This pass marks the
+values (joint graph), turns the switch on around the partition, and labels the copies it
+inserted in the forward and backward graphs for dumps. The copies go to host memory that Inductor
+allocates per call, which a CUDA graph cannot replay, so an offloading model runs un-graphed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch._functorch.config
+import torch.fx
+
+from ..annotations import info
+from ..options import ApolloOptions
+
+# Smaller values are left on the GPU: each transfer costs a launch and a PCIe round trip, and a
+# block's small saved values (norm statistics, attention's logsumexp) free almost nothing.
+MIN_BYTES = 1 << 20
+
+_TO_HOST, _TO_DEVICE = "to host", "to device"
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    try:
+        return int(val.numel()) * val.element_size()
+    except Exception:  # a symbolic size: unknown until it runs, leave it on the GPU
+        return 0
+
+
+def mark(gm: torch.fx.GraphModule, ctx) -> dict[str, Any] | None:
+    """Joint graph: mark the values worth offloading if the partition saves them.
+
+    Every op output of at least MIN_BYTES is a candidate; the partitioner offloads the ones it
+    saves (not model outputs, views or pieces of multi-output ops: PyTorch's ``can_offload``)."""
+    if not ctx.options.offload_activations:
+        return None
+    marked = [n for n in gm.graph.nodes if n.op == "call_function" and _nbytes(n) >= MIN_BYTES]
+    for n in marked:
+        n.meta["should_offload"] = True
+    return {"candidates": len(marked), "min_bytes": MIN_BYTES}
+
+
+@contextlib.contextmanager
+def partitioner_offloads(options: ApolloOptions) -> Iterator[None]:
+    """Turn on PyTorch's activation offloading for one partition, if the user asked for it."""
+    if not options.offload_activations:
+        yield
+        return
+    with torch._functorch.config.patch(enable_activation_offloading=True):
+        yield
+
+
+def _transfer(node: torch.fx.Node) -> str | None:
+    if node.op != "call_function" or node.target is not torch.ops.prims.device_put.default:
+        return None
+    if node.name.startswith("cpu_offload_"):
+        return _TO_HOST
+    if node.name.startswith("gpu_reload_"):
+        return _TO_DEVICE
+    return None
+
+
+def label(gm: torch.fx.GraphModule, ctx) -> dict[str, Any] | None:
+    """Forward or backward graph: mark the copies the partitioner inserted (``NodeInfo.transfer``)
+    and count them: values and bytes sent to the host (forward) or brought back (backward)."""
+    if not ctx.options.offload_activations:
+        return None
+    count, total = 0, 0
+    for n in gm.graph.nodes:
+        if (direction := _transfer(n)) is not None:
+            info(n).transfer = direction
+            count += 1
+            total += _nbytes(n)
+    key = "to_host" if ctx.kind == "forward" else "to_device"
+    return {key: count, "bytes": total}
