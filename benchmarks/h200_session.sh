@@ -174,6 +174,11 @@ case "${1:-}" in
                apollo-bf16-budget-0.05-offload --search-variants eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload \
                --search-at 1536 2048 --search-probes 2 --out "$OUT/off20"
              exit $? ;;
+  offmem11)  # session 11: where the step peaks with offloading (apollo trained 1536 in 20 GiB, eager
+             # checkpointing + save_on_cpu 2048), and where Inductor put the host copies among the kernels
+             timeout 420 python benchmarks/offload_memory.py --batch 512 --without-peak-reorder \
+               --code-dir "$OUT/code" --out "$OUT/offmem11.json"
+             exit $? ;;
   next11)    # for session 11: does training go on after a backward's capture runs out (cudagraph.py, _let_go)?
              # batch 1024 in 20 GiB with cudagraphs=True: step 2 lost, the steps after it un-graphed and ok?
              # then issue 3 at 32 with the back-to-back rounds (GPU-bound there: the lanes' gain by itself)
@@ -211,7 +216,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|next11|host11" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|next11|host11" >&2
      exit 2 ;;
 esac
 status=$?

@@ -1,0 +1,132 @@
+"""Diagnostic (device tool): where a step's GPU memory peaks, forward or backward, with and without
+``offload_activations``, against eager per-block checkpointing with ``save_on_cpu``.
+
+Session 11 (RESULTS.md): in 20 GiB, apollo at budget 0.05 with offloading trained 1536 but not 2048
+while eager per-block checkpointing with save_on_cpu trained 2048, though both keep the same block
+inputs on the host. This splits one step of each variant (after a warm-up step that compiles) into
+its forward and its backward: the peak allocated in each (peak stats reset between them) and what
+the forward leaves allocated for the backward. With ``--code-dir`` it also copies the Inductor
+wrappers compiled in this process that copy to or from the host (their ``call`` function only),
+to show where Inductor placed each copy among the kernels.
+
+    PYTHONPATH=. python benchmarks/offload_memory.py --batch 512 --code-dir "$OUT/code"
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+import torch
+import torch._inductor.config
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import apollo_compile  # noqa: E402,F401  (registers the backend without an install)
+import bench_memory  # noqa: E402
+import bench_step  # noqa: E402
+import clip  # noqa: E402
+
+GiB = 2**30
+VARIANTS = ["eager-bf16-ckpt-offload", "apollo-bf16-budget-0.05", "apollo-bf16-budget-0.05-offload"]
+
+
+def phases(spec, base, batch, device) -> dict:
+    """One warm-up step, then one step measured phase by phase (GiB). apollo runs un-graphed, as
+    it does with offloading: a CUDA-graph replay allocates nothing the allocator counts."""
+    if spec.compiler == "apollo":
+        spec = dataclasses.replace(spec, options={**spec.options, "cudagraphs": False})
+    model = copy.deepcopy(base).to(device)
+    with spec.context():
+        step_fn = spec.prepare(model)
+        bench_step.train_step(model, step_fn, batch, device, spec.autocast)
+        bench_step.synchronize(device)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        with bench_step.autocast(device, spec.autocast):
+            loss = step_fn(*batch)
+        bench_step.synchronize(device)
+        fw_peak, after_fw = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+        bench_step.synchronize(device)
+        bw_peak = torch.cuda.max_memory_allocated()
+    del model, step_fn, loss
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return {"before": start / GiB, "forward_peak": fw_peak / GiB, "after_forward": after_fw / GiB,
+            "backward_peak": bw_peak / GiB}
+
+
+def host_copy_wrappers(root: str, since: float, out_dir: pathlib.Path) -> list[str]:
+    """Copy the ``call`` function of each Inductor wrapper written after `since` that moves data
+    between host and device (a ``.copy_(`` line), to `out_dir`; return the file names."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kept = []
+    for path in pathlib.Path(root).rglob("*.py"):
+        if path.stat().st_mtime < since:
+            continue
+        text = path.read_text(errors="replace")
+        if ".copy_(" not in text or "def call(" not in text:
+            continue
+        body = text[text.index("def call("):]
+        (out_dir / path.name).write_text(body[:400_000])
+        kept.append(path.name)
+    return kept
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))
+    p.add_argument("--variants", nargs="+", default=VARIANTS, type=bench_memory.variant_name)
+    p.add_argument("--without-peak-reorder", action="store_true",
+                   help="also run each offloading apollo variant with Inductor's reorder_for_peak_memory off")
+    p.add_argument("--code-dir", default=None, help="copy the host-copying Inductor wrappers here")
+    p.add_argument("--out", default=None, help="write the table as JSON here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA: the question is GPU memory", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    since = time.time()
+    base = clip.build(args.config)
+    batch = clip.make_batch(args.batch, device, args.config)
+    rows = {}
+    for name in args.variants:
+        try:
+            rows[name] = phases(bench_memory.VARIANTS[name], base, batch, device)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next variant
+            rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(name, json.dumps(rows[name]), flush=True)
+        if args.without_peak_reorder and bench_memory.VARIANTS[name].options.get("offload_activations"):
+            label = f"{name}, reorder_for_peak_memory off"
+            try:
+                with torch._inductor.config.patch(reorder_for_peak_memory=False):
+                    rows[label] = phases(bench_memory.VARIANTS[name], base, batch, device)
+            except Exception as e:  # noqa: BLE001
+                rows[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(label, json.dumps(rows[label]), flush=True)
+    if args.code_dir:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        root = cache_dir()
+        print("wrappers that copy to or from the host:", host_copy_wrappers(root, since, pathlib.Path(args.code_dir)))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps({"batch": args.batch, "rows": rows}, indent=1))
+    print(f"\nbatch {args.batch} ({args.config}), GiB allocated")
+    print("| variant | before | forward peak | after forward | backward peak |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        cells = [r.get("error", "")] if "error" in r else [
+            f"{r[k]:.2f}" for k in ("before", "forward_peak", "after_forward", "backward_peak")]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
