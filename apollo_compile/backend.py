@@ -35,7 +35,7 @@ from .pipeline import GraphContext, run_passes
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
 from .runtime.runner import build_runtime
-from .runtime.subgraphs import inductor_config
+from .runtime.subgraphs import has_host_copies, inductor_config
 from .tracing import fw_metadata
 
 log = logging.getLogger("apollo_compile")
@@ -86,7 +86,7 @@ def fallback_compile(gm: torch.fx.GraphModule, example_inputs, kind: str, compil
         try:
             from torch._inductor.compile_fx import compile_fx_inner
 
-            with inductor_config():
+            with inductor_config(host_copies=has_host_copies(gm)):
                 return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
                                         is_inference=kind == "inference")
         except Exception as e:  # pragma: no cover - Inductor unavailable

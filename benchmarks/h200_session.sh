@@ -179,6 +179,15 @@ case "${1:-}" in
              timeout 420 python benchmarks/offload_memory.py --batch 512 --without-peak-reorder \
                --code-dir "$OUT/code" --out "$OUT/offmem11.json"
              exit $? ;;
+  off11b)    # session 11: the 20 GiB edge again with the host copies kept in place (NOTE: Host copies keep
+             # their place), eager + save_on_cpu's edge above 2048, then batch 64 side by side
+             timeout 250 python benchmarks/bench_memory.py --batch --variants apollo-bf16-budget-0.05-offload \
+               --search-variants apollo-bf16-budget-0.05-offload --search-at 2048 1792 --search-probes 2 --out "$OUT/off20a"
+             timeout 80 python benchmarks/bench_memory.py --batch --variants eager-bf16-ckpt-offload \
+               --search-variants eager-bf16-ckpt-offload --search-at 2560 2304 --search-probes 2 --out "$OUT/off20e"
+             timeout 180 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 5 --variants eager-fp32 \
+               eager-bf16-ckpt-offload apollo-bf16-budget-0.05 apollo-bf16-budget-0.05-offload --out "$OUT/off64b"
+             exit $? ;;
   next11)    # for session 11: does training go on after a backward's capture runs out (cudagraph.py, _let_go)?
              # batch 1024 in 20 GiB with cudagraphs=True: step 2 lost, the steps after it un-graphed and ok?
              # then issue 3 at 32 with the back-to-back rounds (GPU-bound there: the lanes' gain by itself)
@@ -216,7 +225,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|next11|host11" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|next11|host11" >&2
      exit 2 ;;
 esac
 status=$?

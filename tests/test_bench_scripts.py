@@ -72,6 +72,10 @@ def test_budget_variants_by_name():
     assert backward._memory_first_one_lane() is not None
     with both.context():  # no memory-first rule in either graph
         assert forward._memory_first_one_lane() is None and backward._memory_first_one_lane() is None
+    offloading = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.2-offload")]
+    assert offloading.options == {"precision": "bf16", "memory_budget": 0.2, "offload_activations": True}
+    assert "offload_activations" not in bench_memory.VARIANTS["apollo-bf16-budget-0.05"].options
+    assert bench_memory.VARIANTS["eager-bf16-ckpt-offload"].save_on_cpu
     follows = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.5-bw-follows")]
     assert follows.backward_follows and not follows.lanes_measured and not both.backward_follows
     with follows.context():  # the forward measures; the donating backward replays its choice, unmeasured

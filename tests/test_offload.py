@@ -1,0 +1,130 @@
+"""The offload pass (``offload_activations``): saved values wait for the backward on the host.
+
+On the CPU "the host" is the same device, so the copies move nothing; what CI checks is that the
+partitioner inserts them where apollo asked, that every pass, the lane runtime and Inductor take
+graphs with them, and that training stays equal to eager. The memory it frees is measured on the
+H200 (benchmarks/offload_memory.py, bench_memory.py, RESULTS.md session 11).
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch._inductor.config
+
+import apollo_compile
+from apollo_compile import ApolloFallbackWarning
+from apollo_compile.options import ApolloOptions, ApolloOptionsError
+from apollo_compile.passes import offload
+from apollo_compile.runtime import subgraphs
+from helpers import TOLERANCE, assert_trains_like_eager
+from models import TwoTower, two_tower_inputs
+
+
+@pytest.fixture
+def every_value(monkeypatch):
+    """The test models' activations are a few KiB, under offload.MIN_BYTES: offload them all."""
+    monkeypatch.setattr(offload, "MIN_BYTES", 0)
+
+
+def batches(step):
+    return two_tower_inputs(batch=4, seed=step)
+
+
+def train(options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)  # no graph falls back
+        assert_trains_like_eager(TwoTower(), batches, options, steps=3)
+    return apollo_compile.last_plan()
+
+
+@pytest.mark.parametrize("options", [
+    {"offload_activations": True},
+    {"offload_activations": True, "memory_budget": 0.3},
+    {"offload_activations": True, "subgraph_compiler": "eager"},
+], ids=["inductor", "inductor-budget", "eager-subgraphs"])
+def test_trains_like_eager_and_every_offloaded_value_comes_back(options, every_value):
+    plan = train(options)
+    sent, back = plan.forward.summary()["offload"], plan.backward.summary()["offload"]
+    assert sent["to_host"] > 0 and sent == {"to_host": back["to_device"], "bytes": back["bytes"]}
+    assert plan.joint["offload"]["candidates"] >= sent["to_host"]
+    listing = plan.forward.listing + plan.backward.listing
+    assert listing.count("to-host") == sent["to_host"] and listing.count("to-device") == back["to_device"]
+    # each copy to the host follows the last forward use of what it copies (the GPU memory is free
+    # from there on), and each copy back precedes the first backward use
+    fw = list(plan.forward.gm.graph.nodes)
+    for copy_node in (n for n in fw if offload._transfer(n) == "to host"):
+        source = copy_node.args[0]
+        assert all(fw.index(u) < fw.index(copy_node) for u in source.users if u is not copy_node and u.op != "output")
+    bw = list(plan.backward.gm.graph.nodes)
+    for copy_node in (n for n in bw if offload._transfer(n) == "to device"):
+        assert all(bw.index(u) > bw.index(copy_node) for u in copy_node.users)
+
+
+def test_dropout_with_offloading_matches_eager_with_same_seed(every_value):
+    # the saved dropout masks are offloaded like any value: the backward must read the same masks.
+    # The eager subgraph compiler draws them in eager's order (as test_checkpoint's dropout test)
+    torch.manual_seed(0)
+    model = TwoTower(dropout=0.3)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="apollo", options={"offload_activations": True, "memory_budget": 0.2,
+                                                               "subgraph_compiler": "eager"})
+    tol = TOLERANCE["eager"]
+    for step in range(2):
+        inputs = batches(step)
+        torch.manual_seed(100 + step)
+        loss = compiled(*inputs)
+        loss.backward()
+        torch.manual_seed(100 + step)
+        ref_loss = ref(*inputs)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, **tol)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"{name}: {m}")
+            p.grad = q.grad = None
+    assert apollo_compile.last_plan().forward.summary()["offload"]["to_host"] > 0
+
+
+def test_small_values_stay_put():
+    # at the default MIN_BYTES nothing in the test model is worth a transfer
+    plan = train({"offload_activations": True})
+    assert plan.forward.summary()["offload"] == {"to_host": 0, "bytes": 0}
+    assert "to-host" not in plan.forward.listing
+
+
+def test_off_by_default_marks_nothing():
+    plan = train({})
+    assert plan.joint.get("offload") is None and "offload" not in plan.forward.summary()
+    assert not any("should_offload" in n.meta for n in plan.forward.gm.graph.nodes)
+
+
+def test_host_copies_keep_their_place_in_inductor():
+    # NOTE: Host copies keep their place: Inductor's peak-memory reordering moved them late
+    with subgraphs.inductor_config(host_copies=True):
+        assert torch._inductor.config.reorder_for_peak_memory is False
+        assert torch._inductor.config.fallback_random is True
+    before = torch._inductor.config.reorder_for_peak_memory
+    with subgraphs.inductor_config():
+        assert torch._inductor.config.reorder_for_peak_memory == before
+
+    def with_copy(x):
+        return torch.ops.prims.device_put.default(x, torch.device("cpu")) + 1
+
+    assert subgraphs.has_host_copies(torch.fx.symbolic_trace(with_copy))
+    assert not subgraphs.has_host_copies(torch.fx.symbolic_trace(lambda x: x + 1))
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"offload_activations": 1}, "offload_activations"),
+    ({"offload_activations": True, "cudagraphs": True}, "cannot be replayed as a CUDA graph"),
+])
+def test_bad_offload_options(options, match):
+    with pytest.raises(ApolloOptionsError, match=match):
+        ApolloOptions.from_user(options)
+
+
+def test_needs_partitioner_offloading(monkeypatch):
+    monkeypatch.delattr(torch._functorch.config, "enable_activation_offloading", raising=False)
+    with pytest.raises(ApolloOptionsError, match="needs PyTorch 2.9"):
+        ApolloOptions.from_user({"offload_activations": True})
