@@ -362,7 +362,8 @@ def _node_title(n: torch.fx.Node) -> str:
     a = info(n)
     where = "-" if a.subgraph is None else f"lane {a.lane}, subgraph {a.subgraph}"
     marks = [m for m in ("recomputed in the backward" if a.recomputed else "",
-                         f"cast to {a.cast}" if a.cast else "", "saved for the backward" if a.saved else "") if m]
+                         f"cast to {a.cast}" if a.cast else "", "saved for the backward" if a.saved else "",
+                         f"copy {a.transfer} (offloaded)" if a.transfer else "") if m]
     return (f"{n.name}: {dump.format_target(n)} {dump.format_value(n.meta.get('val'))}\n{a.modality} · {where}\n"
             f"{a.bound}-bound · {a.flops} FLOP · {a.bytes} B · {a.est_us:.2f} µs"
             + (f"\n{'; '.join(marks)}" if marks else ""))
@@ -692,7 +693,7 @@ def _node_table(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
         mod = f'<span class="swatch" style="background:{color}"></span>{_esc(str(row["modality"]))}' \
               + ("*" if row["recomputed"] else "")
         mark = ", ".join(m for m in (f"cast→{row['cast']}" if row["cast"] else "", "saved" if row["saved"] else "",
-                                      "recomputed" if row["recomputed"] else "") if m)
+                                      "recomputed" if row["recomputed"] else "", row["transfer"] or "") if m)
         cells = (_esc(row["node"]), _esc(row["op"]), _esc(row["value"]), mod, where, f"{row['flops']:,}",
                  f"{row['bytes']:,}", f"{row['intensity']:.1f}" if row["bytes"] else "-",
                  f'<span class="bound-{_esc(row["bound"])}">{_esc(row["bound"])}</span>',

@@ -8,6 +8,7 @@ import torch
 from expecttest import TestCase
 
 import apollo_compile
+from apollo_compile import dump
 from models import TwoTower, two_tower_inputs
 
 
@@ -581,4 +582,42 @@ def run(args):
         linalg_vector_norm_1, div_1, exp, mul, arange, _log_softmax, getitem_23, _log_softmax_1,
         getitem_25, detach_11, detach_13
     )
+""")
+
+
+class TestGoldenOffload(TestCase):
+    """The offload pass's marks: every value the forward sends to the host comes back in the
+    backward (offload_activations, every value offloaded whatever its size). The vision tower's
+    saved block output is not among them: it is non-contiguous, which PyTorch does not offload."""
+
+    def setUp(self):
+        from apollo_compile.passes import offload
+
+        torch._dynamo.reset()
+        self.min_bytes, offload.MIN_BYTES = offload.MIN_BYTES, 0
+        torch.manual_seed(0)
+        model = TwoTower(width=16, embed=8, layers=1)
+        compiled = torch.compile(model, backend="apollo", options={
+            "subgraph_compiler": "eager", "device": "H200", "offload_activations": True, "memory_budget": 0.3})
+        compiled(*two_tower_inputs(batch=2)).backward()
+        self.plan = apollo_compile.last_plan()
+
+    def tearDown(self):
+        from apollo_compile.passes import offload
+
+        offload.MIN_BYTES = self.min_bytes
+
+    def marked(self, graph) -> str:
+        """node, op, value and mark of each listed copy (the listing's other columns are pinned above)."""
+        rows = [r for r in dump.rows(graph.gm) if r["transfer"]]
+        return "".join(f"{r['node']} {r['op']} {r['value']} {r['modality']} -> {r['transfer']}\n" for r in rows)
+
+    def test_copies_to_the_host_and_back(self):
+        self.assertExpectedInline(self.marked(self.plan.forward), """\
+cpu_offload_add_4 prims.device_put.default f32[2, 8, 16] text -> to host
+cpu_offload_add_5 prims.device_put.default f32[2, 8, 16] text -> to host
+""")
+        self.assertExpectedInline(self.marked(self.plan.backward), """\
+gpu_reload_add_5 prims.device_put.default f32[2, 8, 16] text -> to device
+gpu_reload_add_4 prims.device_put.default f32[2, 8, 16] text -> to device
 """)

@@ -49,7 +49,8 @@ def mark(gm: torch.fx.GraphModule, ctx) -> dict[str, Any] | None:
     """Joint graph: mark the values worth offloading if the partition saves them.
 
     Every op output of at least MIN_BYTES is a candidate; the partitioner offloads the ones it
-    saves (not model outputs, views or pieces of multi-output ops: PyTorch's ``can_offload``)."""
+    saves, except model outputs, views, pieces of multi-output ops and non-contiguous values
+    (PyTorch's ``can_offload``: Inductor would restride those on both sides)."""
     if not ctx.options.offload_activations:
         return None
     marked = [n for n in gm.graph.nodes if n.op == "call_function" and _nbytes(n) >= MIN_BYTES]
