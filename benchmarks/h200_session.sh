@@ -35,6 +35,7 @@
 #   run(command="bash benchmarks/h200_session.sh band10 ...")                         # 1088 and 1024: captures below the bar
 #   run(command="bash benchmarks/h200_session.sh band10b ...")                        # 960 and 896: where the capture fits
 #   run(command="bash benchmarks/h200_session.sh off11 ...")                          # offload_activations; issue 4 target 3
+#   run(command="bash benchmarks/h200_session.sh offmem12 ...")                       # the offloading backward's peak, itemised
 #   run(command="bash benchmarks/h200_session.sh next11 ...")                         # training after a failed capture; issue 3
 #   run(command="bash benchmarks/h200_session.sh host11 ...")                         # the host in back-to-back batch-8 steps
 #
@@ -188,6 +189,13 @@ case "${1:-}" in
              timeout 180 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 5 --variants eager-fp32 \
                eager-bf16-ckpt-offload apollo-bf16-budget-0.05 apollo-bf16-budget-0.05-offload --out "$OUT/off64b"
              exit $? ;;
+  offmem12)  # for session 12: what apollo's backward holds at its peak with offloading, itemised (5.81 GiB
+             # against eager + save_on_cpu's 5.08 at batch 512, session 11): the largest live allocations and
+             # the wrapper lines that made them
+             timeout 420 python benchmarks/offload_memory.py --batch 512 --variants eager-bf16-ckpt-offload \
+               apollo-bf16-budget-0.05-offload --snapshot eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload \
+               --code-dir "$OUT/code" --out "$OUT/offmem12.json"
+             exit $? ;;
   next11)    # for session 11: does training go on after a backward's capture runs out (cudagraph.py, _let_go)?
              # batch 1024 in 20 GiB with cudagraphs=True: step 2 lost, the steps after it un-graphed and ok?
              # then issue 3 at 32 with the back-to-back rounds (GPU-bound there: the lanes' gain by itself)
@@ -225,7 +233,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|next11|host11" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|offmem12|next11|host11" >&2
      exit 2 ;;
 esac
 status=$?

@@ -7,9 +7,12 @@ inputs on the host. This splits one step of each variant (after a warm-up step t
 its forward and its backward: the peak allocated in each (peak stats reset between them) and what
 the forward leaves allocated for the backward. With ``--code-dir`` it also copies the Inductor
 wrappers compiled in this process that copy to or from the host (their ``call`` function only),
-to show where Inductor placed each copy among the kernels.
+to show where Inductor placed each copy among the kernels. ``--snapshot VARIANT ...`` records the
+measured step's allocations (``torch.cuda.memory._record_memory_history``) and lists the largest
+ones live at the step's peak, each with the wrapper line that made it: what the backward holds.
 
-    PYTHONPATH=. python benchmarks/offload_memory.py --batch 512 --code-dir "$OUT/code"
+    PYTHONPATH=. python benchmarks/offload_memory.py --batch 512 --code-dir "$OUT/code" \\
+        --snapshot eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload
 """
 from __future__ import annotations
 
@@ -34,9 +37,10 @@ GiB = 2**30
 VARIANTS = ["eager-bf16-ckpt-offload", "apollo-bf16-budget-0.05", "apollo-bf16-budget-0.05-offload"]
 
 
-def phases(spec, base, batch, device) -> dict:
+def phases(spec, base, batch, device, snapshot: bool = False) -> dict:
     """One warm-up step, then one step measured phase by phase (GiB). apollo runs un-graphed, as
-    it does with offloading: a CUDA-graph replay allocates nothing the allocator counts."""
+    it does with offloading: a CUDA-graph replay allocates nothing the allocator counts. With
+    `snapshot`, the measured step's allocations are recorded and their peak itemised."""
     if spec.compiler == "apollo":
         spec = dataclasses.replace(spec, options={**spec.options, "cudagraphs": False})
     model = copy.deepcopy(base).to(device)
@@ -47,6 +51,8 @@ def phases(spec, base, batch, device) -> dict:
         model.zero_grad(set_to_none=True)
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
+        if snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         with bench_step.autocast(device, spec.autocast):
             loss = step_fn(*batch)
         bench_step.synchronize(device)
@@ -55,11 +61,39 @@ def phases(spec, base, batch, device) -> dict:
         loss.backward()
         bench_step.synchronize(device)
         bw_peak = torch.cuda.max_memory_allocated()
+        record = {}
+        if snapshot:
+            trace = torch.cuda.memory._snapshot()["device_traces"][0]
+            torch.cuda.memory._record_memory_history(enabled=None)
+            traced_peak, largest = peak_allocations(trace)
+            record = {"traced_peak_above_before": traced_peak / GiB, "largest_at_peak": largest}
     del model, step_fn, loss
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return {"before": start / GiB, "forward_peak": fw_peak / GiB, "after_forward": after_fw / GiB,
-            "backward_peak": bw_peak / GiB}
+            "backward_peak": bw_peak / GiB, **record}
+
+
+def peak_allocations(entries: list[dict], top: int = 12) -> tuple[int, list[dict]]:
+    """From a memory-history trace (``torch.cuda.memory._snapshot()["device_traces"][0]``): the most
+    bytes its allocations held at once (on top of what was live when recording began), and the
+    `top` largest of the allocations live at that moment, each with where it was made: the first
+    two frames outside torch itself (an Inductor wrapper's line names the buffer)."""
+    live: dict[int, dict] = {}
+    cur, best, at_best = 0, 0, {}
+    for e in entries:
+        if e.get("action") == "alloc":
+            live[e["addr"]] = e
+            cur += e["size"]
+            if cur > best:
+                best, at_best = cur, dict(live)
+        elif e.get("action") == "free_completed" and live.pop(e["addr"], None) is not None:
+            cur -= e["size"]
+    largest = sorted(at_best.values(), key=lambda e: -e["size"])[:top]
+    return best, [{"gib": e["size"] / GiB, "where": [f"{f['filename']}:{f['line']} {f['name']}"
+                                                     for f in e.get("frames", ())
+                                                     if "/torch/" not in f["filename"]][:2]}
+                  for e in largest]
 
 
 def host_copy_wrappers(root: str, since: float, out_dir: pathlib.Path) -> list[str]:
@@ -86,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", default=VARIANTS, type=bench_memory.variant_name)
     p.add_argument("--without-peak-reorder", action="store_true",
                    help="also run each offloading apollo variant with Inductor's reorder_for_peak_memory off")
+    p.add_argument("--snapshot", nargs="*", default=[], type=bench_memory.variant_name,
+                   help="record these variants' measured step and list what is live at its peak")
     p.add_argument("--code-dir", default=None, help="copy the host-copying Inductor wrappers here")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     args = p.parse_args(argv)
@@ -99,7 +135,7 @@ def main(argv=None) -> int:
     rows = {}
     for name in args.variants:
         try:
-            rows[name] = phases(bench_memory.VARIANTS[name], base, batch, device)
+            rows[name] = phases(bench_memory.VARIANTS[name], base, batch, device, snapshot=name in args.snapshot)
         except Exception as e:  # noqa: BLE001 - report and go on to the next variant
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(name, json.dumps(rows[name]), flush=True)
@@ -125,6 +161,11 @@ def main(argv=None) -> int:
         cells = [r.get("error", "")] if "error" in r else [
             f"{r[k]:.2f}" for k in ("before", "forward_peak", "after_forward", "backward_peak")]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    for name, r in rows.items():
+        if "largest_at_peak" in r:
+            print(f"\n{name}: {r['traced_peak_above_before']:.2f} GiB allocated in the step at its peak; the largest then:")
+            for a in r["largest_at_peak"]:
+                print(f"  {a['gib']:.3f} GiB  {' <- '.join(a['where'])}")
     return 0
 
 

@@ -280,3 +280,22 @@ def test_host_split_profiles_the_host_in_steps_queued_back_to_back(monkeypatch):
     text = host_split.b2b_profile(model, model, clip.make_batch(2, "cpu", "tiny"), steps=2, top=5)
     assert text.startswith("host ") and "garbage collections in 2 steps" in text
     assert "run_backward" in text  # the profile's table, loss.backward() among its top functions
+
+
+def test_offload_memory_itemises_the_peak_of_a_trace():
+    """benchmarks/offload_memory.py (a device diagnostic): the live set at a trace's peak, from
+    allocations and completed frees as the CUDA allocator records them."""
+    import offload_memory
+
+    def ev(action, addr, size, where="/tmp/torchinductor_root/ab/cwrap.py"):
+        return {"action": action, "addr": addr, "size": size,
+                "frames": [{"filename": "/x/torch/_ops.py", "line": 1, "name": "__call__"},
+                           {"filename": where, "line": addr, "name": "call"}]}
+
+    gib = 2**30
+    trace = [ev("alloc", 1, gib), ev("alloc", 2, 2 * gib), ev("free_requested", 1, gib), ev("free_completed", 1, gib),
+             ev("alloc", 3, 3 * gib), ev("free_completed", 2, 2 * gib), ev("alloc", 4, gib), ev("segment_alloc", 9, 8 * gib)]
+    peak, largest = offload_memory.peak_allocations(trace)
+    assert peak == 5 * gib  # buffers 2 and 3, before 2 is freed
+    assert [a["gib"] for a in largest] == [3.0, 2.0]
+    assert largest[0]["where"] == ["/tmp/torchinductor_root/ab/cwrap.py:3 call"]  # torch's own frames left out
