@@ -138,7 +138,11 @@ def main(argv=None) -> int:
             rows[name] = phases(bench_memory.VARIANTS[name], base, batch, device, snapshot=name in args.snapshot)
         except Exception as e:  # noqa: BLE001 - report and go on to the next variant
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(name, json.dumps(rows[name]), flush=True)
+        print(name, json.dumps({k: v for k, v in rows[name].items() if k != "largest_at_peak"}), flush=True)
+        if "largest_at_peak" in rows[name]:  # printed as it comes: a run cut short still tells
+            print(f"  {rows[name]['traced_peak_above_before']:.2f} GiB allocated in the step at its peak; the largest:")
+            for a in rows[name]["largest_at_peak"]:
+                print(f"  {a['gib']:.3f} GiB  {' <- '.join(a['where'])}", flush=True)
         if args.without_peak_reorder and bench_memory.VARIANTS[name].options.get("offload_activations"):
             label = f"{name}, reorder_for_peak_memory off"
             try:
@@ -161,11 +165,6 @@ def main(argv=None) -> int:
         cells = [r.get("error", "")] if "error" in r else [
             f"{r[k]:.2f}" for k in ("before", "forward_peak", "after_forward", "backward_peak")]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    for name, r in rows.items():
-        if "largest_at_peak" in r:
-            print(f"\n{name}: {r['traced_peak_above_before']:.2f} GiB allocated in the step at its peak; the largest then:")
-            for a in r["largest_at_peak"]:
-                print(f"  {a['gib']:.3f} GiB  {' <- '.join(a['where'])}")
     return 0
 
 
