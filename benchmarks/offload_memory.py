@@ -74,11 +74,12 @@ def phases(spec, base, batch, device, snapshot: bool = False) -> dict:
             "backward_peak": bw_peak / GiB, **record}
 
 
-def peak_allocations(entries: list[dict], top: int = 12) -> tuple[int, list[dict]]:
+def peak_allocations(entries: list[dict], top: int = 40) -> tuple[int, list[dict]]:
     """From a memory-history trace (``torch.cuda.memory._snapshot()["device_traces"][0]``): the most
     bytes its allocations held at once (on top of what was live when recording began), and the
     `top` largest of the allocations live at that moment, each with where it was made: the first
-    two frames outside torch itself (an Inductor wrapper's line names the buffer)."""
+    two Python frames outside torch itself (an Inductor wrapper's line names the buffer; the C++
+    frames the recorder also keeps come first and say nothing)."""
     live: dict[int, dict] = {}
     cur, best, at_best = 0, 0, {}
     for e in entries:
@@ -92,7 +93,7 @@ def peak_allocations(entries: list[dict], top: int = 12) -> tuple[int, list[dict
     largest = sorted(at_best.values(), key=lambda e: -e["size"])[:top]
     return best, [{"gib": e["size"] / GiB, "where": [f"{f['filename']}:{f['line']} {f['name']}"
                                                      for f in e.get("frames", ())
-                                                     if "/torch/" not in f["filename"]][:2]}
+                                                     if f["filename"].endswith(".py") and "/torch/" not in f["filename"]][:2]}
                   for e in largest]
 
 
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
         print(name, json.dumps({k: v for k, v in rows[name].items() if k != "largest_at_peak"}), flush=True)
         if "largest_at_peak" in rows[name]:  # printed as it comes: a run cut short still tells
             print(f"  {rows[name]['traced_peak_above_before']:.2f} GiB allocated in the step at its peak; the largest:")
-            for a in rows[name]["largest_at_peak"]:
+            for a in rows[name]["largest_at_peak"][:12]:  # all `top` of them in --out
                 print(f"  {a['gib']:.3f} GiB  {' <- '.join(a['where'])}", flush=True)
         if args.without_peak_reorder and bench_memory.VARIANTS[name].options.get("offload_activations"):
             label = f"{name}, reorder_for_peak_memory off"
