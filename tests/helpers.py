@@ -23,8 +23,9 @@ def assert_same_loss_and_grads(loss, ref_loss, model, ref, tol: dict, step: int)
             torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"step {step} grad {name}: {m}")
 
 
-def assert_trains_like_eager(model, make_inputs, options=None, steps=3, lr=0.1, tol=None):
-    """Several SGD steps: loss and every parameter gradient match eager at every step."""
+def assert_trains_like_eager(model, make_inputs, options=None, steps=3, lr=0.1, tol=None, seed=None):
+    """Several SGD steps: loss and every parameter gradient match eager at every step. With `seed`,
+    torch is reseeded (seed + step) before each forward, so random ops (dropout) draw alike."""
     options = dict(options or {})
     tol = tol or TOLERANCE[options.get("subgraph_compiler", "inductor")]
     ref = copy.deepcopy(model)
@@ -33,7 +34,11 @@ def assert_trains_like_eager(model, make_inputs, options=None, steps=3, lr=0.1, 
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     for step in range(steps):
         inputs = make_inputs(step)
+        if seed is not None:
+            torch.manual_seed(seed + step)
         loss = compiled(*inputs)
+        if seed is not None:
+            torch.manual_seed(seed + step)
         ref_loss = ref(*inputs)
         loss.backward()
         ref_loss.backward()

@@ -147,23 +147,9 @@ def test_dropout_small_budget_matches_eager_with_same_seed():
     # Apollo's forward draws the dropout masks in eager's order (test_backend checks that without a
     # budget); saving the random ops' outputs keeps the backward on the same masks.
     torch.manual_seed(0)
-    model = TwoTower(dropout=0.3)
-    ref = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)  # no graph falls back
-        compiled = torch.compile(model, backend="apollo", options={**EAGER, "memory_budget": 0.2})
-        for step in range(2):
-            inputs = batches(step)
-            torch.manual_seed(100 + step)
-            loss = compiled(*inputs)
-            loss.backward()
-            torch.manual_seed(100 + step)
-            ref_loss = ref(*inputs)
-            ref_loss.backward()
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-                p.grad = q.grad = None
+        assert_trains_like_eager(TwoTower(dropout=0.3), batches, {**EAGER, "memory_budget": 0.2}, steps=2, seed=100)
     plan = apollo_compile.last_plan()
     decision = plan.joint["checkpoint"]
     assert decision.added and decision.bytes_after < decision.bytes_before

@@ -6,7 +6,6 @@ graphs with them, and that training stays equal to eager. The memory it frees is
 H200 (benchmarks/offload_memory.py, bench_memory.py, RESULTS.md session 11).
 """
 
-import copy
 import warnings
 
 import pytest
@@ -18,7 +17,7 @@ from apollo_compile import ApolloFallbackWarning
 from apollo_compile.options import ApolloOptions, ApolloOptionsError
 from apollo_compile.passes import offload
 from apollo_compile.runtime import subgraphs
-from helpers import TOLERANCE, assert_trains_like_eager
+from helpers import assert_trains_like_eager
 from models import TwoTower, two_tower_inputs
 
 
@@ -66,23 +65,8 @@ def test_dropout_with_offloading_matches_eager_with_same_seed(every_value):
     # the saved dropout masks are offloaded like any value: the backward must read the same masks.
     # The eager subgraph compiler draws them in eager's order (as test_checkpoint's dropout test)
     torch.manual_seed(0)
-    model = TwoTower(dropout=0.3)
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="apollo", options={"offload_activations": True, "memory_budget": 0.2,
-                                                               "subgraph_compiler": "eager"})
-    tol = TOLERANCE["eager"]
-    for step in range(2):
-        inputs = batches(step)
-        torch.manual_seed(100 + step)
-        loss = compiled(*inputs)
-        loss.backward()
-        torch.manual_seed(100 + step)
-        ref_loss = ref(*inputs)
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, **tol)
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"{name}: {m}")
-            p.grad = q.grad = None
+    options = {"offload_activations": True, "memory_budget": 0.2, "subgraph_compiler": "eager"}
+    assert_trains_like_eager(TwoTower(dropout=0.3), batches, options, steps=2, seed=100)
     assert apollo_compile.last_plan().forward.summary()["offload"]["to_host"] > 0
 
 
