@@ -59,6 +59,10 @@ def test_trains_like_eager_and_every_offloaded_value_comes_back(options, every_v
     bw = list(plan.backward.gm.graph.nodes)
     for copy_node in (n for n in bw if offload._transfer(n) == "to device"):
         assert all(bw.index(u) > bw.index(copy_node) for u in copy_node.users)
+    # the memory plan places device buffers only: a copy on the host takes no arena bytes
+    placed = {p.buffer.name: p.buffer.nbytes for p in plan.forward.memory.placements}
+    host = [n.name for n in fw if offload._transfer(n) == "to host"]
+    assert host and all(placed[name] == 0 for name in host)
 
 
 def test_dropout_with_offloading_matches_eager_with_same_seed(every_value):

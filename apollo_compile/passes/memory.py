@@ -24,10 +24,13 @@ OUTPUT = "output"
 
 
 def value_nbytes(node: torch.fx.Node) -> int:
-    """Bytes a node's value owns: 0 for views (they alias their base) and non-tensors."""
+    """Bytes a node's value owns on the device: 0 for views (they alias their base), non-tensors
+    and the offload pass's copies to the host."""
     val = node.meta.get("val")
     target = getattr(node, "target", None)
     if isinstance(target, torch._ops.OpOverload) and target.is_view:
+        return 0
+    if info(node).transfer == "to host":
         return 0
     vals = val if isinstance(val, (list, tuple)) else [val]
     return sum(concrete_numel(v) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
