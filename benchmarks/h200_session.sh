@@ -34,10 +34,12 @@
 #   run(command="bash benchmarks/h200_session.sh last10 ...")                         # follow10, then batch 8 back to back
 #   run(command="bash benchmarks/h200_session.sh band10 ...")                         # 1088 and 1024: captures below the bar
 #   run(command="bash benchmarks/h200_session.sh band10b ...")                        # 960 and 896: where the capture fits
-#   run(command="bash benchmarks/h200_session.sh off11 ...")                          # offload_activations; issue 4 target 3
-#   run(command="bash benchmarks/h200_session.sh offmem12 ...")                       # the offloading backward's peak, itemised
 #   run(command="bash benchmarks/h200_session.sh next11 ...")                         # training after a failed capture; issue 3
-#   run(command="bash benchmarks/h200_session.sh host11 ...")                         # the host in back-to-back batch-8 steps
+#   run(command="bash benchmarks/h200_session.sh off11 ...")                          # offload_activations; issue 4 target 3
+#   run(command="bash benchmarks/h200_session.sh offmem11 ...")                       # where the offloading step peaks
+#   run(command="bash benchmarks/h200_session.sh off11b ...")                         # the 20 GiB edge with the copies in place
+#   run(command="bash benchmarks/h200_session.sh offmem12 ...")                       # session 12: the offloading backward's peak, itemised
+#   run(command="bash benchmarks/h200_session.sh host11 ...")                         # session 12: the host in back-to-back batch-8 steps
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
