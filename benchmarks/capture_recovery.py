@@ -1,14 +1,15 @@
 """Diagnostic (device tool): does training go on after a CUDA-graph capture runs out of memory?
 
 cudagraph.py, NOTE: A capture needs headroom. With ``cudagraphs=True`` (no headroom check) at a
-batch whose backward capture runs out within the memory limit (budgeted CLIP, batch 1024 in
-20 GiB: RESULTS.md, session 10), step 2 is lost. The forward should then let its graph go once
-that step's tensors are dead, and the steps after it run un-graphed as step 1 did. The loop
+batch whose backward capture runs out within the memory limit (budgeted CLIP, batch 1152 in
+20 GiB: RESULTS.md, sessions 10-11; 1024 ran out inside a bench_memory probe but captured in a fresh
+process), step 2 is lost. The forward then lets its graph go once that step's tensors are dead, and
+the steps after it run un-graphed as step 1 did (session 11: steps 3-5 at step 1's peak). The loop
 catches an out-of-memory error as a trainer that skips a batch would (dropping its references to
 the step), and prints per step: ok or OOM, allocated / reserved GiB, and each graph's CUDA-graph
 state.
 
-    PYTHONPATH=. python benchmarks/capture_recovery.py --batch 1024 --budget 0.05 --limit-gib 20 --steps 6
+    PYTHONPATH=. python benchmarks/capture_recovery.py --batch 1152 --budget 0.05 --limit-gib 20 --steps 5
 """
 from __future__ import annotations
 
