@@ -278,15 +278,16 @@ def donations_safe_on_lanes(donatable: dict[int, list[int]], made_on: dict[int, 
 # lost. Then, once that step's saved activations are dead, the forward lets its graph go
 # (`_let_go`), so the pool can return to the allocator and later steps run as the first did
 # (measured at 1152 with cudagraphs=True: step 2 lost, steps 3-5 at step 1's peak, session 11;
-# benchmarks/capture_recovery.py). Measured on the H200 (budgeted CLIP in 20 GiB; the first step's peak as
-# a share of it, measured at 1024 and 1152, the others read off the line through them; RESULTS.md,
-# sessions 7 and 10): batches 896 (~69%) and 960 (~74%) captured; 1024 (79%), 1088 (~83%) and 1152
-# (88%) ran out capturing their backward, then in the fallback. The edge moves with the allocation
-# order (1024 captured in session 7, before the lanes changed, and in a fresh process in session 11). So a family is not captured where
-# its first step used more than CAPTURE_HEADROOM of the memory the process may hold, a little
-# under the last share that fit: the un-graphed path it keeps is the one the first step already
-# ran at that size. Graphs save little on large steps (batch 128: Inductor without them took 1.10x
-# reduce-overhead's step, session 7). cudagraphs=True captures regardless.
+# benchmarks/capture_recovery.py). Measured on the H200 (budgeted CLIP in 20 GiB; the first step's
+# peak as a share of it, measured at 1024 and 1152, the others read off the line through them;
+# RESULTS.md, sessions 7 and 10): batches 896 (~69%) and 960 (~74%) captured; 1024 (79%), 1088
+# (~83%) and 1152 (88%) ran out capturing their backward, then in the fallback. The edge moves
+# with the allocation order (1024 captured in session 7, before the lanes changed, and in a fresh
+# process in session 11). So a family is not captured where its first step used more than
+# CAPTURE_HEADROOM of the memory the process may hold, a little under the last share that fit: the
+# un-graphed path it keeps is the one the first step already ran at that size. Graphs save little
+# on large steps (batch 128: Inductor without them took 1.10x reduce-overhead's step, session 7).
+# cudagraphs=True captures regardless.
 CAPTURE_HEADROOM = 0.75
 
 
