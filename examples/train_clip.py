@@ -42,6 +42,8 @@ Run from anywhere (the repo root is put on ``sys.path`` relative to this file):
     python examples/train_clip.py --backend eager      # the same loop without compilation
     python examples/train_clip.py --steps 200 --checkpoint checkpoints/clip.pt   # then add --resume
     python examples/train_clip.py --data my_dataset --config base --device cuda --dump-dir apollo_dump
+    python examples/train_clip.py --config base --device cuda --memory-budget 0.05 --offload-activations \
+        --batch 1024    # apollo's memory passes: recompute all but each block's input, keep that on the host
 
 On a CPU, ``python examples/train_clip.py`` finishes within about a minute: it writes the
 synthetic dataset (``./data/clip_synthetic``), plans the batch-8 probe, compiles the chosen
@@ -114,6 +116,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bf16 autocast for the forward (default: on for CUDA, off on CPU)")
     p.add_argument("--subgraph-compiler", choices=["inductor", "eager"], default=None,
                    help="apollo only: compile its subgraphs with Inductor (default) or run them as ATen ops")
+    p.add_argument("--memory-budget", type=float, default=None,
+                   help="apollo: activation memory kept without recomputation, a fraction in (0, 1] "
+                        "(options['memory_budget']; recomputes the rest in the backward)")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="apollo: saved activations wait for the backward in host memory "
+                        "(options['offload_activations']; larger batches, slower steps, no CUDA graphs)")
     p.add_argument("--dump-dir", default=None,
                    help="apollo only: write its annotated graphs, runtime source and plans here")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
@@ -168,6 +176,10 @@ def apollo_options(args: argparse.Namespace) -> dict:
         options["dump_dir"] = args.dump_dir
     if args.subgraph_compiler:
         options["subgraph_compiler"] = args.subgraph_compiler
+    if args.memory_budget is not None:
+        options["memory_budget"] = args.memory_budget
+    if args.offload_activations:
+        options["offload_activations"] = True
     return options
 
 
@@ -401,6 +413,14 @@ def print_apollo_plan() -> None:
         if graph.fallback:
             line += f" (runs on a fallback: {graph.fallback})"
         print(line)
+    ckpt = plan.joint.get("checkpoint")
+    if ckpt is not None and ckpt.peak_before:
+        print(f"  memory  : budget {ckpt.budget}: predicted peak activations {ckpt.peak_after / 2**20:.1f} of "
+              f"{ckpt.peak_before / 2**20:.1f} MiB, {len(ckpt.added)} more ops recomputed")
+    moved = plan.forward.summary().get("offload") if plan.forward is not None else None
+    if moved is not None:
+        print(f"  offload : {moved['to_host']} saved values, {moved['bytes'] / 2**20:.1f} MiB to the host and back "
+              "each step")
 
 
 class Progress:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import pickle
 import re
@@ -197,6 +198,18 @@ def test_apollo_run_respects_memory_limit(tmp_path, dataset_dir):
     out = run_example("--backend", "eager", "--steps", "1", "--memory-limit-gib", "0.0001",
                       *common(dataset_dir), cwd=tmp_path)
     assert prediction(out)[2] == 8 and "none fits" in out
+
+
+def test_memory_passes_from_the_command_line(tmp_path, dataset_dir):
+    """--memory-budget and --offload-activations reach apollo's options; the summary reports both
+    (the tiny model's saved values are under offload.MIN_BYTES: none moves)."""
+    metrics = tmp_path / "m.jsonl"
+    out = run_example("--backend", "apollo", "--subgraph-compiler", "eager", "--steps", "3", "--batch", "8",
+                      "--memory-budget", "0.3", "--offload-activations", "--metrics", str(metrics),
+                      *common(dataset_dir), cwd=tmp_path)
+    assert len(losses(metrics)) == 3 and all(math.isfinite(loss) for _, loss in losses(metrics))
+    assert re.search(r"memory  : budget 0\.3: predicted peak activations [\d.]+ of [\d.]+ MiB", out), out
+    assert "offload : 0 saved values" in out, out
 
 
 def test_loss_decreases(tmp_path, dataset_dir):
