@@ -203,6 +203,20 @@ def test_dynamic_true_two_tower_trains_across_batch_sizes():
     assert_apollo_ran(apollo_compile.last_plan())
 
 
+def test_dynamic_true_with_a_budget_compiles_again_from_inductors_cache():
+    """dynamic=True with a memory_budget, compiled twice: the second compile finds the first's
+    subgraphs in Inductor's FX graph cache, whose guards name sources of the whole graph
+    (L['images']) that a subgraph lacks; looking them up raised KeyError and the backward fell
+    back. Subgraphs with symbolic sizes now skip that cache (subgraphs.inductor_config)."""
+    for attempt in range(2):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        apollo_compile.clear_plans()
+        messages = train_like_eager(TwoTower(), two_tower_batches(4, 6), {"memory_budget": 0.5}, dynamic=True)
+        assert messages == [], (attempt, messages)
+        assert_apollo_ran(apollo_compile.last_plan())
+
+
 def test_dynamic_true_runs_apollo_when_no_symbolic_float_appears():
     """With no float computed from a size (no attention scale), dynamic=True plans one graph
     with a symbolic batch and apollo's runtime runs it for every batch size."""

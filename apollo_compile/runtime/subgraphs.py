@@ -36,7 +36,7 @@ def example_inputs(sg: Subgraph) -> list:
     return [n.meta.get("val") for n in sg.inputs]
 
 
-def inductor_config(host_copies: bool = False):
+def inductor_config(host_copies: bool = False, symbolic: bool = False):
     """The Inductor settings apollo compiles with: random ops stay ATen calls on torch's generator.
 
     Inductor otherwise lowers ``rand`` only after its joint-graph pass rewrote it to seeded
@@ -45,12 +45,18 @@ def inductor_config(host_copies: bool = False):
     With the fallback, random ops draw from torch's generator in graph order, like eager ATen.
 
     A subgraph that copies saved values to the host or back (offload pass) keeps the graph's
-    order: NOTE: Host copies keep their place."""
+    order: NOTE: Host copies keep their place. A subgraph with symbolic sizes skips Inductor's FX
+    graph cache: a cached entry's guards name the sizes' sources in the whole graph (``L['images']``),
+    which a subgraph's inputs do not have, and looking one up raised KeyError (dynamic=True with a
+    memory_budget, the second run on a machine)."""
     from torch._inductor import config
 
+    changes: dict = {"fallback_random": True}
     if host_copies:
-        return config.patch(fallback_random=True, reorder_for_peak_memory=False)
-    return config.patch(fallback_random=True)
+        changes["reorder_for_peak_memory"] = False
+    if symbolic:
+        changes["fx_graph_cache"] = False
+    return config.patch(**changes)
 
 
 # NOTE: Host copies keep their place
@@ -61,6 +67,13 @@ def inductor_config(host_copies: bool = False):
 # (offload_memory.py, CLIP base, batch 512, budget 0.05, session 11): the forward peaked at
 # 5.85 GiB allocated with the reordering and 2.36 GiB without it (eager per-block checkpointing
 # with save_on_cpu: 3.10), the backward at 5.81 either way.
+
+
+def has_symbolic_sizes(inputs: list) -> bool:
+    """Whether any input is a SymInt or a tensor with a symbolic size (dynamic shapes)."""
+    return any(isinstance(x, torch.SymInt)
+               or (isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape))
+               for x in inputs)
 
 
 def has_host_copies(sub: torch.fx.GraphModule) -> bool:
@@ -108,7 +121,8 @@ def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kin
     isolate = contextlib.nullcontext()
     if torch._guards.TracingContext.try_get() is not None:
         isolate = torch._guards.TracingContext.report_output_strides()
-    with isolate, inductor_config(host_copies=has_host_copies(sub)), no_donated_inputs():
+    with isolate, inductor_config(host_copies=has_host_copies(sub), symbolic=has_symbolic_sizes(inputs)), \
+            no_donated_inputs():
         return compile_fx_inner(
             sub,
             inputs,
