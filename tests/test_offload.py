@@ -6,6 +6,7 @@ graphs with them, and that training stays equal to eager. The memory it frees is
 H200 (benchmarks/offload_memory.py, bench_memory.py, RESULTS.md session 11).
 """
 
+import copy
 import warnings
 
 import pytest
@@ -17,7 +18,7 @@ from apollo_compile import ApolloFallbackWarning
 from apollo_compile.options import ApolloOptions, ApolloOptionsError
 from apollo_compile.passes import offload
 from apollo_compile.runtime import subgraphs
-from helpers import assert_trains_like_eager
+from helpers import TOLERANCE, assert_same_loss_and_grads, assert_trains_like_eager
 from models import TwoTower, two_tower_inputs
 
 
@@ -71,6 +72,25 @@ def test_dropout_with_offloading_matches_eager_with_same_seed(every_value):
     torch.manual_seed(0)
     options = {"offload_activations": True, "memory_budget": 0.2, "subgraph_compiler": "eager"}
     assert_trains_like_eager(TwoTower(dropout=0.3), batches, options, steps=2, seed=100)
+    assert apollo_compile.last_plan().forward.summary()["offload"]["to_host"] > 0
+
+
+def test_dynamic_shapes_offload_at_the_traced_sizes(every_value):
+    # sizes are symbolic: the size threshold reads their hints (the traced inputs' sizes)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="apollo", dynamic=True,
+                             options={"offload_activations": True, "memory_budget": 0.5})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        for batch in (4, 6, 5):
+            inputs = two_tower_inputs(batch=batch)
+            loss, ref_loss = compiled(*inputs), ref(*inputs)
+            loss.backward()
+            ref_loss.backward()
+            assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["inductor"], batch)
+            model.zero_grad()
+            ref.zero_grad()
     assert apollo_compile.last_plan().forward.summary()["offload"]["to_host"] > 0
 
 

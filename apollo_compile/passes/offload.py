@@ -37,13 +37,17 @@ _TO_HOST, _TO_DEVICE = "to host", "to device"
 
 
 def _nbytes(node: torch.fx.Node) -> int:
+    """Bytes of the node's tensor; with dynamic shapes, at the sizes of the inputs it was traced
+    with (the symbolic size's hint), 0 where there is none."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0
-    try:
-        return int(val.numel()) * val.element_size()
-    except Exception:  # a symbolic size: unknown until it runs, leave it on the GPU
-        return 0
+    numel = val.numel()
+    if isinstance(numel, torch.SymInt):
+        numel = getattr(numel.node, "hint", None)
+        if numel is None:
+            return 0
+    return int(numel) * val.element_size()
 
 
 def mark(gm: torch.fx.GraphModule, ctx) -> dict[str, Any] | None:
@@ -54,7 +58,8 @@ def mark(gm: torch.fx.GraphModule, ctx) -> dict[str, Any] | None:
     (PyTorch's ``can_offload``: Inductor would restride those on both sides)."""
     if not ctx.options.offload_activations:
         return None
-    marked = [n for n in gm.graph.nodes if n.op == "call_function" and _nbytes(n) >= MIN_BYTES]
+    marked = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
+              and _nbytes(n) >= MIN_BYTES]
     for n in marked:
         n.meta["should_offload"] = True
     return {"candidates": len(marked), "min_bytes": MIN_BYTES}
