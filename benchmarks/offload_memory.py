@@ -91,10 +91,12 @@ def peak_allocations(entries: list[dict], top: int = 40) -> tuple[int, list[dict
         elif e.get("action") == "free_completed" and live.pop(e["addr"], None) is not None:
             cur -= e["size"]
     largest = sorted(at_best.values(), key=lambda e: -e["size"])[:top]
-    return best, [{"gib": e["size"] / GiB, "where": [f"{f['filename']}:{f['line']} {f['name']}"
-                                                     for f in e.get("frames", ())
-                                                     if f["filename"].endswith(".py") and "/torch/" not in f["filename"]][:2]}
-                  for e in largest]
+
+    def where(e: dict) -> list[str]:
+        python = [f for f in e.get("frames", ()) if f["filename"].endswith(".py") and "/torch/" not in f["filename"]]
+        return [f"{f['filename']}:{f['line']} {f['name']}" for f in python[:2]]
+
+    return best, [{"gib": e["size"] / GiB, "where": where(e)} for e in largest]
 
 
 def host_copy_wrappers(root: str, since: float, out_dir: pathlib.Path) -> list[str]:
