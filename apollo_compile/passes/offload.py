@@ -28,26 +28,13 @@ import torch.fx
 
 from ..annotations import info
 from ..options import ApolloOptions
+from .checkpoint import nbytes
 
 # Smaller values are left on the GPU: each transfer costs a launch and a PCIe round trip, and a
 # block's small saved values (norm statistics, attention's logsumexp) free almost nothing.
 MIN_BYTES = 1 << 20
 
 _TO_HOST, _TO_DEVICE = "to host", "to device"
-
-
-def _nbytes(node: torch.fx.Node) -> int:
-    """Bytes of the node's tensor; with dynamic shapes, at the sizes of the inputs it was traced
-    with (the symbolic size's hint), 0 where there is none."""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    numel = val.numel()
-    if isinstance(numel, torch.SymInt):
-        numel = getattr(numel.node, "hint", None)
-        if numel is None:
-            return 0
-    return int(numel) * val.element_size()
 
 
 def mark(gm: torch.fx.GraphModule, ctx) -> dict[str, Any] | None:
@@ -59,7 +46,7 @@ def mark(gm: torch.fx.GraphModule, ctx) -> dict[str, Any] | None:
     if not ctx.options.offload_activations:
         return None
     marked = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
-              and _nbytes(n) >= MIN_BYTES]
+              and nbytes(n) >= MIN_BYTES]
     for n in marked:
         n.meta["should_offload"] = True
     return {"candidates": len(marked), "min_bytes": MIN_BYTES}
@@ -76,11 +63,14 @@ def partitioner_offloads(options: ApolloOptions) -> Iterator[None]:
 
 
 def _transfer(node: torch.fx.Node) -> str | None:
+    """Which copy `node` is, by the names PyTorch's offloading gives its copies."""
     if node.op != "call_function" or node.target is not torch.ops.prims.device_put.default:
         return None
-    if node.name.startswith("cpu_offload_"):
+    from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX, GPU_RELOAD_PREFIX
+
+    if node.name.startswith(CPU_OFFLOAD_PREFIX):
         return _TO_HOST
-    if node.name.startswith("gpu_reload_"):
+    if node.name.startswith(GPU_RELOAD_PREFIX):
         return _TO_DEVICE
     return None
 
@@ -95,6 +85,6 @@ def label(gm: torch.fx.GraphModule, ctx) -> dict[str, Any] | None:
         if (direction := _transfer(n)) is not None:
             info(n).transfer = direction
             count += 1
-            total += _nbytes(n)
+            total += nbytes(n)
     key = "to_host" if ctx.kind == "forward" else "to_device"
     return {key: count, "bytes": total}
