@@ -14,13 +14,14 @@ from . import logs as _logs
 from .backend import apollo_backend
 from .fallback import ApolloFallbackWarning
 from .options import ApolloOptions, ApolloOptionsError
+from .placement import ModalityPlacement, place_modalities
 from .plan import GraphPlan, ModelPlan, clear_plans, last_plan, plans
 from .report import Report, explain
 
 __version__ = "0.1.0"
 __all__ = [
     "ApolloFallbackWarning", "ApolloOptions", "ApolloOptionsError", "GraphPlan", "ModelPlan", "apollo_backend",
-    "clear_plans", "last_plan", "plans", "Report", "explain",
+    "clear_plans", "last_plan", "ModalityPlacement", "place_modalities", "plans", "Report", "explain",
 ]
 
 

@@ -53,6 +53,13 @@ def _input_device(example_inputs) -> torch.device:
     return torch.device("cpu")
 
 
+def cuda_devices(example_inputs) -> list[torch.device]:
+    """The CUDA devices a graph's inputs live on, in first-seen order: more than one after
+    ``place_modalities`` put towers on separate GPUs."""
+    seen = dict.fromkeys(x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda")
+    return list(seen)
+
+
 _last_context: list = [None, 0]  # the CompileContext of the last backend call, and calls within it
 _unnamed = [0]
 
@@ -293,6 +300,28 @@ def _run_pre_grad_passes(gm: torch.fx.GraphModule, ctx: GraphContext) -> None:
         _warn_fallback(ctx.name, "the graph without apollo's pre-autograd passes", e)
 
 
+def use_cudagraphs(opts: ApolloOptions, example_inputs, name: str) -> bool:
+    """Whether this model's graphs are captured: on one CUDA device, unless told not to."""
+    device = _input_device(example_inputs)
+    if opts.cudagraphs is True and device.type != "cuda":
+        log.warning("apollo: cudagraphs=True ignored for %s: CUDA graphs need a CUDA device", device)
+    if device.type != "cuda" or opts.cudagraphs not in ("auto", True):
+        return False
+    if opts.offload_activations:  # copies to host memory Inductor allocates per call (offload.py)
+        log.info("apollo: %s runs un-graphed: offload_activations copies to host memory each step", name)
+        return False
+    spanned = cuda_devices(example_inputs)
+    if len(spanned) > 1:  # a capture records one device's streams (placement.py)
+        why = f"its graph spans {', '.join(map(str, spanned))} (place_modalities)"
+        if opts.cudagraphs is True:
+            warnings.warn(f"apollo: {name} runs without CUDA graphs because {why}; training stays correct",
+                          ApolloFallbackWarning, stacklevel=3)
+        else:
+            log.info("apollo: %s runs un-graphed: %s", name, why)
+        return False
+    return True
+
+
 def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
                    mode: str | None = None) -> Callable:
     """The torch.compile backend registered as ``"apollo"``."""
@@ -303,14 +332,9 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     spec = DEVICE_SPECS[opts.device] if opts.device else detect_device_spec(device)
     name = _graph_name()
     model_plan = ModelPlan(name)
-    # an offloading model copies to host memory Inductor allocates per call: no CUDA graph (offload.py)
-    use_cudagraphs = device.type == "cuda" and opts.cudagraphs in ("auto", True) and not opts.offload_activations
-    if opts.offload_activations and device.type == "cuda" and opts.cudagraphs == "auto":
-        log.info("apollo: %s runs un-graphed: offload_activations copies to host memory each step", name)
-    if opts.cudagraphs is True and device.type != "cuda":
-        log.warning("apollo: cudagraphs=True ignored for %s: CUDA graphs need a CUDA device", device)
     compiler = functools.partial(compile_graph, name=name, options=opts, spec=spec, device=device,
-                                 model_plan=model_plan, family=GraphFamily() if use_cudagraphs else None)
+                                 model_plan=model_plan,
+                                 family=GraphFamily() if use_cudagraphs(opts, example_inputs, name) else None)
     decompositions = None
     if opts.subgraph_compiler == "inductor":
         from torch._inductor.decomposition import select_decomp_table

@@ -73,9 +73,23 @@ of the run to ``<out>/distributed_results.jsonl`` (one JSON object per run: envi
 every rank's step times and memory) and ``<out>/distributed_results.md``; after every batch size
 the run so far is kept in ``<out>/distributed_results.partial.json``. Rank 0 prints the table last.
 
-Not done: modality placement (the vision tower on some GPUs, the text tower on others, i.e.
-model-parallel towers) is not implemented and has no variant here. Pipeline and tensor
-parallelism are not measured either.
+Rank-0 variants: the global batch (every rank's shard, concatenated) trained by rank 0 alone, at
+the same global batch as the DDP rows, while the other ranks wait at a host (gloo) barrier that
+keeps no kernel spinning on their GPU:
+
+    onegpu-apollo     apollo on cuda:0 alone (CUDA graphs as usual): what one GPU does with the
+                       whole global batch
+    placed-eager       apollo_compile.place_modalities: the vision tower on cuda:0, the text tower
+    placed-inductor    on the last GPU, projections and loss on cuda:0 (model parallelism by tower);
+    placed-apollo      eager, torch.compile, backend="apollo" (one lane, no CUDA graph: the graph
+                       spans two devices, placement.py says why)
+
+The contrastive loss of the global batch is not the mean of the shards' losses (each example's
+negatives differ), so these rows are checked against eager on one GPU at the global batch, not
+against eager DDP; their step time is wall time around a step with every GPU synchronized; their
+memory is the larger of the two GPUs' peaks; samples/s is the global batch over the median step.
+
+Not done: pipeline and tensor parallelism are not measured.
 """
 
 from __future__ import annotations
@@ -110,8 +124,9 @@ from bench_step import (  # noqa: E402
     GRAD_RTOL, LOSS_RTOL, compare, is_oom, no_tf32, rel_err, synchronize, time_steps, train_step, verdict,
 )
 
+RANK0_VARIANTS = ("onegpu-apollo", "placed-eager", "placed-inductor", "placed-apollo")
 VARIANTS = ("single-apollo", "ddp-eager", "ddp-inductor", "ddp-apollo", "ddp-apollo-1graph", "fsdp2-eager",
-            "fsdp2-apollo")
+            "fsdp2-apollo", *RANK0_VARIANTS)
 BASELINE = "ddp-inductor"  # "vs ddp-inductor" = its median / the variant's median
 SINGLE = "single-apollo"
 GiB = 1024**3
@@ -205,8 +220,13 @@ def build_variant(name: str, base: nn.Module, device: torch.device, args) -> tup
         for block in [*model.vision.blocks, *model.text.blocks]:
             fully_shard(block)
         wrapped = fully_shard(model)
-    elif engine == "single":
+    elif engine in ("single", "onegpu"):
         wrapped = model
+    elif engine == "placed":
+        from apollo_compile import place_modalities
+
+        last = torch.device(device.type, torch.cuda.device_count() - 1) if device.type == "cuda" else device
+        wrapped = place_modalities(model, {"vision": device, "text": last}, output_device=device)
     else:
         raise ValueError(f"unknown variant {name!r}")
     if compiler == "eager":
@@ -282,6 +302,8 @@ def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple,
                 device: torch.device) -> dict:
     row: dict[str, Any] = {"variant": name, "status": "ok"}
     world = dist.get_world_size()
+    if name in RANK0_VARIANTS:
+        return run_on_rank0(name, base, args, device)
     model, step_fn, settings = build_variant(name, base, device, args)
     with contextlib.ExitStack() as stack:
         if settings:
@@ -346,6 +368,107 @@ def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple,
         f"{n['grad_rel_err_max']:.2e} ({n['grad_rel_err_worst_param']})"
         + "".join(f"\n    {p}" for p in n["problems"] + n["params_over_tol"][:10]))
     return row
+
+
+def global_batch(args, device: torch.device, seed: int) -> tuple:
+    """Every rank's shard of this step, concatenated in rank order (what DDP trains together)."""
+    shards = [clip.make_batch(args.cur_batch, device, args.config, seed=seed + 1000 * r)
+              for r in range(dist.get_world_size())]
+    return tuple(torch.cat(parts) for parts in zip(*shards))
+
+
+def global_reference(base: nn.Module, batch: tuple, device: torch.device, args) -> dict:
+    """Eager on one GPU at the global batch: the numerics reference of the rank-0 variants."""
+    model = copy.deepcopy(base).to(device)
+    loss, grads = loss_and_grads(model, model, batch, device, args.amp)
+    ref = {"loss": loss, "grads": grads, "grads_fp32": None, "noise_floor": None}
+    if args.amp:
+        with no_tf32():
+            _, grads32 = loss_and_grads(model, model, batch, device, False)
+        ref["grads_fp32"] = grads32
+        ref["noise_floor"] = {n: rel_err(g, grads32[n]) for n, g in grads.items()
+                              if g is not None and grads32[n] is not None}
+    del model
+    free_device_memory(device)
+    return ref
+
+
+def _every_gpu(fn: Callable[[torch.device], Any]) -> list:
+    return [fn(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+
+
+def run_on_rank0(name: str, base: nn.Module, args, device: torch.device) -> dict:
+    """A rank-0 variant (module docstring): rank 0 trains the global batch; the others wait on the
+    host. A failure on rank 0 is reported after the barrier, so no rank is left in a collective."""
+    row: dict[str, Any] = {"variant": name, "status": "ok"}
+    error = None
+    if rank() == 0:
+        try:
+            row.update(_rank0_measure(name, base, args, device))
+        except Exception as exc:  # noqa: BLE001  (re-raised below, after the barrier)
+            error = exc
+    dist.barrier(group=args.host_group)
+    if error is not None:
+        raise error
+    return row if rank() == 0 else {"variant": name, "status": "rank 0 only"}
+
+
+def _rank0_measure(name: str, base: nn.Module, args, device: torch.device) -> dict:
+    batch = global_batch(args, device, args.seed)
+    numerics_batch = global_batch(args, device, args.seed + 1)
+    ref = global_reference(base, numerics_batch, device, args)
+    model, step_fn, _ = build_variant(name, base, device, args)
+    plans_before = len(_apollo().plans()) if "apollo" in name else None
+    sync_all = (lambda: _every_gpu(torch.cuda.synchronize)) if device.type == "cuda" else (lambda: None)
+
+    def run_step() -> None:
+        train_step(model, step_fn, batch, device, args.amp)
+
+    sync_all()
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        run_step()
+    sync_all()
+    compile_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        _every_gpu(torch.cuda.reset_peak_memory_stats)
+    times = []
+    for _ in range(args.steps):
+        sync_all()
+        t0 = time.perf_counter()
+        run_step()
+        sync_all()
+        times.append((time.perf_counter() - t0) * 1e3)
+    out: dict[str, Any] = {"compile_s": compile_s, "per_rank": [{"times_ms": times}]}
+    p10, median, p90 = np.percentile(times, [10, 50, 90])
+    out.update(median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90))
+    out["samples_per_s"] = float(len(batch[0]) / (median / 1e3))
+    out["samples_per_s_per_gpu"] = out["samples_per_s"] / dist.get_world_size()
+    if device.type == "cuda":
+        out["peak_alloc_gib"] = max(_every_gpu(torch.cuda.max_memory_allocated)) / GiB
+        out["peak_reserved_gib"] = max(_every_gpu(torch.cuda.max_memory_reserved)) / GiB
+        out["peak_alloc_gib_per_gpu"] = [m / GiB for m in _every_gpu(torch.cuda.max_memory_allocated)]
+    if plans_before is not None:
+        new = _apollo().plans()[plans_before:]
+        out["apollo_graphs"] = len(new)
+        out["apollo_fallbacks"] = [f"{p.name}_{k}: {g.fallback}" for p in new for k, g in p.graphs.items() if g.fallback]
+    loss, grads = loss_and_grads(model, step_fn, numerics_batch, device, args.amp)
+    out["numerics"] = n = compare(loss, grads, ref, "bf16" if args.amp else "fp32")
+    out["numerics_reference"] = "eager, one GPU, global batch"
+    log(f"  [{name}] global batch {len(batch[0])} | compile + {args.warmup} warm-up: {compile_s:.1f} s | median "
+        f"{median:.2f} ms (p10 {p10:.2f}, p90 {p90:.2f}) | {out['samples_per_s']:.1f} samples/s"
+        + (f" | peak per GPU {', '.join(f'{m:.2f}' for m in out['peak_alloc_gib_per_gpu'])} GiB"
+           if "peak_alloc_gib_per_gpu" in out else ""))
+    log(f"  [{name}] numerics vs eager one GPU {verdict(n)}: |dloss| {n['loss_abs_diff']:.2e}, max grad rel err "
+        f"{n['grad_rel_err_max']:.2e} ({n['grad_rel_err_worst_param']})"
+        + "".join(f"\n    {p}" for p in n["problems"] + n["params_over_tol"][:10]))
+    return out
+
+
+def _apollo():
+    import apollo_compile
+
+    return apollo_compile
 
 
 def _align_shapes(grads: dict, ref: dict) -> dict:
@@ -413,7 +536,8 @@ def markdown_table(results: list[dict]) -> str:
                     f"{r['p90_ms']:.2f}", f"{r['samples_per_s']:.1f}", f"{r['samples_per_s_per_gpu']:.1f}",
                     fmt(speed, ".2f", "x"), fmt(scaling, ".2f"), fmt(r.get("peak_alloc_gib"), ".2f"),
                     fmt(r.get("peak_reserved_gib"), ".2f"), f"{r['compile_s']:.1f}", graphs,
-                    f"{verdict(n)} (dloss {n['loss_abs_diff']:.1e}, grad {n['grad_rel_err_max']:.1e})",
+                    f"{verdict(n)} (dloss {n['loss_abs_diff']:.1e}, grad {n['grad_rel_err_max']:.1e})"
+                    + (" vs 1-GPU eager" if "numerics_reference" in r else ""),
                 ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -487,6 +611,7 @@ def main(argv=None) -> int:
         print("CUDA is not available; use --device cpu", flush=True)
         return 2
     device = init_distributed(args.device, args.pg_timeout_s)
+    args.host_group = dist.new_group(backend="gloo")  # rank-0 variants: the others wait without a GPU kernel
     r, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(args.out)
     if r == 0:

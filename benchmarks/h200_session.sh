@@ -40,6 +40,8 @@
 #   run(command="bash benchmarks/h200_session.sh off11b ...")                         # the 20 GiB edge with the copies in place
 #   run(command="bash benchmarks/h200_session.sh offmem12 ...")                       # session 12: the offloading backward's peak, itemised
 #   run(command="bash benchmarks/h200_session.sh host11 ...")                         # session 12: the host in back-to-back batch-8 steps
+#   run(command="bash benchmarks/h200_session.sh dist12 ...", kind="nvidia-h200-x2")  # issue 6: DDP and FSDP2 on 2 GPUs
+#   run(command="bash benchmarks/h200_session.sh place12 ...", kind="nvidia-h200-x2") # issue 6: scaling at 128, towers on 2 GPUs
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -191,6 +193,24 @@ case "${1:-}" in
              timeout 180 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 5 --variants eager-fp32 \
                eager-bf16-ckpt-offload apollo-bf16-budget-0.05 apollo-bf16-budget-0.05-offload --out "$OUT/off64b"
              exit $? ;;
+  dist12)    # issue 6 on 2 GPUs (the first multi-GPU kind lent): DDP and FSDP2 with apollo against DDP +
+             # Inductor and single-GPU apollo at per-GPU batch 32, the cheap and the one-graph rows first
+             nvidia-smi topo -m
+             timeout 500 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 20 --warmup 3 \
+               --variants single-apollo ddp-eager ddp-apollo-1graph ddp-inductor ddp-apollo fsdp2-eager fsdp2-apollo \
+               --out "$OUT/dist12" > "$OUT/dist12.log" 2>&1
+             status=$?; grep -v "^\s*$" "$OUT/dist12.log" | grep -E "^\||\[|===|noise|FAILED|OOM|Error" | tail -c 9000
+             exit $status ;;
+  place12)   # issue 6 on 2 GPUs: DDP scaling at per-GPU 32 and 128 (dist12: 0.82 of 2 x single at 32), then
+             # the towers placed on the two GPUs against DDP at the same global batch (64)
+             timeout 250 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 128 32 --steps 20 --warmup 3 \
+               --variants single-apollo ddp-apollo-1graph --out "$OUT/scale12" > "$OUT/scale12.log" 2>&1
+             grep -E "^\| |\] (compile|numerics)|FAILED|OOM" "$OUT/scale12.log" | tail -c 3500
+             timeout 290 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 20 --warmup 3 \
+               --variants ddp-apollo-1graph onegpu-apollo placed-eager placed-apollo placed-inductor \
+               --out "$OUT/place12" > "$OUT/place12.log" 2>&1
+             status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/place12.log" | tail -c 5000
+             exit $status ;;
   offmem12)  # for session 12: what apollo's backward holds at its peak with offloading, itemised (5.81 GiB
              # against eager + save_on_cpu's 5.08 at batch 512, session 11): the largest live allocations and
              # the wrapper lines that made them
@@ -235,7 +255,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|offmem12|next11|host11" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|offmem12|dist12|place12|next11|host11" >&2
      exit 2 ;;
 esac
 status=$?

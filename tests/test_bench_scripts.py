@@ -12,17 +12,19 @@ import pytest
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
+import bench_distributed  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_step  # noqa: E402
 
 
 def phase_commands() -> list[tuple[str, list[str]]]:
-    """(script, argv) of every bench_step / bench_memory command in h200_session.sh."""
+    """(script, argv) of every bench_step / bench_memory / bench_distributed command in h200_session.sh."""
     with open(os.path.join(BENCHMARKS, "h200_session.sh")) as f:
         text = f.read().replace("\\\n", " ")  # continuation lines
     commands = []
     for line in text.splitlines():
-        m = re.search(r"python benchmarks/(bench_memory|bench_step)\.py(.*?)(;;|$)", line)
+        m = re.search(r"(?:python|torchrun [-\w ]*?) benchmarks/(bench_memory|bench_step|bench_distributed)\.py"
+                      r"(.*?)(;;|>|$)", line)
         if m:
             commands.append((m.group(1), shlex.split(m.group(2))))
     return commands
@@ -37,7 +39,7 @@ def test_the_session_script_has_its_phases():
 
 @pytest.mark.parametrize("script,argv", COMMANDS, ids=[" ".join(a[:4]) for _, a in COMMANDS])
 def test_every_phase_parses(script, argv):
-    module = {"bench_memory": bench_memory, "bench_step": bench_step}[script]
+    module = {"bench_memory": bench_memory, "bench_step": bench_step, "bench_distributed": bench_distributed}[script]
     args = module.parse_args(argv)
     if script == "bench_memory":
         assert set(args.search_variants) <= set(bench_memory.VARIANTS)
@@ -248,6 +250,23 @@ def test_the_step_table_reports_back_to_back_steps_beside_the_idle_gpu_latency()
     width = table[0].count("|")
     assert all(line.count("|") == width for line in table)
     assert "| 8 | apollo | 6.00 | 7.00 | 9.00 | 1.33x | 5.00 | 1.20x | 4.00 |" in table[3]
+
+
+def test_distributed_rank0_variants_run_on_the_cpu(tmp_path):
+    """bench_distributed.py's placement rows run end to end as a world of one on the CPU (both
+    towers on the CPU): the rank-0 path, its global-batch reference and its table row."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, os.path.join(BENCHMARKS, "bench_distributed.py"), "--device", "cpu", "--config", "tiny",
+           "--batch", "2", "--steps", "1", "--warmup", "1", "--variants", "onegpu-apollo", "placed-apollo",
+           "--apollo-options", '{"subgraph_compiler": "eager"}', "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "distributed_results.jsonl").read_text())["results"][0]["variants"]
+    assert [(r["variant"], r["status"], r["numerics"]["pass"]) for r in rows] == [
+        ("onegpu-apollo", "ok", True), ("placed-apollo", "ok", True)], rows
+    assert "placed-apollo" in done.stdout and "vs 1-GPU eager" in done.stdout
 
 
 def test_capture_recovery_runs_its_loop_on_the_cpu(tmp_path, capsys):
