@@ -24,7 +24,7 @@ from apollo_compile.backend import REPORT_HINT, ApolloFallbackWarning
 from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
 from helpers import TOLERANCE, assert_same_loss_and_grads, assert_trains_like_eager, replace_pass
-from models import MLP, TwoTower, two_tower_inputs
+from models import MLP, Block, TwoTower, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
 
@@ -230,6 +230,38 @@ def test_dynamic_true_runs_apollo_when_no_symbolic_float_appears():
              if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 2
              and n.meta["val"].shape[1] == 32]
     assert any(isinstance(s, torch.SymInt) for s in sizes), sizes
+
+
+class BlockLoss(Block):
+    """A Block trained on its own: its submodules (ln1, qkv, proj, ...) are the modalities, so its
+    backward is cut into several subgraphs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).square().mean()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_subgraphs_bind_the_symbols_of_a_symbolic_head_count(dynamic):
+    """Blocks of two widths share Block's code: Dynamo compiles the second as a recompile of the
+    first and, by automatic dynamic shapes, makes `heads` symbolic (s40). A backward subgraph took a
+    tensor of size s40*((24//s40)) and nothing that is s40 itself, and Inductor failed on it ("For
+    s40*((24//s40)), expected [s40] to have been codegen-ed"; FSDP2 on a GPU, whose modules' int
+    attributes Dynamo leaves unspecialized, as allow_unspec_int_on_nn_module does here). Such a
+    subgraph now also takes the SymInt placeholder (lanes.bind_symbols)."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        for width, heads in [(32, 4), (24, 3)]:
+            batches = [(torch.randn(2, 5, width, generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+            messages = train_like_eager(BlockLoss(width, heads), batches, {"subgraph_compiler": "inductor"},
+                                        dynamic=dynamic)
+            assert messages == [], (width, heads, messages)
+            assert_apollo_ran(apollo_compile.last_plan())
+    # the case it guards: a subgraph with an input none of its nodes reads, a symbol's binder
+    subgraphs = apollo_compile.last_plan().backward.lanes.subgraphs
+    assert len(subgraphs) > 1
+    binders = [a for sg in subgraphs for a in sg.inputs if all(a not in n.all_input_nodes for n in sg.nodes)]
+    assert binders and all(isinstance(a.meta["val"], torch.SymInt) for a in binders), binders
 
 
 # ------------------------------------------------------------------------ (c) failures in a pass / in subgraph compilation

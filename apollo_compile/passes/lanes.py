@@ -31,6 +31,16 @@ nothing is wrong.
 Nodes are visited in graph order (a topological order); a node joins its lane's open subgraph
 unless one of its inputs lives in a subgraph that the open one reaches, in which case the lane
 opens a new subgraph after the old one (program order on one stream).
+
+[NOTE] Every symbol a subgraph's sizes name must be bound by one of its inputs. Inductor reads a
+symbol off an input only where it stands alone: a SymInt input ``s40`` or a tensor input's size or
+stride ``s40``; it cannot solve ``s40*(512//s40)`` for ``s40``. With dynamic shapes a subgraph may
+take a tensor of size ``s40*(512//s40)`` and no input that is ``s40`` itself (FSDP2 on a GPU: the
+vision and text Blocks share code, so their ``heads`` became symbolic on the recompile, and the
+backward's compile failed with "For s40*((512//s40)), expected [s40] to have been codegen-ed"):
+the whole graph has the SymInt placeholder, but none of the subgraph's nodes reads it.
+:func:`bind_symbols` gives such a subgraph that placeholder (or another node that binds the symbol)
+as an extra input, after the ones its nodes read.
 """
 
 from __future__ import annotations
@@ -38,7 +48,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import networkx as nx
+import sympy
+import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbol_binding_fx_node
 
 from ..annotations import FUSION, info
 
@@ -50,7 +63,8 @@ class Subgraph:
     id: int
     lane: int
     nodes: list[torch.fx.Node] = field(default_factory=list)
-    inputs: list[torch.fx.Node] = field(default_factory=list)  # values from outside, first-use order
+    # values from outside, first-use order, then the binders of symbols they leave unbound ([NOTE] Every symbol)
+    inputs: list[torch.fx.Node] = field(default_factory=list)
     outputs: list[torch.fx.Node] = field(default_factory=list)  # values used outside, graph order
 
     @property
@@ -174,10 +188,80 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
                 if a not in inside:
                     seen.setdefault(a, None)
         sg.inputs = list(seen)
-        sg.outputs = [n for n in sg.nodes if any(u not in inside for u in n.users)]
+    bind_symbols(subgraphs, nodes, dag)
+    read = {a for sg in subgraphs for a in sg.inputs}
+    for sg in subgraphs:
+        inside = set(sg.nodes)
+        sg.outputs = [n for n in sg.nodes if n in read or any(u not in inside for u in n.users)]
     # drop edges implied by others so the runtime waits on as few events as possible
     dag = nx.transitive_reduction(dag) if dag.number_of_edges() else dag
     return subgraphs, dag
+
+
+def _symbols(val) -> set[sympy.Symbol]:
+    """The free symbols of a ``meta["val"]``; none for a value torch cannot look into."""
+    try:
+        return set(free_symbols(val))
+    except AssertionError:  # an opaque value: torch knows no sizes in it
+        return set()
+
+
+def plain_symbols(val) -> set[sympy.Symbol]:
+    """The symbols Inductor binds from an input of this value: a SymInt (SymFloat) that is one
+    symbol, a tensor's sizes and strides that are one symbol each (``codegen_input_symbol_assignment``)."""
+    if isinstance(val, (torch.SymInt, torch.SymFloat)):
+        dims = [val]
+    elif isinstance(val, torch.Tensor) and not val.is_sparse:
+        dims = [*val.shape, *val.stride()]
+    else:
+        return set()
+    symbolic = [d.node.expr for d in dims if isinstance(d, (torch.SymInt, torch.SymFloat))]
+    return {e for e in symbolic if isinstance(e, sympy.Symbol)}
+
+
+def symbol_binders(nodes: list[torch.fx.Node]) -> dict[sympy.Symbol, torch.fx.Node]:
+    """Symbol -> the first node of the graph that binds it: a SymInt placeholder or the op making an
+    unbacked symbol (torch's ``is_symbol_binding_fx_node``), else a placeholder tensor with the
+    symbol as a plain size or stride. Graph inputs first: any subgraph can take them."""
+    binders: dict[sympy.Symbol, torch.fx.Node] = {}
+    for n in nodes:
+        if "val" in n.meta and (s := is_symbol_binding_fx_node(n)) is not None:
+            binders.setdefault(s, n)
+    for n in nodes:
+        if n.op == "placeholder":
+            for s in sorted(plain_symbols(n.meta.get("val")), key=str):
+                binders.setdefault(s, n)
+    return binders
+
+
+def unbound_symbols(sg: Subgraph) -> set[sympy.Symbol]:
+    """Symbols in the sizes of `sg`'s inputs and values that no input of it binds and no node of
+    it makes (an unbacked symbol made inside is Inductor's to define)."""
+    needed = set().union(*(_symbols(n.meta.get("val")) for n in [*sg.inputs, *sg.nodes]))
+    bound = set().union(*(plain_symbols(n.meta.get("val")) for n in sg.inputs))
+    made = {s for n in sg.nodes if "val" in n.meta and (s := is_symbol_binding_fx_node(n)) is not None}
+    return needed - bound - made
+
+
+def bind_symbols(subgraphs: list[Subgraph], nodes: list[torch.fx.Node], dag: nx.DiGraph) -> None:
+    """Append to each subgraph's inputs, in graph order, the binders of the symbols it needs but
+    cannot bind (see [NOTE] Every symbol); a binder another subgraph makes is ordered before it. A
+    binder that would close a cycle is left out: Inductor then fails and the graph falls back."""
+    binders: dict[sympy.Symbol, torch.fx.Node] | None = None
+    pos = {n: i for i, n in enumerate(nodes)}
+    for sg in subgraphs:
+        missing = unbound_symbols(sg)
+        if not missing:
+            continue
+        binders = symbol_binders(nodes) if binders is None else binders
+        extra = {binders[s] for s in missing if s in binders} - set(sg.inputs)
+        for b in sorted(extra, key=pos.__getitem__):
+            src = info(b).subgraph
+            if src is not None:
+                if nx.has_path(dag, sg.id, src):
+                    continue
+                dag.add_edge(src, sg.id)
+            sg.inputs.append(b)
 
 
 def costliest_on_main(subgraphs: list[Subgraph], lane_of: dict[str, int]) -> tuple[dict[str, int], set[int], str]:
