@@ -42,6 +42,7 @@
 #   run(command="bash benchmarks/h200_session.sh host11 ...")                         # session 12: the host in back-to-back batch-8 steps
 #   run(command="bash benchmarks/h200_session.sh dist12 ...", kind="nvidia-h200-x2")  # issue 6: DDP and FSDP2 on 2 GPUs
 #   run(command="bash benchmarks/h200_session.sh place12 ...", kind="nvidia-h200-x2") # issue 6: scaling at 128, towers on 2 GPUs
+#   run(command="bash benchmarks/h200_session.sh last12 ...", kind="nvidia-h200-x2")  # FSDP2 after the symbol fix; 20 GiB edge, expandable
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -211,6 +212,19 @@ case "${1:-}" in
                --out "$OUT/place12" > "$OUT/place12.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/place12.log" | tail -c 5000
              exit $status ;;
+  last12)    # session 12, last call: fsdp2-apollo after the fix for subgraphs whose sizes name an unbound
+             # symbol (dist12: one backward fell back); then, on one GPU, issue 4's 20 GiB edge with expandable
+             # segments for both offloading variants (session 11: apollo's 2048 and eager's 2304 ran out with
+             # 0.58 and 3.63 GiB free in pieces)
+             timeout 150 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 10 --warmup 3 \
+               --variants fsdp2-eager fsdp2-apollo --out "$OUT/fsdp12" > "$OUT/fsdp12.log" 2>&1
+             grep -E "^\| |\] (compile|numerics)|FAILED|OOM|ApolloFallbackWarning: apollo: graph" "$OUT/fsdp12.log" | tail -c 3000
+             export CUDA_VISIBLE_DEVICES=0 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+             timeout 260 python benchmarks/bench_memory.py --batch --variants apollo-bf16-budget-0.05-offload \
+               --search-variants apollo-bf16-budget-0.05-offload --search-at 2048 2304 --search-probes 2 --out "$OUT/exp12a"
+             timeout 100 python benchmarks/bench_memory.py --batch --variants eager-bf16-ckpt-offload \
+               --search-variants eager-bf16-ckpt-offload --search-at 2304 2560 --search-probes 2 --out "$OUT/exp12e"
+             exit $? ;;
   offmem12)  # for session 12: what apollo's backward holds at its peak with offloading, itemised (5.81 GiB
              # against eager + save_on_cpu's 5.08 at batch 512, session 11): the largest live allocations and
              # the wrapper lines that made them
@@ -255,7 +269,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|offmem12|dist12|place12|next11|host11" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|offmem12|dist12|place12|last12|next11|host11" >&2
      exit 2 ;;
 esac
 status=$?
