@@ -116,6 +116,19 @@ def host_copy_wrappers(root: str, since: float, out_dir: pathlib.Path) -> list[s
     return kept
 
 
+def inductor_setting(text: str) -> tuple[str, object]:
+    """``allow_buffer_reuse=False`` -> ("allow_buffer_reuse", False): a literal, else the string."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=512)
@@ -125,6 +138,8 @@ def main(argv=None) -> int:
                    help="also run each offloading apollo variant with Inductor's reorder_for_peak_memory off")
     p.add_argument("--snapshot", nargs="*", default=[], type=bench_memory.variant_name,
                    help="record these variants' measured step and list what is live at its peak")
+    p.add_argument("--inductor-config", nargs="*", default=[], metavar="KEY=VALUE", type=inductor_setting,
+                   help="run every variant under these Inductor settings (e.g. allow_buffer_reuse=False)")
     p.add_argument("--code-dir", default=None, help="copy the host-copying Inductor wrappers here")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     args = p.parse_args(argv)
@@ -136,9 +151,11 @@ def main(argv=None) -> int:
     base = clip.build(args.config)
     batch = clip.make_batch(args.batch, device, args.config)
     rows = {}
+    settings = dict(args.inductor_config)
     for name in args.variants:
         try:
-            rows[name] = phases(bench_memory.VARIANTS[name], base, batch, device, snapshot=name in args.snapshot)
+            with torch._inductor.config.patch(**settings):
+                rows[name] = phases(bench_memory.VARIANTS[name], base, batch, device, snapshot=name in args.snapshot)
         except Exception as e:  # noqa: BLE001 - report and go on to the next variant
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(name, json.dumps({k: v for k, v in rows[name].items() if k != "largest_at_peak"}), flush=True)
@@ -161,7 +178,7 @@ def main(argv=None) -> int:
         print("wrappers that copy to or from the host:", host_copy_wrappers(root, since, pathlib.Path(args.code_dir)))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps({"batch": args.batch, "rows": rows}, indent=1))
-    print(f"\nbatch {args.batch} ({args.config}), GiB allocated")
+    print(f"\nbatch {args.batch} ({args.config}), GiB allocated" + (f", Inductor {settings}" if settings else ""))
     print("| variant | before | forward peak | after forward | backward peak |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():
