@@ -279,9 +279,10 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def reference(base: nn.Module, batch: tuple, device: torch.device, args) -> dict:
-    """Eager DDP on the numerics batch: loss, all-reduced gradients and, with AMP, the fp32 ones."""
-    model, step_fn, _ = build_variant("ddp-eager", base, device, args)
+def reference(base: nn.Module, batch: tuple, device: torch.device, args, variant: str = "ddp-eager") -> dict:
+    """Eager DDP on the numerics batch: loss, all-reduced gradients and, with AMP, the fp32 ones.
+    With variant="onegpu-eager", eager on this GPU alone (the rank-0 variants' reference)."""
+    model, step_fn, _ = build_variant(variant, base, device, args)
     loss, grads = loss_and_grads(model, step_fn, batch, device, args.amp)
     ref = {"loss": loss, "grads": grads, "grads_fp32": None, "noise_floor": None, "noise_summary": None}
     if args.amp:
@@ -377,22 +378,6 @@ def global_batch(args, device: torch.device, seed: int) -> tuple:
     return tuple(torch.cat(parts) for parts in zip(*shards))
 
 
-def global_reference(base: nn.Module, batch: tuple, device: torch.device, args) -> dict:
-    """Eager on one GPU at the global batch: the numerics reference of the rank-0 variants."""
-    model = copy.deepcopy(base).to(device)
-    loss, grads = loss_and_grads(model, model, batch, device, args.amp)
-    ref = {"loss": loss, "grads": grads, "grads_fp32": None, "noise_floor": None}
-    if args.amp:
-        with no_tf32():
-            _, grads32 = loss_and_grads(model, model, batch, device, False)
-        ref["grads_fp32"] = grads32
-        ref["noise_floor"] = {n: rel_err(g, grads32[n]) for n, g in grads.items()
-                              if g is not None and grads32[n] is not None}
-    del model
-    free_device_memory(device)
-    return ref
-
-
 def _every_gpu(fn: Callable[[torch.device], Any]) -> list:
     return [fn(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
 
@@ -416,7 +401,7 @@ def run_on_rank0(name: str, base: nn.Module, args, device: torch.device) -> dict
 def _rank0_measure(name: str, base: nn.Module, args, device: torch.device) -> dict:
     batch = global_batch(args, device, args.seed)
     numerics_batch = global_batch(args, device, args.seed + 1)
-    ref = global_reference(base, numerics_batch, device, args)
+    ref = reference(base, numerics_batch, device, args, variant="onegpu-eager")
     model, step_fn, _ = build_variant(name, base, device, args)
     plans_before = len(_apollo().plans()) if "apollo" in name else None
     sync_all = (lambda: _every_gpu(torch.cuda.synchronize)) if device.type == "cuda" else (lambda: None)
