@@ -212,7 +212,7 @@ def build_variant(name: str, base: nn.Module, device: torch.device, args) -> tup
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      bucket_cap_mb=args.bucket_cap_mb)
+                      bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
         settings["optimize_ddp"] = compiler != "apollo-1graph"
     elif engine == "fsdp2":
         fully_shard = _fully_shard()
@@ -301,10 +301,10 @@ def reference(base: nn.Module, batch: tuple, device: torch.device, args, variant
 
 def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args,
                 device: torch.device) -> dict:
-    row: dict[str, Any] = {"variant": name, "status": "ok"}
-    world = dist.get_world_size()
     if name in RANK0_VARIANTS:
         return run_on_rank0(name, base, args, device)
+    row: dict[str, Any] = {"variant": name, "status": "ok"}
+    world = dist.get_world_size()
     model, step_fn, settings = build_variant(name, base, device, args)
     with contextlib.ExitStack() as stack:
         if settings:
@@ -487,6 +487,7 @@ def environment(device: torch.device, args) -> dict:
         "world_size": world, "backend": dist.get_backend(), "device": device.type, "device_names": names,
         "config": args.config, "amp": "bf16 autocast" if args.amp else "fp32", "steps": args.steps,
         "warmup": args.warmup, "optimizer_step": False, "bucket_cap_mb": args.bucket_cap_mb,
+        "gradient_as_bucket_view": args.gradient_as_bucket_view,
         "apollo_options": args.apollo_options,
     }
     if device.type == "cuda":
@@ -534,7 +535,8 @@ def report(env: dict, results: list[dict]) -> str:
         f"## apollo distributed benchmark: CLIP-style ({env['config']}), {env['amp']}, "
         f"{env['world_size']} x {env['device_names'][0]} ({env['backend']})",
         "",
-        f"{env['date']} | torch {env['torch']} | python {env['python']} | DDP bucket_cap_mb {env['bucket_cap_mb']} | "
+        f"{env['date']} | torch {env['torch']} | python {env['python']} | DDP bucket_cap_mb {env['bucket_cap_mb']}"
+        f"{', gradient_as_bucket_view' if env.get('gradient_as_bucket_view') else ''} | "
         f"apollo options {env['apollo_options'] or '{}'}",
         f"{env['warmup']} warm-up + {env['steps']} timed steps of zero_grad + forward + backward (gradient "
         f"communication included, no optimizer step); median of the slowest rank's step; samples/s over all "
@@ -580,6 +582,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     p.add_argument("--no-amp", dest="amp", action="store_false", help="fp32, no bf16 autocast")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (DDP's default 25)")
+    p.add_argument("--gradient-as-bucket-view", action="store_true",
+                   help="DDP(gradient_as_bucket_view=True): .grad views the buckets, no copy into them")
     p.add_argument("--apollo-options", type=json.loads, default={},
                    help='JSON options for backend="apollo", e.g. \'{"subgraph_compiler": "eager"}\'')
     p.add_argument("--pg-timeout-s", type=float, default=900.0, help="process-group (collective) timeout")

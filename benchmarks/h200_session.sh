@@ -43,6 +43,8 @@
 #   run(command="bash benchmarks/h200_session.sh dist12 ...", kind="nvidia-h200-x2")  # issue 6: DDP and FSDP2 on 2 GPUs
 #   run(command="bash benchmarks/h200_session.sh place12 ...", kind="nvidia-h200-x2") # issue 6: scaling at 128, towers on 2 GPUs
 #   run(command="bash benchmarks/h200_session.sh last12 ...", kind="nvidia-h200-x2")  # FSDP2 after the symbol fix; 20 GiB edge, expandable
+#   run(command="bash benchmarks/h200_session.sh next13 ...")                         # session 13: the offloading edge with buffers freed at once
+#   run(command="bash benchmarks/h200_session.sh dist13 ...", kind="nvidia-h200-x2")  # session 13: what the one-graph DDP step adds
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -225,6 +227,34 @@ case "${1:-}" in
              timeout 100 python benchmarks/bench_memory.py --batch --variants eager-bf16-ckpt-offload \
                --search-variants eager-bf16-ckpt-offload --search-at 2304 2560 --search-probes 2 --out "$OUT/exp12e"
              exit $? ;;
+  next13)    # for session 13: issue 4's target 3 with the offloading subgraphs freeing each buffer at its last
+             # use (f29a527; backward peak at 512: 5.81 -> 5.22 GiB, eager + save_on_cpu 5.08): the 20 GiB edge,
+             # default allocator, then batch 64 side by side (the step time of the change); then whether a
+             # budget without offloading gains the same (its peaks at 512 with and without Inductor's reuse)
+             timeout 250 python benchmarks/bench_memory.py --batch --variants apollo-bf16-budget-0.05-offload \
+               --search-variants apollo-bf16-budget-0.05-offload --search-at 2048 2304 --search-probes 2 --out "$OUT/edge13"
+             timeout 150 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 5 --variants \
+               eager-bf16-ckpt-offload apollo-bf16-budget-0.05 apollo-bf16-budget-0.05-offload --out "$OUT/off64c"
+             timeout 150 python benchmarks/offload_memory.py --batch 512 --variants apollo-bf16-budget-0.05 \
+               --inductor-config allow_buffer_reuse=False --out "$OUT/reuse13.json"
+             exit $? ;;
+  dist13)    # for session 13, issue 6: what the 3-4 ms that DDP + apollo in one graph adds to one GPU's step are
+             # made of (session 12: scaling 0.78-0.82 at per-GPU 32): DDP's copy of each gradient into its
+             # bucket (gradient_as_bucket_view) and the number of buckets, side by side with the default;
+             # then FSDP2's memory per GPU against DDP's
+             timeout 170 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 20 --warmup 3 \
+               --variants single-apollo ddp-apollo-1graph --out "$OUT/dist13a" > "$OUT/dist13a.log" 2>&1
+             timeout 130 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 20 --warmup 3 \
+               --variants ddp-apollo-1graph --gradient-as-bucket-view --out "$OUT/dist13b" > "$OUT/dist13b.log" 2>&1
+             timeout 130 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 20 --warmup 3 \
+               --variants ddp-apollo-1graph --bucket-cap-mb 200 --out "$OUT/dist13c" > "$OUT/dist13c.log" 2>&1
+             # memory per GPU, FSDP2 against DDP, each first in its own process (RESULTS, session 12, call 3)
+             timeout 60 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 5 --warmup 2 \
+               --variants ddp-eager --out "$OUT/dist13d" > "$OUT/dist13d.log" 2>&1
+             timeout 60 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 5 --warmup 2 \
+               --variants fsdp2-eager --out "$OUT/dist13e" > "$OUT/dist13e.log" 2>&1
+             grep -hE "^20|^\| 32|\] numerics" "$OUT"/dist13?.log
+             exit 0 ;;
   offmem12)  # for session 12: what apollo's backward holds at its peak with offloading, itemised (5.81 GiB
              # against eager + save_on_cpu's 5.08 at batch 512, session 11): the largest live allocations and
              # the wrapper lines that made them
@@ -269,7 +299,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|offmem12|dist12|place12|last12|next11|host11" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|offmem12|dist12|place12|last12|next13|dist13|next11|host11" >&2
      exit 2 ;;
 esac
 status=$?
