@@ -27,6 +27,10 @@ job, so their times are comparable; DESIGN.md notes that absolute times drift be
                        towers overlap as on one GPU) but the gradient all-reduce starts only after
                        the whole compiled backward. ddp-apollo vs this row is the trade-off between
                        communication overlap and tower concurrency
+    ddp-apollo-ca      DDP's Python reducer (optimize_ddp="python_reducer", set before DDP is
+                       built) with the backward under compiled autograd, compiled by apollo too:
+                       the backward is one graph with the bucket all-reduces inside it (functional
+                       collectives), so they can run while the rest of the backward does
     fsdp2-eager        fully_shard on every transformer Block of both towers and on the root
                        (torch.distributed.fsdp.fully_shard; torch.distributed._composable.fsdp on
                        older torch), eager: the memory reference for FSDP2
@@ -125,8 +129,8 @@ from bench_step import (  # noqa: E402
 )
 
 RANK0_VARIANTS = ("onegpu-apollo", "placed-eager", "placed-inductor", "placed-apollo")
-VARIANTS = ("single-apollo", "ddp-eager", "ddp-inductor", "ddp-apollo", "ddp-apollo-1graph", "fsdp2-eager",
-            "fsdp2-apollo", *RANK0_VARIANTS)
+VARIANTS = ("single-apollo", "ddp-eager", "ddp-inductor", "ddp-apollo", "ddp-apollo-1graph", "ddp-apollo-ca",
+            "fsdp2-eager", "fsdp2-apollo", *RANK0_VARIANTS)
 BASELINE = "ddp-inductor"  # "vs ddp-inductor" = its median / the variant's median
 SINGLE = "single-apollo"
 GiB = 1024**3
@@ -191,6 +195,14 @@ def _fully_shard():
     return fully_shard
 
 
+def compiled_autograd(compiler):
+    """torch._dynamo.compiled_autograd's context manager (``_enable``; ``enable`` in older torch)."""
+    from torch._dynamo import compiled_autograd as ca
+
+    enable = getattr(ca, "_enable", None) or ca.enable
+    return enable(compiler)
+
+
 @contextlib.contextmanager
 def dynamo_config(**changes):
     saved = {k: getattr(torch._dynamo.config, k) for k in changes}
@@ -211,9 +223,10 @@ def build_variant(name: str, base: nn.Module, device: torch.device, args) -> tup
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
-        settings["optimize_ddp"] = compiler != "apollo-1graph"
+        settings["optimize_ddp"] = {"apollo-1graph": False, "apollo-ca": "python_reducer"}.get(compiler, True)
+        with dynamo_config(optimize_ddp=settings["optimize_ddp"]):  # DDP picks its reducer when built
+            wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                          bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
     elif engine == "fsdp2":
         fully_shard = _fully_shard()
         model.logit_scale = nn.Parameter(model.logit_scale.detach().reshape(1))  # no 0-d params in FSDP2
@@ -237,6 +250,8 @@ def build_variant(name: str, base: nn.Module, device: torch.device, args) -> tup
         import apollo_compile  # noqa: F401  (importing registers backend="apollo")
 
         step_fn = torch.compile(wrapped, backend="apollo", options=dict(args.apollo_options))
+        if compiler == "apollo-ca":
+            settings["compiled_autograd"] = torch.compile(backend="apollo", options=dict(args.apollo_options))
     else:
         raise ValueError(f"unknown variant {name!r}")
     return model, step_fn, settings
@@ -307,8 +322,11 @@ def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple,
     world = dist.get_world_size()
     model, step_fn, settings = build_variant(name, base, device, args)
     with contextlib.ExitStack() as stack:
+        backward_compiler = settings.pop("compiled_autograd", None)
         if settings:
             stack.enter_context(dynamo_config(**settings))
+        if backward_compiler is not None:
+            stack.enter_context(compiled_autograd(backward_compiler))
         plans_before = None
         if "apollo" in name:
             import apollo_compile

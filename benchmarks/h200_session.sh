@@ -239,19 +239,17 @@ case "${1:-}" in
                --inductor-config allow_buffer_reuse=False --out "$OUT/reuse13.json"
              exit $? ;;
   dist13)    # for session 13, issue 6: what the 3-4 ms that DDP + apollo in one graph adds to one GPU's step are
-             # made of (session 12: scaling 0.78-0.82 at per-GPU 32): DDP's copy of each gradient into its
-             # bucket (gradient_as_bucket_view) and the number of buckets, side by side with the default;
-             # then FSDP2's memory per GPU against DDP's
-             timeout 170 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 20 --warmup 3 \
-               --variants single-apollo ddp-apollo-1graph --out "$OUT/dist13a" > "$OUT/dist13a.log" 2>&1
-             timeout 130 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 20 --warmup 3 \
+             # made of (session 12: scaling 0.78-0.82 at per-GPU 32), and whether DDP's Python reducer under
+             # compiled autograd (the all-reduces inside apollo's backward graph) overlaps them; DDP's copy of
+             # each gradient into its bucket (gradient_as_bucket_view); then FSDP2's memory per GPU against DDP's
+             timeout 260 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 20 --warmup 3 \
+               --variants single-apollo ddp-apollo-1graph ddp-apollo-ca --out "$OUT/dist13a" > "$OUT/dist13a.log" 2>&1
+             timeout 120 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 20 --warmup 3 \
                --variants ddp-apollo-1graph --gradient-as-bucket-view --out "$OUT/dist13b" > "$OUT/dist13b.log" 2>&1
-             timeout 130 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 20 --warmup 3 \
-               --variants ddp-apollo-1graph --bucket-cap-mb 200 --out "$OUT/dist13c" > "$OUT/dist13c.log" 2>&1
              # memory per GPU, FSDP2 against DDP, each first in its own process (RESULTS, session 12, call 3)
-             timeout 60 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 5 --warmup 2 \
+             timeout 55 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 5 --warmup 2 \
                --variants ddp-eager --out "$OUT/dist13d" > "$OUT/dist13d.log" 2>&1
-             timeout 60 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 5 --warmup 2 \
+             timeout 55 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 --steps 5 --warmup 2 \
                --variants fsdp2-eager --out "$OUT/dist13e" > "$OUT/dist13e.log" 2>&1
              grep -hE "^20|^\| 32|\] numerics" "$OUT"/dist13?.log
              exit 0 ;;

@@ -24,6 +24,7 @@ Not done on CPU: peak memory per rank and throughput (GPU figures: benchmarks/be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import os
@@ -53,6 +54,9 @@ SCENARIOS = {
     "ddp_split": ("ddp", "eager", 128, 1.0),
     "ddp_inductor": ("ddp", "inductor", 32, None),
     "fsdp2": ("fsdp2", "eager", 32, None),
+    # DDP's Python reducer under compiled autograd: the backward, gradient all-reduces included, is
+    # one graph that apollo compiles (the way to overlap the all-reduces with the backward)
+    "ddp_compiled_autograd": ("ddp-ca", "eager", 32, None),
 }
 
 
@@ -66,6 +70,14 @@ def _import_fully_shard():
     except ImportError:  # older torch: the composable API's home before it moved
         from torch.distributed._composable.fsdp import fully_shard
     return fully_shard
+
+
+def compiled_autograd(compiler):
+    """torch._dynamo.compiled_autograd's context manager (``_enable``; ``enable`` in older torch)."""
+    from torch._dynamo import compiled_autograd as ca
+
+    enable = getattr(ca, "_enable", None) or ca.enable
+    return enable(compiler)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -95,12 +107,17 @@ def worker(scenario: str, out: Path) -> None:
         # reference has the same parameters.
         model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))
     ref = copy.deepcopy(model)
-    if engine == "ddp":
+    backward_context = contextlib.nullcontext
+    if engine in ("ddp", "ddp-ca"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        torch._dynamo.config.optimize_ddp = True  # the default; DDPOptimizer splits at buckets
+        # the default, DDPOptimizer splits at buckets; the Python reducer is chosen when DDP is built
+        torch._dynamo.config.optimize_ddp = True if engine == "ddp" else "python_reducer"
         kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
         wrapped = DDP(model, **kwargs)
+        if engine == "ddp-ca":
+            backward_compiler = torch.compile(backend="apollo", options={"subgraph_compiler": compiler})
+            backward_context = lambda: compiled_autograd(backward_compiler)  # noqa: E731
     else:
         fully_shard = _import_fully_shard()
         for block in [*model.vision.blocks, *model.text.blocks]:
@@ -117,7 +134,8 @@ def worker(scenario: str, out: Path) -> None:
         shards = list(zip(images.chunk(world), tokens.chunk(world)))
         t0 = time.perf_counter()
         loss = compiled(*shards[rank])
-        loss.backward()
+        with backward_context():
+            loss.backward()
         times.append(time.perf_counter() - t0)
         shard_losses = [ref(*s) for s in shards]
         torch.stack(shard_losses).mean().backward()
@@ -135,7 +153,8 @@ def worker(scenario: str, out: Path) -> None:
         steps.append(rec)
     plans = [
         {"name": p.name,
-         "graphs": {kind: {"fallback": g.fallback, "lanes": None if g.lanes is None else dict(g.lanes.lanes)}
+         "graphs": {kind: {"fallback": g.fallback, "lanes": None if g.lanes is None else dict(g.lanes.lanes),
+                           "all_reduces": sum("all_reduce" in str(n.target) for n in g.gm.graph.nodes)}
                     for kind, g in p.graphs.items()}}
         for p in apollo_compile.plans()[before:]
     ]
@@ -268,6 +287,11 @@ def ddp_split(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ddp_compiled_autograd(tmp_path_factory):
+    return _run("ddp_compiled_autograd", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory):
     try:
         _import_fully_shard()
@@ -341,3 +365,14 @@ if __name__ == "__main__":
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     worker(args.scenario, args.out)
+
+
+def test_ddp_compiled_autograd_trains_like_eager(ddp_compiled_autograd):
+    """DDP's Python reducer under compiled autograd: apollo compiles the forward, and the whole
+    backward arrives as one more graph with DDP's gradient all-reduces in it (functional
+    collectives), so they can run while the rest of the backward does (measured on GPUs by
+    benchmarks/bench_distributed.py, variant ddp-apollo-ca)."""
+    assert_trains_like_eager(ddp_compiled_autograd, "eager")
+    assert not fallbacks(ddp_compiled_autograd), fallbacks(ddp_compiled_autograd)
+    graphs = [g for p in ddp_compiled_autograd["ranks"][0]["plans"] for g in p["graphs"].values()]
+    assert any(g["all_reduces"] > 0 for g in graphs), graphs
