@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch._inductor.config
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning
@@ -123,6 +124,17 @@ def test_host_copies_keep_their_place_in_inductor():
 
     assert subgraphs.has_host_copies(torch.fx.symbolic_trace(with_copy))
     assert not subgraphs.has_host_copies(torch.fx.symbolic_trace(lambda x: x + 1))
+
+    # a copy from the host back to a GPU is one too; a copy between two GPUs (place_modalities) is not
+    def moved(x):
+        return torch.ops.prims.device_put.default(x, torch.device("cuda", 1))
+
+    with FakeTensorMode():
+        on_host, on_gpu = torch.empty(2), torch.empty(2, device="cuda:0")
+    for x, expected in [(on_host, True), (on_gpu, False)]:
+        gm = torch.fx.symbolic_trace(moved)
+        next(iter(gm.graph.nodes)).meta["val"] = x
+        assert subgraphs.has_host_copies(gm) is expected, x.device
 
 
 @pytest.mark.parametrize("options,match", [

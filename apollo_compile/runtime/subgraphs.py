@@ -91,9 +91,18 @@ def has_symbolic_sizes(inputs: list) -> bool:
                for x in inputs)
 
 
+def is_host_copy(node: torch.fx.Node) -> bool:
+    """Whether `node` moves a value between host and device (the offload pass's copies). A copy
+    between two GPUs (``place_modalities``) is the same op, ``prims.device_put``, but is not one."""
+    if node.op != "call_function" or node.target is not torch.ops.prims.device_put.default:
+        return False
+    source = getattr(node.args[0], "meta", {}).get("val")
+    return torch.device(node.args[1]).type == "cpu" or (isinstance(source, torch.Tensor) and source.device.type == "cpu")
+
+
 def has_host_copies(sub: torch.fx.GraphModule) -> bool:
-    """Whether `sub` moves a value between host and device (the offload pass's copies)."""
-    return any(n.op == "call_function" and n.target is torch.ops.prims.device_put.default for n in sub.graph.nodes)
+    """Whether `sub` holds a copy between host and device (`is_host_copy`)."""
+    return any(is_host_copy(n) for n in sub.graph.nodes)
 
 
 @contextlib.contextmanager
