@@ -6,8 +6,8 @@ while eager per-block checkpointing with save_on_cpu trained 2048, though both k
 inputs on the host. This splits one step of each variant (after a warm-up step that compiles) into
 its forward and its backward: the peak allocated in each (peak stats reset between them) and what
 the forward leaves allocated for the backward. With ``--code-dir`` it also copies the Inductor
-wrappers compiled in this process that copy to or from the host (their ``call`` function only),
-to show where Inductor placed each copy among the kernels. ``--snapshot VARIANT ...`` records the
+wrappers compiled in this process that copy to or from the host, to show where Inductor placed
+each copy among the kernels. ``--snapshot VARIANT ...`` records the
 measured step's allocations (``torch.cuda.memory._record_memory_history``) and lists the largest
 ones live at the step's peak, each with the wrapper line that made it: what the backward holds.
 
@@ -100,18 +100,19 @@ def peak_allocations(entries: list[dict], top: int = 40) -> tuple[int, list[dict
 
 
 def host_copy_wrappers(root: str, since: float, out_dir: pathlib.Path) -> list[str]:
-    """Copy the ``call`` function of each Inductor wrapper written after `since` that moves data
-    between host and device (a ``.copy_(`` line), to `out_dir`; return the file names."""
+    """Copy each Inductor wrapper written after `since` that moves data between host and device (a
+    ``.copy_(`` line in its ``call``) to `out_dir`, whole, so that the snapshot's line numbers
+    (``--snapshot``) point into the copy; return the file names. (Session 12 kept ``call`` alone,
+    and reading its snapshot meant finding the offset by hand.)"""
     out_dir.mkdir(parents=True, exist_ok=True)
     kept = []
     for path in pathlib.Path(root).rglob("*.py"):
         if path.stat().st_mtime < since:
             continue
         text = path.read_text(errors="replace")
-        if ".copy_(" not in text or "def call(" not in text:
+        if "def call(" not in text or ".copy_(" not in text[text.index("def call("):]:
             continue
-        body = text[text.index("def call("):]
-        (out_dir / path.name).write_text(body[:400_000])
+        (out_dir / path.name).write_text(text[:8_000_000])  # the device tool returns 16 MiB a file
         kept.append(path.name)
     return kept
 

@@ -319,3 +319,16 @@ def test_offload_memory_itemises_the_peak_of_a_trace():
     assert peak == 5 * gib  # buffers 2 and 3, before 2 is freed
     assert [a["gib"] for a in largest] == [3.0, 2.0]
     assert largest[0]["where"] == ["/tmp/torchinductor_root/ab/cwrap.py:3 call"]  # C++ and torch's frames left out
+
+
+def test_offload_memory_keeps_whole_wrappers_that_copy_to_the_host(tmp_path):
+    """--code-dir copies each host-copying wrapper whole, so that a snapshot's wrapper line numbers
+    point into the copy; wrappers without a copy in their `call` are left out."""
+    import offload_memory
+
+    cache, out = tmp_path / "cache", tmp_path / "code"
+    cache.mkdir()
+    (cache / "copies.py").write_text("kernel = 1\n\ndef call(args):\n    buf0.copy_(cpu_offload_x, True)\n")
+    (cache / "plain.py").write_text("def call(args):\n    return args\n")
+    assert offload_memory.host_copy_wrappers(str(cache), 0, out) == ["copies.py"]
+    assert (out / "copies.py").read_text().splitlines()[3] == "    buf0.copy_(cpu_offload_x, True)"
