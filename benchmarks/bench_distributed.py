@@ -327,11 +327,7 @@ def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple,
             stack.enter_context(dynamo_config(**settings))
         if backward_compiler is not None:
             stack.enter_context(compiled_autograd(backward_compiler))
-        plans_before = None
-        if "apollo" in name:
-            import apollo_compile
-
-            plans_before = len(apollo_compile.plans())
+        plans_before = apollo_plans_so_far(name)
 
         def run_step() -> None:
             train_step(model, step_fn, batch, device, args.amp)
@@ -350,13 +346,7 @@ def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple,
         if device.type == "cuda":
             mem = {"peak_alloc_gib": torch.cuda.max_memory_allocated(device) / GiB,
                    "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB}
-        graphs = None
-        if plans_before is not None:
-            import apollo_compile
-
-            new = apollo_compile.plans()[plans_before:]
-            graphs = {"graphs": len(new), "fallbacks": [f"{p.name}_{k}: {g.fallback}" for p in new
-                                                        for k, g in p.graphs.items() if g.fallback]}
+        graphs = apollo_graphs_since(plans_before)
         loss, grads = loss_and_grads(model, step_fn, numerics_batch, device, args.amp, average=name == SINGLE)
 
     per_rank = gather({"times_ms": times, "compile_s": compile_s, "memory": mem, "apollo": graphs})
@@ -421,7 +411,7 @@ def _rank0_measure(name: str, base: nn.Module, args, device: torch.device) -> di
     numerics_batch = global_batch(args, device, args.seed + 1)
     ref = reference(base, numerics_batch, device, args, variant="onegpu-eager")
     model, step_fn, _ = build_variant(name, base, device, args)
-    plans_before = len(_apollo().plans()) if "apollo" in name else None
+    plans_before = apollo_plans_so_far(name)
     sync_all = (lambda: _every_gpu(torch.cuda.synchronize)) if device.type == "cuda" else (lambda: None)
 
     def run_step() -> None:
@@ -448,13 +438,11 @@ def _rank0_measure(name: str, base: nn.Module, args, device: torch.device) -> di
     out["samples_per_s"] = float(len(batch[0]) / (median / 1e3))
     out["samples_per_s_per_gpu"] = out["samples_per_s"] / dist.get_world_size()
     if device.type == "cuda":
-        out["peak_alloc_gib"] = max(_every_gpu(torch.cuda.max_memory_allocated)) / GiB
-        out["peak_reserved_gib"] = max(_every_gpu(torch.cuda.max_memory_reserved)) / GiB
         out["peak_alloc_gib_per_gpu"] = [m / GiB for m in _every_gpu(torch.cuda.max_memory_allocated)]
-    if plans_before is not None:
-        new = _apollo().plans()[plans_before:]
-        out["apollo_graphs"] = len(new)
-        out["apollo_fallbacks"] = [f"{p.name}_{k}: {g.fallback}" for p in new for k, g in p.graphs.items() if g.fallback]
+        out["peak_alloc_gib"] = max(out["peak_alloc_gib_per_gpu"])
+        out["peak_reserved_gib"] = max(_every_gpu(torch.cuda.max_memory_reserved)) / GiB
+    if (graphs := apollo_graphs_since(plans_before)) is not None:
+        out["apollo_graphs"], out["apollo_fallbacks"] = graphs["graphs"], graphs["fallbacks"]
     loss, grads = loss_and_grads(model, step_fn, numerics_batch, device, args.amp)
     out["numerics"] = n = compare(loss, grads, ref, "bf16" if args.amp else "fp32")
     out["numerics_reference"] = "eager, one GPU, global batch"
@@ -468,10 +456,24 @@ def _rank0_measure(name: str, base: nn.Module, args, device: torch.device) -> di
     return out
 
 
-def _apollo():
+def apollo_plans_so_far(name: str) -> int | None:
+    """For an apollo variant, how many plans apollo has recorded before it compiles anything."""
+    if "apollo" not in name:
+        return None
     import apollo_compile
 
-    return apollo_compile
+    return len(apollo_compile.plans())
+
+
+def apollo_graphs_since(before: int | None) -> dict | None:
+    """The graphs apollo planned since `before` plans (apollo_plans_so_far), and which fell back."""
+    if before is None:
+        return None
+    import apollo_compile
+
+    new = apollo_compile.plans()[before:]
+    return {"graphs": len(new),
+            "fallbacks": [f"{p.name}_{k}: {g.fallback}" for p in new for k, g in p.graphs.items() if g.fallback]}
 
 
 def _align_shapes(grads: dict, ref: dict) -> dict:
