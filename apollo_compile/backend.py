@@ -87,13 +87,14 @@ def _warn_fallback(name: str, path: str, reason: BaseException | str) -> None:
                   f"training stays correct, but {REPORT_HINT}", ApolloFallbackWarning, stacklevel=2)
 
 
-def fallback_compile(gm: torch.fx.GraphModule, example_inputs, kind: str, compiler: str) -> Callable:
+def fallback_compile(gm: torch.fx.GraphModule, example_inputs, kind: str, compiler: str,
+                     memory_first: bool = False) -> Callable:
     """Compile one ATen graph without apollo's planning: Inductor, else eager ATen."""
     if compiler == "inductor":
         try:
             from torch._inductor.compile_fx import compile_fx_inner
 
-            with inductor_config(host_copies=has_host_copies(gm)):
+            with inductor_config(host_copies=has_host_copies(gm), memory_first=memory_first):
                 return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
                                         is_inference=kind == "inference")
         except Exception as e:  # pragma: no cover - Inductor unavailable
@@ -129,7 +130,7 @@ def compile_graph(
             quotas = _quota_candidates(ctx) if family is not None else None
             runtimes = build_runtime(gm, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
                                      options.subgraph_compiler, device, quotas,
-                                     family.side_streams if family is not None else None)
+                                     family.side_streams if family is not None else None, options.memory_first)
         except Exception as e:  # name the stage, as PassError names the pass
             raise RuntimeError(f"building the runtime (compiling its subgraphs with {options.subgraph_compiler}) "
                                f"failed: {type(e).__name__}: {e}") from e
@@ -147,7 +148,7 @@ def compile_graph(
         fallback = "Inductor" if options.subgraph_compiler == "inductor" else "eager ATen"
         graph_plan.fallback = f"{type(e).__name__}: {e}"
         _warn_fallback(graph_name, fallback, e)
-        fn = fallback_compile(gm, example_inputs, kind, options.subgraph_compiler)
+        fn = fallback_compile(gm, example_inputs, kind, options.subgraph_compiler, options.memory_first)
     finally:
         for directory in {options.dump_dir, logs.debug_dump_dir()} - {None}:
             graph_plan.write(directory)

@@ -95,6 +95,11 @@ class ApolloOptions:
     memory_budget: float | int | Mapping[str, float] | None = None
     offload_activations: bool = False
 
+    @property
+    def memory_first(self) -> bool:
+        """Whether the user asked for memory over speed (a budget or offloading)."""
+        return self.memory_budget is not None or self.offload_activations
+
     @classmethod
     def from_user(cls, options: Mapping[str, Any] | None = None, mode: str | None = None) -> "ApolloOptions":
         """Validate `options`/`mode` as passed by ``torch.compile``; raise ApolloOptionsError."""

@@ -44,6 +44,7 @@
 #   run(command="bash benchmarks/h200_session.sh place12 ...", kind="nvidia-h200-x2") # issue 6: scaling at 128, towers on 2 GPUs
 #   run(command="bash benchmarks/h200_session.sh last12 ...", kind="nvidia-h200-x2")  # FSDP2 after the symbol fix; 20 GiB edge, expandable
 #   run(command="bash benchmarks/h200_session.sh next13 ...")                         # session 13: the offloading edge with buffers freed at once
+#   run(command="bash benchmarks/h200_session.sh next13b ...")                        # session 13: budgets free at once; edge, expandable
 #   run(command="bash benchmarks/h200_session.sh dist13 ...", kind="nvidia-h200-x2")  # session 13: what the one-graph DDP step adds
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
@@ -237,6 +238,17 @@ case "${1:-}" in
                eager-bf16-ckpt-offload apollo-bf16-budget-0.05 apollo-bf16-budget-0.05-offload --out "$OUT/off64c"
              timeout 150 python benchmarks/offload_memory.py --batch 512 --variants apollo-bf16-budget-0.05 \
                --inductor-config allow_buffer_reuse=False --out "$OUT/reuse13.json"
+             exit $? ;;
+  next13b)   # session 13, call 2: every graph with a memory budget now frees each buffer at its last use
+             # (NOTE: Memory first frees at once; call 1 read budget 0.05's backward peak at 512 at 7.70 GiB
+             # without Inductor's reuse, 8.35 with it): batch 64 side by side (budget-only ran 31.92 ms in
+             # call 1 with the reuse), then the offloading edge at 2304 / 2560 with expandable segments,
+             # where eager + save_on_cpu reached [2304, 2560) in session 12
+             timeout 200 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 5 --variants \
+               eager-bf16-ckpt-offload apollo-bf16-budget-0.05 apollo-bf16-budget-0.05-offload --out "$OUT/off64d"
+             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 python benchmarks/bench_memory.py --batch \
+               --variants apollo-bf16-budget-0.05-offload --search-variants apollo-bf16-budget-0.05-offload \
+               --search-at 2304 2560 --search-probes 2 --out "$OUT/edge13x"
              exit $? ;;
   dist13)    # for session 13, issue 6: what the 3-4 ms that DDP + apollo in one graph adds to one GPU's step are
              # made of (session 12: scaling 0.78-0.82 at per-GPU 32), and whether DDP's Python reducer under

@@ -339,6 +339,32 @@ def test_dropout_under_inductor_compiles_and_recompute_changes_no_gradient():
         torch.testing.assert_close(grads_small[name], g, **tol, msg=lambda m: f"{name}: {m}")
 
 
+def test_a_budget_frees_each_buffer_at_its_last_use(monkeypatch):
+    """NOTE: Memory first frees at once: with a memory budget, every subgraph Inductor compiles has
+    allow_buffer_reuse off (the wrapper deletes a buffer at its last use rather than hold it for a
+    later same-size one); without one, Inductor's default stands."""
+    import torch._inductor.compile_fx as compile_fx
+
+    original, seen = compile_fx.compile_fx_inner, []
+
+    def recording(*args, **kwargs):
+        seen.append(torch._inductor.config.allow_buffer_reuse)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", recording)
+    default = torch._inductor.config.allow_buffer_reuse
+    for options, expected in (({"memory_budget": 0.3}, False), ({}, default)):
+        torch._dynamo.reset()
+        seen.clear()
+        torch.manual_seed(0)
+        compiled = torch.compile(TwoTower(width=16, embed=8, layers=1), backend="apollo",
+                                 options={"subgraph_compiler": "inductor", **options})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ApolloFallbackWarning)
+            compiled(*two_tower_inputs(batch=2)).backward()
+        assert seen and set(seen) == {expected}, (options, seen)
+
+
 def test_fused_recompute_holds_memory_only_where_a_library_kernel_reads_it(monkeypatch):
     """Under Inductor a recomputed op costs memory only if a library kernel (matmul, attention)
     writes or reads it; pointwise work that only feeds other fused kernels is recomputed inside

@@ -110,12 +110,15 @@ def test_off_by_default_marks_nothing():
 
 def test_host_copies_keep_their_place_in_inductor():
     # NOTE: Host copies keep their place: Inductor's peak-memory reordering moved them late
-    # and NOTE: An offloading graph frees at once: no buffer waits past its last use for a reuse
+    # and NOTE: Memory first frees at once: no buffer waits past its last use for a reuse
     with subgraphs.inductor_config(host_copies=True):
         assert torch._inductor.config.reorder_for_peak_memory is False
         assert torch._inductor.config.allow_buffer_reuse is False
         assert torch._inductor.config.fallback_random is True
     before = (torch._inductor.config.reorder_for_peak_memory, torch._inductor.config.allow_buffer_reuse)
+    with subgraphs.inductor_config(memory_first=True):  # a budget without copies keeps the reordering
+        assert torch._inductor.config.allow_buffer_reuse is False
+        assert torch._inductor.config.reorder_for_peak_memory == before[0]
     with subgraphs.inductor_config():
         assert (torch._inductor.config.reorder_for_peak_memory, torch._inductor.config.allow_buffer_reuse) == before
 

@@ -36,7 +36,7 @@ def example_inputs(sg: Subgraph) -> list:
     return [n.meta.get("val") for n in sg.inputs]
 
 
-def inductor_config(host_copies: bool = False, symbolic: bool = False):
+def inductor_config(host_copies: bool = False, symbolic: bool = False, memory_first: bool = False):
     """The Inductor settings apollo compiles with: random ops stay ATen calls on torch's generator.
 
     Inductor otherwise lowers ``rand`` only after its joint-graph pass rewrote it to seeded
@@ -45,8 +45,9 @@ def inductor_config(host_copies: bool = False, symbolic: bool = False):
     With the fallback, random ops draw from torch's generator in graph order, like eager ATen.
 
     A subgraph that copies saved values to the host or back (offload pass) keeps the graph's
-    order (NOTE: Host copies keep their place) and frees each buffer at its last use (NOTE: An
-    offloading graph frees at once). A subgraph with symbolic sizes skips Inductor's FX
+    order (NOTE: Host copies keep their place). It, and every subgraph of a graph compiled with a
+    memory budget (`memory_first`), frees each buffer at its last use (NOTE: Memory first frees at
+    once). A subgraph with symbolic sizes skips Inductor's FX
     graph cache: a cached entry's guards name the sizes' sources in the whole graph (``L['images']``),
     which a subgraph's inputs do not have, and looking one up raised KeyError (dynamic=True with a
     memory_budget, the second run on a machine)."""
@@ -55,6 +56,7 @@ def inductor_config(host_copies: bool = False, symbolic: bool = False):
     changes: dict = {"fallback_random": True}
     if host_copies:
         changes["reorder_for_peak_memory"] = False
+    if host_copies or memory_first:
         changes["allow_buffer_reuse"] = False
     if symbolic:
         changes["fx_graph_cache"] = False
@@ -71,17 +73,19 @@ def inductor_config(host_copies: bool = False, symbolic: bool = False):
 # with save_on_cpu: 3.10), the backward at 5.81 either way.
 
 
-# NOTE: An offloading graph frees at once
+# NOTE: Memory first frees at once
 # Inductor's wrapper keeps a buffer past its last use when a later buffer of the same size, dtype
 # and device can take its memory (allow_buffer_reuse): no `del` at the last use, the storage handed
 # on under the new name at the reuse. Until then the caching allocator counts it, and in a backward
-# that recomputes block after block several such buffers wait at once. With the values saved for
-# the backward on the host, what is left on the device is mostly these temporaries, so the wait
-# set the peak. Measured on the H200 (offload_memory.py --inductor-config allow_buffer_reuse=False,
-# CLIP base, batch 512, budget 0.05, session 12): the backward peaked at 5.22 GiB allocated
-# without the reuse and 5.81 GiB with it (eager checkpointing with save_on_cpu: 5.08); the forward
-# at 2.36 either way. Freed buffers go back to the caching allocator, which serves the next ones.
-# Not measured: the step time, and the same change for graphs with a memory budget but no copies.
+# that recomputes block after block several such buffers wait at once. Freed at its last use, the
+# buffer goes back to the caching allocator, which serves the next one from it: the same kernels
+# run, only the wrapper's bookkeeping differs (and a CUDA-graph replay does none of it). So a graph
+# whose user asked for memory (a memory_budget, or offloading) compiles without the reuse.
+# Measured on the H200 (offload_memory.py --inductor-config allow_buffer_reuse=False, CLIP base,
+# batch 512, budget 0.05; GiB allocated, forward / backward peak):
+#   with host copies (session 12):  2.36 / 5.22 without the reuse, 2.36 / 5.81 with it
+#                                   (eager checkpointing with save_on_cpu: 3.10 / 5.08)
+#   budget only (session 13):       6.38 / 7.70 without the reuse, 6.54 / 8.35 with it (session 11)
 
 
 def has_symbolic_sizes(inputs: list) -> bool:
@@ -127,7 +131,8 @@ def no_donated_inputs():
         meta.bw_donated_idxs = whole
 
 
-def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kind: str) -> Callable[[list], tuple]:
+def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kind: str,
+                     memory_first: bool = False) -> Callable[[list], tuple]:
     if compiler == "eager":
         def run_boxed(args: list) -> tuple:
             inputs = list(args)
@@ -145,8 +150,8 @@ def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kin
     isolate = contextlib.nullcontext()
     if torch._guards.TracingContext.try_get() is not None:
         isolate = torch._guards.TracingContext.report_output_strides()
-    with isolate, inductor_config(host_copies=has_host_copies(sub), symbolic=has_symbolic_sizes(inputs)), \
-            no_donated_inputs():
+    with isolate, no_donated_inputs(), inductor_config(host_copies=has_host_copies(sub), memory_first=memory_first,
+                                                       symbolic=has_symbolic_sizes(inputs)):
         return compile_fx_inner(
             sub,
             inputs,
