@@ -45,6 +45,7 @@
 #   run(command="bash benchmarks/h200_session.sh last12 ...", kind="nvidia-h200-x2")  # FSDP2 after the symbol fix; 20 GiB edge, expandable
 #   run(command="bash benchmarks/h200_session.sh next13 ...")                         # session 13: the offloading edge with buffers freed at once
 #   run(command="bash benchmarks/h200_session.sh next13b ...")                        # session 13: budgets free at once; edge, expandable
+#   run(command="bash benchmarks/h200_session.sh next13c ...")                        # session 13: both offloading edges at 2432
 #   run(command="bash benchmarks/h200_session.sh dist13 ...", kind="nvidia-h200-x2")  # session 13: what the one-graph DDP step adds
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
@@ -249,6 +250,12 @@ case "${1:-}" in
              PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 python benchmarks/bench_memory.py --batch \
                --variants apollo-bf16-budget-0.05-offload --search-variants apollo-bf16-budget-0.05-offload \
                --search-at 2304 2560 --search-probes 2 --out "$OUT/edge13x"
+             exit $? ;;
+  next13c)   # session 13, call 3: both offloading variants reach [2304, 2560) in 20 GiB with expandable segments
+             # (eager + save_on_cpu in session 12, apollo in call 2): which goes further, probed at 2432
+             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 python benchmarks/bench_memory.py --batch \
+               --variants eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload --search-variants \
+               eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload --search-at 2432 --search-probes 1 --out "$OUT/edge13y"
              exit $? ;;
   dist13)    # for session 13, issue 6: what the 3-4 ms that DDP + apollo in one graph adds to one GPU's step are
              # made of (session 12: scaling 0.78-0.82 at per-GPU 32), and whether DDP's Python reducer under
