@@ -46,6 +46,7 @@
 #   run(command="bash benchmarks/h200_session.sh next13 ...")                         # session 13: the offloading edge with buffers freed at once
 #   run(command="bash benchmarks/h200_session.sh next13b ...")                        # session 13: budgets free at once; edge, expandable
 #   run(command="bash benchmarks/h200_session.sh next13c ...")                        # session 13: both offloading edges at 2432
+#   run(command="bash benchmarks/h200_session.sh next13d ...")                        # session 13: budget-only edge past 1216?
 #   run(command="bash benchmarks/h200_session.sh dist13 ...", kind="nvidia-h200-x2")  # session 13: what the one-graph DDP step adds
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
@@ -256,6 +257,11 @@ case "${1:-}" in
              PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 python benchmarks/bench_memory.py --batch \
                --variants eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload --search-variants \
                eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload --search-at 2432 --search-probes 1 --out "$OUT/edge13y"
+             exit $? ;;
+  next13d)   # session 13, call 5: budget 0.05 without offloading, its buffers now freed at once (call 1: backward
+             # peak at 512 7.70 GiB, from 8.35): past session 10's [1152, 1216), where eager per-block checkpointing stops?
+             timeout 300 python benchmarks/bench_memory.py --batch --variants apollo-bf16-budget-0.05 \
+               --search-variants apollo-bf16-budget-0.05 --search-at 1216 1280 --search-probes 2 --out "$OUT/edge13z"
              exit $? ;;
   dist13)    # for session 13, issue 6: what the 3-4 ms that DDP + apollo in one graph adds to one GPU's step are
              # made of (session 12: scaling 0.78-0.82 at per-GPU 32), and whether DDP's Python reducer under
