@@ -303,7 +303,7 @@ def _break_subgraph_compilation(monkeypatch):
     # so patching apollo_compile.runtime.subgraphs.compile_subgraph would not reach it.
     from apollo_compile.runtime import runner
 
-    def broken(sub, inputs, compiler, kind):
+    def broken(sub, inputs, compiler, kind, memory_first=False):
         raise RuntimeError("synthetic compiler failure")
 
     monkeypatch.setattr(runner, "compile_subgraph", broken)
