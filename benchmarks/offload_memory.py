@@ -135,12 +135,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))
     p.add_argument("--variants", nargs="+", default=VARIANTS, type=bench_memory.variant_name)
-    p.add_argument("--without-peak-reorder", action="store_true",
-                   help="also run each offloading apollo variant with Inductor's reorder_for_peak_memory off")
     p.add_argument("--snapshot", nargs="*", default=[], type=bench_memory.variant_name,
                    help="record these variants' measured step and list what is live at its peak")
     p.add_argument("--inductor-config", nargs="*", default=[], metavar="KEY=VALUE", type=inductor_setting,
-                   help="run every variant under these Inductor settings (e.g. allow_buffer_reuse=False)")
+                   help="run every variant under these Inductor settings (e.g. allow_buffer_reuse=False); "
+                        "apollo's own (runtime/subgraphs.inductor_config) win for the keys they set: with a "
+                        "memory budget allow_buffer_reuse is False, with offloading reorder_for_peak_memory too")
     p.add_argument("--code-dir", default=None, help="copy the host-copying Inductor wrappers here")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     args = p.parse_args(argv)
@@ -164,14 +164,6 @@ def main(argv=None) -> int:
             print(f"  {rows[name]['traced_peak_above_before']:.2f} GiB allocated in the step at its peak; the largest:")
             for a in rows[name]["largest_at_peak"][:12]:  # all `top` of them in --out
                 print(f"  {a['gib']:.3f} GiB  {' <- '.join(a['where'])}", flush=True)
-        if args.without_peak_reorder and bench_memory.VARIANTS[name].options.get("offload_activations"):
-            label = f"{name}, reorder_for_peak_memory off"
-            try:
-                with torch._inductor.config.patch(reorder_for_peak_memory=False):
-                    rows[label] = phases(bench_memory.VARIANTS[name], base, batch, device)
-            except Exception as e:  # noqa: BLE001
-                rows[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            print(label, json.dumps(rows[label]), flush=True)
     if args.code_dir:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
