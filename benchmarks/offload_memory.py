@@ -65,8 +65,9 @@ def phases(spec, base, batch, device, snapshot: bool = False) -> dict:
         if snapshot:
             trace = torch.cuda.memory._snapshot()["device_traces"][0]
             torch.cuda.memory._record_memory_history(enabled=None)
-            traced_peak, largest = peak_allocations(trace)
-            record = {"traced_peak_above_before": traced_peak / GiB, "largest_at_peak": largest}
+            traced_peak, largest, sizes = peak_allocations(trace)
+            record = {"traced_peak_above_before": traced_peak / GiB, "largest_at_peak": largest,
+                      "sizes_at_peak": sizes}
     del model, step_fn, loss
     torch._dynamo.reset()
     torch.cuda.empty_cache()
@@ -74,12 +75,12 @@ def phases(spec, base, batch, device, snapshot: bool = False) -> dict:
             "backward_peak": bw_peak / GiB, **record}
 
 
-def peak_allocations(entries: list[dict], top: int = 40) -> tuple[int, list[dict]]:
+def peak_allocations(entries: list[dict], top: int = 40) -> tuple[int, list[dict], list[dict]]:
     """From a memory-history trace (``torch.cuda.memory._snapshot()["device_traces"][0]``): the most
     bytes its allocations held at once (on top of what was live when recording began), and the
-    `top` largest of the allocations live at that moment, each with where it was made: the first
-    two Python frames outside torch itself (an Inductor wrapper's line names the buffer; the C++
-    frames the recorder also keeps come first and say nothing)."""
+    `top` largest of the allocations live at that moment, each with where it was made (the first
+    two Python frames outside torch itself: an Inductor wrapper's line names the buffer; the C++
+    frames the recorder also keeps come first and say nothing), and all of them by size."""
     live: dict[int, dict] = {}
     cur, best, at_best = 0, 0, {}
     for e in entries:
@@ -96,7 +97,18 @@ def peak_allocations(entries: list[dict], top: int = 40) -> tuple[int, list[dict
         python = [f for f in e.get("frames", ()) if f["filename"].endswith(".py") and "/torch/" not in f["filename"]]
         return [f"{f['filename']}:{f['line']} {f['name']}" for f in python[:2]]
 
-    return best, [{"gib": e["size"] / GiB, "where": where(e)} for e in largest]
+    return best, [{"gib": e["size"] / GiB, "where": where(e)} for e in largest], sizes_at(at_best.values())
+
+
+def sizes_at(allocations) -> list[dict]:
+    """Live allocations grouped by size, most bytes first: two variants' lists side by side show
+    which buffer one holds that the other does not (session 13: apollo's offloading backward held
+    0.144 GiB more than eager + save_on_cpu's at batch 512, one bf16 hidden state's size)."""
+    counts: dict[int, int] = {}
+    for e in allocations:
+        counts[e["size"]] = counts.get(e["size"], 0) + 1
+    return [{"bytes": size, "count": n, "gib": size * n / GiB}
+            for size, n in sorted(counts.items(), key=lambda kv: -kv[0] * kv[1])]
 
 
 def host_copy_wrappers(root: str, since: float, out_dir: pathlib.Path) -> list[str]:
@@ -159,11 +171,12 @@ def main(argv=None) -> int:
                 rows[name] = phases(bench_memory.VARIANTS[name], base, batch, device, snapshot=name in args.snapshot)
         except Exception as e:  # noqa: BLE001 - report and go on to the next variant
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(name, json.dumps({k: v for k, v in rows[name].items() if k != "largest_at_peak"}), flush=True)
+        print(name, json.dumps({k: v for k, v in rows[name].items() if not k.endswith("_at_peak")}), flush=True)
         if "largest_at_peak" in rows[name]:  # printed as it comes: a run cut short still tells
             print(f"  {rows[name]['traced_peak_above_before']:.2f} GiB allocated in the step at its peak; the largest:")
             for a in rows[name]["largest_at_peak"][:12]:  # all `top` of them in --out
                 print(f"  {a['gib']:.3f} GiB  {' <- '.join(a['where'])}", flush=True)
+            print("  by size: " + ", ".join(f"{s['count']} x {s['bytes']} B" for s in rows[name]["sizes_at_peak"][:16]))
     if args.code_dir:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 

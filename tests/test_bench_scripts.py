@@ -315,9 +315,10 @@ def test_offload_memory_itemises_the_peak_of_a_trace():
     gib = 2**30
     trace = [ev("alloc", 1, gib), ev("alloc", 2, 2 * gib), ev("free_requested", 1, gib), ev("free_completed", 1, gib),
              ev("alloc", 3, 3 * gib), ev("free_completed", 2, 2 * gib), ev("alloc", 4, gib), ev("segment_alloc", 9, 8 * gib)]
-    peak, largest = offload_memory.peak_allocations(trace)
+    peak, largest, sizes = offload_memory.peak_allocations(trace)
     assert peak == 5 * gib  # buffers 2 and 3, before 2 is freed
     assert [a["gib"] for a in largest] == [3.0, 2.0]
+    assert [(s["bytes"], s["count"]) for s in sizes] == [(3 * gib, 1), (2 * gib, 1)]
     assert largest[0]["where"] == ["/tmp/torchinductor_root/ab/cwrap.py:3 call"]  # C++ and torch's frames left out
 
 
