@@ -32,15 +32,22 @@ class Block(nn.Module):
 
 class VisionTower(nn.Module):
     def __init__(self, image: int = 16, patch: int = 8, width: int = 32, layers: int = 2, heads: int = 4,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, stem_norm: bool = False) -> None:
         super().__init__()
         self.patch_embed = nn.Conv2d(3, width, patch, stride=patch)
-        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2, width) * 0.02)
+        # stem_norm: CLIP's vision stem, a class token before the patches and a norm after them
+        self.cls = nn.Parameter(torch.randn(1, 1, width) * 0.02) if stem_norm else None
+        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + stem_norm, width) * 0.02)
+        self.ln_pre = nn.LayerNorm(width) if stem_norm else None
         self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(layers))
         self.ln = nn.LayerNorm(width)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(images).flatten(2).transpose(1, 2) + self.pos
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)
+        if self.ln_pre is not None:
+            x = self.ln_pre(torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos)
+        else:
+            x = x + self.pos
         for block in self.blocks:
             x = block(x)
         return self.ln(x).mean(dim=1)
@@ -65,9 +72,10 @@ class TextTower(nn.Module):
 class TwoTower(nn.Module):
     """CLIP-style model: two encoders, linear projections, symmetric contrastive loss."""
 
-    def __init__(self, width: int = 32, embed: int = 16, layers: int = 2, dropout: float = 0.0) -> None:
+    def __init__(self, width: int = 32, embed: int = 16, layers: int = 2, dropout: float = 0.0,
+                 stem_norm: bool = False) -> None:
         super().__init__()
-        self.vision = VisionTower(width=width, layers=layers, dropout=dropout)
+        self.vision = VisionTower(width=width, layers=layers, dropout=dropout, stem_norm=stem_norm)
         self.text = TextTower(width=width, layers=layers, dropout=dropout)
         self.vision_proj = nn.Linear(width, embed, bias=False)
         self.text_proj = nn.Linear(width, embed, bias=False)

@@ -17,10 +17,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning
 from apollo_compile.options import ApolloOptions, ApolloOptionsError
-from apollo_compile.passes import offload
+from apollo_compile.passes import checkpoint, offload
 from apollo_compile.runtime import subgraphs
 from helpers import TOLERANCE, assert_same_loss_and_grads, assert_trains_like_eager
-from models import TwoTower, two_tower_inputs
+from models import TwoTower, VisionTower, two_tower_inputs
 
 
 @pytest.fixture
@@ -65,6 +65,57 @@ def test_trains_like_eager_and_every_offloaded_value_comes_back(options, every_v
     placed = {p.buffer.name: p.buffer.nbytes for p in plan.forward.memory.placements}
     host = [n.name for n in fw if offload._transfer(n) == "to host"]
     assert host and all(placed[name] == 0 for name in host)
+
+
+def backward_peak(backward: torch.fx.GraphModule) -> int:
+    """The most bytes the backward graph's own values hold at once, run in its order: each storage
+    (a copy back from the host included; views belong to their base) from the node that makes it
+    to its last reader. Graph inputs are left out: what stays saved on the device is the same
+    for both plans compared below, and what waits on the host takes no device bytes."""
+    nodes = list(backward.graph.nodes)
+    index = {n: k for k, n in enumerate(nodes)}
+    last: dict[torch.fx.Node, int] = {}
+    for n in nodes:
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor):
+            s = checkpoint.storage_node(n)
+            if s.op != "placeholder":
+                last[s] = max([last.get(s, index[s])] + [index[u] for u in n.users])
+    return max(sum(offload.nbytes(s) for s, end in last.items() if index[s] <= k <= end) for k in range(len(nodes)))
+
+
+def test_per_block_offloading_leaves_the_stem_on_the_host_until_its_backward(every_value, monkeypatch):
+    # NOTE: Offloaded per-block start: min-cut re-runs a stem norm (CLIP's ln_pre) from its saved
+    # input, which then came back for the first block's re-run and stayed until the stem's backward
+    class Tower(torch.nn.Module):  # one tower, so the backward peaks in its first block
+        def __init__(self):
+            super().__init__()
+            self.vision = VisionTower(layers=4, stem_norm=True)
+
+        def forward(self, images):
+            return self.vision(images).square().mean()
+
+    def stem_batches(step):
+        return two_tower_inputs(batch=4, seed=step)[:1]
+
+    options = {"offload_activations": True, "memory_budget": 0.05}
+
+    def plan():
+        torch._dynamo.reset()  # a second model of the same class would reuse the first's graphs
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ApolloFallbackWarning)
+            assert_trains_like_eager(Tower(), stem_batches, options, steps=2)
+        return apollo_compile.last_plan()
+
+    chosen = plan()
+    decision = chosen.joint["checkpoint"]
+    assert decision.per_block and decision.block_start == "nothing"
+    monkeypatch.setattr(checkpoint, "_offloaded_block_start", lambda *args: None)  # per-block as min-cut starts it
+    from_min_cut = plan()
+    assert from_min_cut.joint["checkpoint"].block_start == "min-cut"
+    # min-cut's start holds the stem norm's input (and its statistics) across the first block
+    stem_input = 4 * 5 * 32 * 4  # batch 4, a class token and 4 patches, width 32, fp32
+    assert backward_peak(from_min_cut.backward.gm) - backward_peak(chosen.backward.gm) >= stem_input
 
 
 def test_dropout_with_offloading_matches_eager_with_same_seed(every_value):

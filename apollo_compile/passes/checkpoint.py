@@ -100,6 +100,22 @@ than the saved bytes it frees is not admitted. Transformers end up with about on
 block and saved block inputs, what per-block checkpointing does by hand. The CPU tests check
 that the simulated peak bounds the real partition's backward, run in its own order.
 
+[NOTE] Offloaded per-block start: with ``offload_activations`` a saved value waits on the host
+and the backward copies it back just before its first reader; from there it holds the GPU until
+its last reader. Per-block checkpointing starts from what min-cut itself re-runs (cheap ops, to
+save GPU bytes), and one such re-run can bring a saved value back early: on the base CLIP min-cut
+re-runs the vision stem's norm from its fp32 input, so that input came back for the first block's
+re-run and stayed until the stem's own backward, over the whole first block. At batch 512 the
+H200's backward peaked 0.144 GiB over eager per-block checkpointing with ``save_on_cpu``
+(session 14, benchmarks/offload_memory.py --snapshot: one more block-input-sized buffer live at
+the peak). So once per-block checkpointing is chosen under offloading, the plan also tries it
+without min-cut's re-runs outside the blocks (everything there saved, as the by-hand variant
+does) and takes that where the backward simulates lower on the GPU (:meth:`_Planner.peaks` with
+``on_gpu``: each offloaded value from its first reader on) and still meets what was met. The
+price is host traffic for what min-cut re-ran. Only this choice uses the on-GPU simulation: the
+walk, the choice of per-block checkpointing and the budget's targets count every saved byte, or
+the walk would stop at plans that move most activations over PCIe every step.
+
 [NOTE] How min_cut_rematerialization_partition reads the tags (torch 2.11 and 2.13 alike):
 
     source --inf--> X_in   X is banned from recompute: MUST_SAVE (ignored on views/getitems)
@@ -176,13 +192,14 @@ class CheckpointDecision:
     per_block: bool = False  # per-block checkpointing: below the walk's reach and lower, or re-running less
     relaxed: int = 0  # ops per-block checkpointing re-ran that the budget's room saves instead (relax)
     baseline: str = "min-cut"  # how bytes_before was found
+    block_start: str = ""  # per-block under offloading: besides the blocks it re-runs min-cut's choice, or nothing
 
     def summary(self) -> dict[str, Any]:
         return {"budget": self.budget, "targets": self.targets, "bytes_before": self.bytes_before,
                 "bytes_after": self.bytes_after, "peak_before": self.peak_before, "peak_after": self.peak_after,
                 "recomputed": len(self.recomputed), "added": len(self.added),
                 "extra_us": round(self.extra_us, 2), "met": self.met, "per_block": self.per_block,
-                "relaxed": self.relaxed}
+                "relaxed": self.relaxed, **({"block_start": self.block_start} if self.block_start else {})}
 
 
 # ---------------------------------------------------------------------------- node kinds
@@ -425,8 +442,9 @@ class _Planner:
     """
 
     def __init__(self, gm: torch.fx.GraphModule, num_fwd: int, spec, labels: dict[torch.fx.Node, str],
-                 per_modality: bool, fuses_pointwise: bool = False) -> None:
+                 per_modality: bool, fuses_pointwise: bool = False, on_host=None) -> None:
         self.gm = gm
+        self.on_host = on_host  # value -> whether the partition keeps it on the host if saved (offload)
         self.fw = _forward_nodes(gm, num_fwd)
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.key = {n: (labels.get(n) or "fusion") if per_modality else GLOBAL for n in gm.graph.nodes}
@@ -546,7 +564,7 @@ class _Planner:
             members.setdefault(r, []).append(o)
         return {o: group for group in members.values() if len(group) > 1 for o in group}
 
-    def peaks(self, saved, rerun) -> tuple[dict[str, int], int]:
+    def peaks(self, saved, rerun, on_gpu: bool = False) -> tuple[dict[str, int], int]:
         """Predicted peak activation bytes of the backward, per key and over all keys.
 
         The backward is run as the partitioner will order it (``reordering_to_mimic_autograd_
@@ -554,7 +572,9 @@ class _Planner:
         values it needs that are not there yet). Saved values live from the start, recomputed
         ops (what they hold: ``self.held``) from their re-run, each until its last reader.
         Under a fusing compiler a fused group (:meth:`fused`) is re-run whole when one of its
-        ops is first needed, and holds every value something outside the group reads later."""
+        ops is first needed, and holds every value something outside the group reads later.
+        With `on_gpu`, saved values that wait on the host (``self.on_host``) live from their first
+        reader on, where the backward copies them back (NOTE: Offloaded per-block start)."""
         order: list[torch.fx.Node] = []
         done: set[torch.fx.Node] = set()
         group = self.fused(rerun) if self.fuses_pointwise else {}
@@ -598,23 +618,32 @@ class _Planner:
                     elif v.op != "placeholder" and self.op(v) in rerun:
                         owner[i] = self.op(v)
         last: dict[torch.fx.Node, int] = {}
+        arriving: dict[int, list[torch.fx.Node]] = {}
+        away = {v for v in saved if self.on_host(v)} if on_gpu and self.on_host else set()
         for k, n in enumerate(order):
             for i in n.all_input_nodes:
                 if i in owner:
+                    if owner[i] in away and owner[i] not in last:
+                        arriving.setdefault(k, []).append(owner[i])
                     last[owner[i]] = k
-        live = self.by_key(saved)
+        live = self.by_key(saved - away)
         total = sum(live.values())
         peak, peak_total = dict(live), total
         dying: dict[int, list[torch.fx.Node]] = {}
         for x, k in last.items():
             dying.setdefault(k, []).append(x)
-        for x in saved:
+        for x in saved - away:
             if x not in last:
                 dying.setdefault(-1, []).append(x)
         for x in dying.pop(-1, ()):
             live[self.key[x]] -= self.nb(x)
             total -= self.nb(x)
         for k, n in enumerate(order):
+            for x in arriving.get(k, ()):
+                live[self.key[x]] = live.get(self.key[x], 0) + self.nb(x)
+                total += self.nb(x)
+                peak[self.key[x]] = max(peak.get(self.key[x], 0), live[self.key[x]])
+                peak_total = max(peak_total, total)
             if n in rerun and n in last:
                 live[self.key[n]] = live.get(self.key[n], 0) + held[n]
                 total += held[n]
@@ -852,8 +881,14 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
         return None
     per_modality = isinstance(budget, Mapping)
     labels = _labels(gm, ctx) if per_modality else {}
+    on_host = None
+    if ctx.options.offload_activations:
+        from . import offload  # not at the top: offload imports this module
+
+        model_outputs = set(_outputs(gm)[:num_fwd])
+        on_host = lambda v: offload.waits_on_host(v, model_outputs)  # noqa: E731
     planner = _Planner(gm, num_fwd, ctx.device, labels, per_modality,
-                       fuses_pointwise=ctx.options.subgraph_compiler == "inductor")
+                       fuses_pointwise=ctx.options.subgraph_compiler == "inductor", on_host=on_host)
     by_name = {n.name: n for n in gm.graph.nodes}
 
     try:
@@ -899,6 +934,12 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
         if better:
             saved, rerun, after, peak_after, met = block_saved, block_rerun, block_after, block_peak, block_met
             decision.per_block, decision.relaxed = True, relaxed
+            if on_host is not None:
+                decision.block_start = "min-cut"
+                offloaded = _offloaded_block_start(planner, start, rerun, targets, met)
+                if offloaded is not None:
+                    saved, rerun, after, peak_after, met = offloaded
+                    decision.block_start = "nothing"
     _tag(gm, planner, num_fwd, rerun)
     added = rerun - plain_rerun
     decision.bytes_after = sum(planner.by_key(saved).values())
@@ -918,6 +959,25 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
              "%d ops recomputed, +%.1f us", ctx.name, peak_before, decision.peak_after, bytes_before,
              decision.bytes_after, len(added), decision.extra_us)
     return decision
+
+
+def _offloaded_block_start(planner: _Planner, start: set[torch.fx.Node], rerun: set[torch.fx.Node],
+                           targets: dict[str, int], met: bool):
+    """Per-block checkpointing (`rerun`, from min-cut's own re-runs `start`) when saved values wait
+    on the host: the same without min-cut's re-runs outside the blocks, if its backward simulates
+    lower on the GPU and it still meets `targets` where `rerun` did (NOTE: Offloaded per-block
+    start). Returns (saved, re-run, peaks per key, peak, met), or None to keep `rerun`."""
+    trial_saved, trial_rerun = planner.close(rerun - (start - planner.block_plan()))
+    if trial_rerun == rerun:
+        return None
+    if planner.peaks(trial_saved, trial_rerun, on_gpu=True)[1] >= planner.peaks(
+            *planner.close(rerun), on_gpu=True)[1]:
+        return None
+    after, peak = planner.peaks(trial_saved, trial_rerun)
+    trial_met = all(after.get(k, 0) <= t for k, t in targets.items())
+    if met and not trial_met:
+        return None
+    return trial_saved, trial_rerun, after, peak, trial_met
 
 
 def _names(nodes) -> list[str]:

@@ -20,6 +20,7 @@ so an offloading model runs un-graphed.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Iterator
 
 import torch
@@ -28,7 +29,7 @@ import torch.fx
 
 from ..annotations import info
 from ..options import ApolloOptions
-from .checkpoint import nbytes
+from .checkpoint import _is_view, nbytes
 
 # Smaller values are left on the GPU: each transfer costs a launch and a PCIe round trip, and a
 # block's small saved values (norm statistics, attention's logsumexp) free almost nothing.
@@ -45,11 +46,23 @@ def mark(gm: torch.fx.GraphModule, ctx) -> dict[str, Any] | None:
     (PyTorch's ``can_offload``: Inductor would restride those on both sides)."""
     if not ctx.options.offload_activations:
         return None
-    marked = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
-              and nbytes(n) >= MIN_BYTES]
+    marked = [n for n in gm.graph.nodes if _worth_offloading(n)]
     for n in marked:
         n.meta["should_offload"] = True
     return {"candidates": len(marked), "min_bytes": MIN_BYTES}
+
+
+def _worth_offloading(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor) and nbytes(node) >= MIN_BYTES
+
+
+def waits_on_host(node: torch.fx.Node, model_outputs) -> bool:
+    """Whether the partition would keep `node` on the host if it saves it: :func:`mark` marks it
+    and PyTorch's ``can_offload`` takes it (not one of `model_outputs`, a view, a piece of a
+    multi-output op or non-contiguous). The checkpoint pass simulates the GPU memory with it."""
+    val = node.meta.get("val")
+    return (_worth_offloading(node) and node not in model_outputs and node.target is not operator.getitem
+            and not _is_view(node) and val.is_contiguous())
 
 
 @contextlib.contextmanager
