@@ -48,6 +48,12 @@
 #   run(command="bash benchmarks/h200_session.sh next13c ...")                        # session 13: both offloading edges at 2432
 #   run(command="bash benchmarks/h200_session.sh next13d ...")                        # session 13: budget-only edge past 1216?
 #   run(command="bash benchmarks/h200_session.sh dist13 ...", kind="nvidia-h200-x2")  # session 13: what the one-graph DDP step adds
+#   run(command="bash benchmarks/h200_session.sh offmem12 ...")                       # session 14, call 1: the same, sizes grouped
+#   run(command="bash benchmarks/h200_session.sh next14 ...")                         # session 14: the stem left on the host
+#   run(command="bash benchmarks/h200_session.sh next14b ...")                        # session 14: both offloading edges at 2496
+#   run(command="bash benchmarks/h200_session.sh next14c ...")                        # session 14: its step time at batch 64
+#   run(command="bash benchmarks/h200_session.sh next14d ...")                        # session 14: default allocator at 2176
+#   run(command="bash benchmarks/h200_session.sh step14 ...")                         # session 14: issue 3 at batch 8
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -264,6 +270,40 @@ case "${1:-}" in
              timeout 300 python benchmarks/bench_memory.py --batch --variants apollo-bf16-budget-0.05 \
                --search-variants apollo-bf16-budget-0.05 --search-at 1216 1280 --search-probes 2 --out "$OUT/edge13z"
              exit $? ;;
+  next14)    # session 14, call 2: per-block checkpointing under offloading no longer re-runs the vision stem's
+             # norm from its saved input (NOTE: Offloaded per-block start; call 1's snapshot: that input held
+             # 0.289 GiB over the first block's backward at 512): the peaks at 512 against eager + save_on_cpu
+             # (5.08 GiB), then the 20 GiB edge with expandable segments where eager reached [2432, 2560)
+             timeout 150 python benchmarks/offload_memory.py --batch 512 --variants eager-bf16-ckpt-offload \
+               apollo-bf16-budget-0.05-offload --out "$OUT/offmem14.json"
+             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python benchmarks/bench_memory.py --batch \
+               --variants apollo-bf16-budget-0.05-offload --search-variants apollo-bf16-budget-0.05-offload \
+               --search-at 2560 2432 --search-probes 2 --out "$OUT/edge14x"
+             exit $? ;;
+  next14b)   # session 14, call 3: both offloading variants now pass 2432 and fail 2560 in 20 GiB with
+             # expandable segments (apollo peaks at 19.00 GiB there, eager + save_on_cpu at 19.70): which passes
+             # 2496; then apollo under the default allocator at 2304, where both stopped before (sessions 11, 13)
+             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 300 python benchmarks/bench_memory.py --batch \
+               --variants eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload --search-variants \
+               eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload --search-at 2496 --search-probes 1 --out "$OUT/edge14y"
+             timeout 200 python benchmarks/bench_memory.py --batch --variants apollo-bf16-budget-0.05-offload \
+               --search-variants apollo-bf16-budget-0.05-offload --search-at 2304 --search-probes 1 --out "$OUT/edge14d"
+             exit $? ;;
+  next14c)   # session 14, call 4: what leaving the stem on the host costs at batch 64 (its input crosses
+             # PCIe twice per step now), side by side with eager + save_on_cpu (session 13: 59.9 vs 114.0 ms)
+             timeout 220 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 5 --variants \
+               eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload --out "$OUT/off64e"
+             exit $? ;;
+  next14d)   # session 14, call 5: under the default allocator both offloading variants stop in [2048, 2304)
+             # (apollo's 2304 failed in call 3 with 2.34 GiB reserved but unallocated): which passes 2176
+             timeout 330 python benchmarks/bench_memory.py --batch --variants eager-bf16-ckpt-offload \
+               apollo-bf16-budget-0.05-offload --search-variants eager-bf16-ckpt-offload \
+               apollo-bf16-budget-0.05-offload --search-at 2176 --search-probes 1 --out "$OUT/edge14e"
+             exit $? ;;
+  step14)    # session 14, call 6 (run as this command, before it was a phase): issue 3 at batch 8 alone,
+             # what the last ~270 s of device time allowed
+             timeout 430 python benchmarks/bench_step.py --batch 8 --steps 30 --out "$OUT/step14"
+             exit $? ;;
   dist13)    # for session 13, issue 6: what the 3-4 ms that DDP + apollo in one graph adds to one GPU's step are
              # made of (session 12: scaling 0.78-0.82 at per-GPU 32), and whether DDP's Python reducer under
              # compiled autograd (the all-reduces inside apollo's backward graph) overlaps them; DDP's copy of
@@ -323,7 +363,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|offmem12|dist12|place12|last12|next13|dist13|next11|host11" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|offmem12|dist12|place12|last12|next13|next13b|next13c|next13d|next14|next14b|next14c|next14d|step14|dist13|next11|host11" >&2
      exit 2 ;;
 esac
 status=$?
