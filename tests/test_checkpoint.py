@@ -386,6 +386,25 @@ def test_fused_recompute_holds_memory_only_where_a_library_kernel_reads_it(monke
     assert pointwise_only and all(fused.held[o] == 0 for o in pointwise_only)
 
 
+def test_on_gpu_the_peak_counts_offloaded_values_from_their_first_reader(monkeypatch):
+    """NOTE: Offloaded per-block start: with ``on_gpu`` a saved value that waits on the host holds
+    the GPU from its first backward reader on, not from the backward's start. Nothing offloaded:
+    the same peak; everything offloaded: lower, and never below the largest saved value, which
+    comes back at some point."""
+    torch.manual_seed(0)
+    joint = capture_joint(TwoTower(), monkeypatch)
+    gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
+    planner = checkpoint._Planner(gm, checkpoint._num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False)
+    saved, rerun = planner.close(set())
+    _, everything = planner.peaks(saved, rerun)
+    assert planner.peaks(saved, rerun, on_gpu=True)[1] == everything  # no on_host: nothing offloaded
+    planner.on_host = lambda v: False
+    assert planner.peaks(saved, rerun, on_gpu=True)[1] == everything
+    planner.on_host = lambda v: True
+    _, on_gpu = planner.peaks(saved, rerun, on_gpu=True)
+    assert max(planner.nb(v) for v in saved) <= on_gpu < everything
+
+
 def test_a_fused_recompute_chain_is_rerun_whole_at_its_first_use(monkeypatch):
     """Inductor fuses a chain of recomputed pointwise ops (a tower's residual stream, its matmul
     outputs saved) into one kernel scheduled before the chain's first reader, writing every value
