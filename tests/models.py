@@ -37,7 +37,7 @@ class VisionTower(nn.Module):
         self.patch_embed = nn.Conv2d(3, width, patch, stride=patch)
         # stem_norm: CLIP's vision stem, a class token before the patches and a norm after them
         self.cls = nn.Parameter(torch.randn(1, 1, width) * 0.02) if stem_norm else None
-        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + stem_norm, width) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + int(stem_norm), width) * 0.02)
         self.ln_pre = nn.LayerNorm(width) if stem_norm else None
         self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(layers))
         self.ln = nn.LayerNorm(width)

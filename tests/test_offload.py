@@ -70,8 +70,8 @@ def test_trains_like_eager_and_every_offloaded_value_comes_back(options, every_v
 def backward_peak(backward: torch.fx.GraphModule) -> int:
     """The most bytes the backward graph's own values hold at once, run in its order: each storage
     (a copy back from the host included; views belong to their base) from the node that makes it
-    to its last reader. Graph inputs are left out: what stays saved on the device is the same
-    for both plans compared below, and what waits on the host takes no device bytes."""
+    to its last reader. Graph inputs are left out: this is what the backward itself brings back
+    from the host and computes."""
     nodes = list(backward.graph.nodes)
     index = {n: k for k, n in enumerate(nodes)}
     last: dict[torch.fx.Node, int] = {}
