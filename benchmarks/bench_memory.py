@@ -27,14 +27,16 @@ Variants, run side by side in ONE process (absolute times drift between runs; DE
     apollo-bf16-budget-0.05-offload
                              ... options={"precision": "bf16", "memory_budget": 0.05,
                              "offload_activations": True}: the saved values wait on the host
-    apollo-bf16-budget-<f>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows][-offload]
+    apollo-bf16-budget-<f>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows][-offload[-stream]]
                              any other fraction f in (0, 1], named on the command line; -fw-measured: the forward's lane
                              candidates measured and free to win even though its backward reuses the
                              saved activations' memory (the rule before session 7:
                              CudaGraphRunner._memory_first_one_lane); -lanes-measured: both graphs'
                              (no memory-first rule; the 1.1x pool bound of `fastest` still applies);
                              -bw-follows: the forward's measured, and its donating backward replays
-                             the forward's choice unmeasured (follow_the_forward)
+                             the forward's choice unmeasured (follow_the_forward); -offload-stream:
+                             offloading with PyTorch's copies on a stream of their own
+                             (offload_stream_settings; untried on the H200 as of session 14)
 
 Method (shared with bench_step.py, whose helpers this script imports): for each batch size, every
 variant gets a deep copy of one fp32 model built on the CPU from a fixed seed, moved to the device;
@@ -148,6 +150,7 @@ class Variant:
     lanes_measured: bool = False  # both graphs may replay lanes under the budget (-lanes-measured)
     backward_follows: bool = False  # the forward measured, its donating backward replays its choice (-bw-follows)
     save_on_cpu: bool = False  # eager: torch.autograd.graph.save_on_cpu(pin_memory=True) around the forward
+    offload_stream: bool = False  # -offload-stream: PyTorch's offloading copies on a stream of their own
 
     @property
     def compiled(self) -> bool:
@@ -179,6 +182,8 @@ class Variant:
             parts.append("the forward's lane candidates measured, its backward replays the forward's choice unmeasured")
         if self.save_on_cpu:
             parts.append("save_on_cpu(pin_memory=True): saved tensors on the host")
+        if self.offload_stream:
+            parts.append("offloading copies on a stream of their own (offload_stream_settings)")
         return ", ".join(parts)
 
     @contextlib.contextmanager
@@ -206,6 +211,10 @@ class Variant:
                     lambda runner: None if runner.kind in measured else rule(runner)))
             if self.backward_follows:
                 stack.enter_context(follow_the_forward())
+            if self.offload_stream:
+                import torch._functorch.config as functorch_config
+
+                stack.enter_context(functorch_config.patch(**offload_stream_settings()))
             if self.save_on_cpu:  # packs what the forward saves; the backward unpacks it wherever it runs
                 stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=True))
             yield
@@ -278,12 +287,27 @@ VARIANTS: dict[str, Variant] = {
 }
 _BUDGET_VARIANT = re.compile(
     r"apollo-bf16-budget-((?:0\.\d+)|1(?:\.0)?)(-bytes-per-us)?(-fw-measured|-lanes-measured|-bw-follows)?"
-    r"(-offload)?")
+    r"(-offload(-stream)?)?")
+
+
+def offload_stream_settings() -> dict[str, bool]:
+    """PyTorch's separate-stream activation offloading, as far as this torch has it: the copies to
+    and from the host on a stream of their own, the forward's waits sunk and the backward's copies
+    prefetched. apollo's offloading (sessions 11-14) copies on the compute stream: at batch 64 its
+    step took 61 ms against 32.5 without offloading, about the time of ~1.2 GB over PCIe each step.
+    Whether apollo's lanes and Inductor take these stream ops is what the variant is for."""
+    import torch._functorch.config as functorch_config
+
+    known = functorch_config.get_config_copy()
+    if "activation_offload_separate_stream" not in known:
+        raise RuntimeError(f"torch {torch.__version__} has no separate-stream activation offloading")
+    wanted = ("activation_offload_separate_stream", "activation_offload_sink_wait", "activation_reload_prefetch")
+    return {key: True for key in wanted if key in known}
 
 
 def variant_name(name: str) -> str:
     """argparse type: a listed variant, or any
-    ``apollo-bf16-budget-<fraction>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows][-offload]``
+    ``apollo-bf16-budget-<fraction>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows][-offload[-stream]]``
     (added to VARIANTS, after the listed apollo budgets)."""
     if name in VARIANTS:
         return name
@@ -291,7 +315,7 @@ def variant_name(name: str) -> str:
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)} "
                                          "or apollo-bf16-budget-<fraction in (0, 1]>[-bytes-per-us]"
-                                         "[-fw-measured|-lanes-measured|-bw-follows][-offload]")
+                                         "[-fw-measured|-lanes-measured|-bw-follows][-offload[-stream]]")
     budget = float(m.group(1))
     if budget <= 0:
         raise argparse.ArgumentTypeError(f"{name!r}: the budget must be in (0, 1]")
@@ -301,7 +325,7 @@ def variant_name(name: str) -> str:
     VARIANTS[name] = Variant(name, autocast=False, compiler="apollo", options=options,
                              memory_bound_first=m.group(2) is None, forward_measured=m.group(3) == "-fw-measured",
                              lanes_measured=m.group(3) == "-lanes-measured",
-                             backward_follows=m.group(3) == "-bw-follows")
+                             backward_follows=m.group(3) == "-bw-follows", offload_stream=m.group(5) is not None)
     return name
 
 

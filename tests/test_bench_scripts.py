@@ -8,6 +8,7 @@ import shlex
 import sys
 
 import pytest
+import torch._functorch.config
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
@@ -78,6 +79,12 @@ def test_budget_variants_by_name():
     assert offloading.options == {"precision": "bf16", "memory_budget": 0.2, "offload_activations": True}
     assert "offload_activations" not in bench_memory.VARIANTS["apollo-bf16-budget-0.05"].options
     assert bench_memory.VARIANTS["eager-bf16-ckpt-offload"].save_on_cpu
+    streamed = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.05-offload-stream")]
+    assert streamed.options == {"precision": "bf16", "memory_budget": 0.05, "offload_activations": True}
+    assert streamed.offload_stream and not offloading.offload_stream
+    with streamed.context():  # this torch's separate-stream offloading is on around the variant only
+        assert torch._functorch.config.activation_offload_separate_stream
+    assert not torch._functorch.config.activation_offload_separate_stream
     follows = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.5-bw-follows")]
     assert follows.backward_follows and not follows.lanes_measured and not both.backward_follows
     with follows.context():  # the forward measures; the donating backward replays its choice, unmeasured
