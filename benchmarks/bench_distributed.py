@@ -125,7 +125,8 @@ sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 
 import clip  # noqa: E402  (benchmarks/clip.py)
 from bench_step import (  # noqa: E402
-    GRAD_RTOL, LOSS_RTOL, compare, is_oom, no_tf32, rel_err, synchronize, time_steps, train_step, verdict,
+    GRAD_RTOL, LOSS_RTOL, compare, compiled_autograd, is_oom, no_tf32, rel_err, synchronize, time_steps, train_step,
+    verdict,
 )
 
 RANK0_VARIANTS = ("onegpu-apollo", "placed-eager", "placed-inductor", "placed-apollo")
@@ -193,14 +194,6 @@ def _fully_shard():
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import fully_shard
     return fully_shard
-
-
-def compiled_autograd(compiler):
-    """torch._dynamo.compiled_autograd's context manager (``_enable``; ``enable`` in older torch)."""
-    from torch._dynamo import compiled_autograd as ca
-
-    enable = getattr(ca, "_enable", None) or ca.enable
-    return enable(compiler)
 
 
 @contextlib.contextmanager

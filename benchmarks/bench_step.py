@@ -85,6 +85,8 @@ sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 import clip  # noqa: E402  (benchmarks/clip.py)
 
 VARIANTS = ("eager", "inductor", "inductor-ro", "apollo-1lane", "apollo")
+# named on the command line only: the backward traced by compiled autograd (CompiledAutogradStep)
+COMPILED_AUTOGRAD_VARIANTS = ("inductor-ro-ca", "apollo-ca")
 BASELINE = "inductor-ro"  # the "ratio" column is BASELINE median / variant median
 BACK_TO_BACK_ROUNDS = 5  # rounds of --steps queued steps; their median is the back-to-back figure
 
@@ -122,7 +124,40 @@ def log(*args: Any) -> None:
 # variants and the training step
 
 
+def compiled_autograd(compiler):
+    """torch._dynamo.compiled_autograd's context manager (``_enable``; ``enable`` in older torch)."""
+    from torch._dynamo import compiled_autograd as ca
+
+    enable = getattr(ca, "_enable", None) or ca.enable
+    return enable(compiler)
+
+
+class CompiledAutogradStep:
+    """A compiled forward whose backward compiled autograd traces, engine work and all, into one
+    graph for `backward_compiler` (`train_step` enters `backward_context` around the backward).
+
+    Why (issue 3, batch 8): the step is bound by host work, 3.2-3.8 ms of it between the backward's
+    launch and ``backward()`` returning, in AOTAutograd and the engine's ~200 AccumulateGrad calls
+    (RESULTS.md, session 13). Compiled autograd takes that into the graph, at its own cost per step
+    (the autograd graph walked and looked up in its cache). Its graph has no module paths, so apollo
+    gives it one lane (session 14, on the CPU)."""
+
+    def __init__(self, forward: Callable[..., torch.Tensor], backward_compiler: Callable) -> None:
+        self.forward, self.backward_compiler = forward, backward_compiler
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        return self.forward(*args)
+
+    def backward_context(self) -> contextlib.AbstractContextManager:
+        return compiled_autograd(self.backward_compiler)
+
+
 def compile_variant(name: str, model: nn.Module) -> Callable[..., torch.Tensor]:
+    if name in COMPILED_AUTOGRAD_VARIANTS:
+        base = name.removesuffix("-ca")
+        backward = (torch.compile(backend="apollo") if base == "apollo"
+                    else torch.compile(mode="reduce-overhead"))
+        return CompiledAutogradStep(compile_variant(base, model), backward)
     if name == "eager":
         return model
     if name == "inductor":
@@ -146,7 +181,8 @@ def train_step(model: nn.Module, step_fn: Callable, batch: tuple, device: torch.
     model.zero_grad(set_to_none=True)
     with autocast(device, amp):
         loss = step_fn(*batch)
-    loss.backward()
+    with getattr(step_fn, "backward_context", contextlib.nullcontext)():
+        loss.backward()
     return loss
 
 
@@ -528,7 +564,8 @@ def report(env: dict, results: list[dict], out_dir: Path) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + COMPILED_AUTOGRAD_VARIANTS,
+                   help="default: the five of issue 3's table; -ca: the backward under compiled autograd")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="warm-up steps (>= 3 lets CUDA-graph trees record)")
     p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))

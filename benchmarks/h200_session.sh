@@ -55,6 +55,7 @@
 #   run(command="bash benchmarks/h200_session.sh next14d ...")                        # session 14: default allocator at 2176
 #   run(command="bash benchmarks/h200_session.sh step14 ...")                         # session 14: issue 3 at batch 8
 #   run(command="bash benchmarks/h200_session.sh stream15 ...")                       # session 15: offloading copies on their own stream
+#   run(command="bash benchmarks/h200_session.sh ca15 ...")                           # session 15: batch 8 with compiled autograd
 #
 # The device tool stops a command at 600 s: each guard leaves ~60 s for loading and saving the
 # cache (session 3's memory+search ran at 550 and lost its cache save; session 5's first call lost
@@ -315,6 +316,13 @@ case "${1:-}" in
              timeout 200 python benchmarks/offload_memory.py --batch 512 --variants apollo-bf16-budget-0.05-offload \
                apollo-bf16-budget-0.05-offload-stream --out "$OUT/stream512.json"
              exit $? ;;
+  ca15)      # for session 15, issue 3 at batch 8: the host work after the backward's launch (3.2-3.8 ms,
+             # AOTAutograd and the engine's AccumulateGrad; session 13) taken into the graph by compiled
+             # autograd (bench_step.CompiledAutogradStep), for reduce-overhead and apollo alike; apollo's
+             # compiled-autograd backward runs on one lane (no module paths in its graph)
+             timeout 520 python benchmarks/bench_step.py --batch 8 --variants inductor-ro inductor-ro-ca apollo \
+               apollo-ca --steps 30 --out "$OUT/ca15"
+             exit $? ;;
   dist13)    # for session 13, issue 6: what the 3-4 ms that DDP + apollo in one graph adds to one GPU's step are
              # made of (session 12: scaling 0.78-0.82 at per-GPU 32), and whether DDP's Python reducer under
              # compiled autograd (the all-reduces inside apollo's backward graph) overlaps them; DDP's copy of
@@ -374,7 +382,7 @@ case "${1:-}" in
              timeout 540 python benchmarks/bench_step.py --batch 128 32 8 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/lanes3"
              exit $? ;;
-  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|offmem12|dist12|place12|last12|next13|next13b|next13c|next13d|next14|next14b|next14c|next14d|step14|stream15|dist13|next11|host11" >&2
+  *) echo "usage: $0 smoke|smoke+memory|check+probe|probe1024|step|memory|memorypeak|lowbudget|peakmodel|memory+search|memory256|search|profile|diagmem|diag1024|diag1152|diag1152pools|step128|onelane64|lanes3|sidelanes|hostsplit|next9|host9|final9|host9b|next10|follow10|edge10|last10|band10|band10b|off11|offmem11|off11b|offmem12|dist12|place12|last12|next13|next13b|next13c|next13d|next14|next14b|next14c|next14d|step14|stream15|ca15|dist13|next11|host11" >&2
      exit 2 ;;
 esac
 status=$?

@@ -259,6 +259,37 @@ def test_the_step_table_reports_back_to_back_steps_beside_the_idle_gpu_latency()
     assert "| 8 | apollo | 6.00 | 7.00 | 9.00 | 1.33x | 5.00 | 1.20x | 4.00 |" in table[3]
 
 
+def test_compiled_autograd_variants_hand_the_backward_to_their_compiler():
+    """bench_step's -ca variants (issue 3's host-time experiment): train_step runs the backward under
+    compiled autograd, whose graph apollo compiles (as an inference graph: the gradients are its
+    outputs, one lane); gradients stay eager's."""
+    import copy
+
+    import apollo_compile
+    import clip
+
+    torch._dynamo.reset()
+    apollo_compile.clear_plans()
+    torch.manual_seed(0)
+    base = clip.build("tiny")
+    batch = clip.make_batch(2, torch.device("cpu"), "tiny")
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    step_fn = bench_step.compile_variant("apollo-ca", model)
+    assert isinstance(step_fn, bench_step.CompiledAutogradStep)
+    for _ in range(2):
+        loss = bench_step.train_step(model, step_fn, batch, torch.device("cpu"), amp=False)
+        ref_loss = bench_step.train_step(ref, ref, batch, torch.device("cpu"), amp=False)
+        # fp32: Inductor's kernels differ from eager's by the order of their sums alone
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+    kinds = [(plan.forward is not None, plan.backward is not None, plan.inference is not None)
+             for plan in apollo_compile.plans()]
+    assert (True, False, False) in kinds  # the forward: AOTAutograd's backward is never compiled
+    assert (False, False, True) in kinds  # compiled autograd's graph, apollo's too
+    torch._dynamo.reset()
+
+
 def test_distributed_rank0_variants_run_on_the_cpu(tmp_path):
     """bench_distributed.py's placement rows run end to end as a world of one on the CPU (both
     towers on the CPU): the rank-0 path, its global-batch reference and its table row."""
