@@ -936,7 +936,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
             decision.per_block, decision.relaxed = True, relaxed
             if on_host is not None:
                 decision.block_start = "min-cut"
-                offloaded = _offloaded_block_start(planner, start, rerun, targets, met)
+                offloaded = _offloaded_block_start(planner, start, saved, rerun, targets, met)
                 if offloaded is not None:
                     saved, rerun, after, peak_after, met = offloaded
                     decision.block_start = "nothing"
@@ -961,17 +961,17 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
     return decision
 
 
-def _offloaded_block_start(planner: _Planner, start: set[torch.fx.Node], rerun: set[torch.fx.Node],
-                           targets: dict[str, int], met: bool):
-    """Per-block checkpointing (`rerun`, from min-cut's own re-runs `start`) when saved values wait
-    on the host: the same without min-cut's re-runs outside the blocks, if its backward simulates
-    lower on the GPU and it still meets `targets` where `rerun` did (NOTE: Offloaded per-block
-    start). Returns (saved, re-run, peaks per key, peak, met), or None to keep `rerun`."""
+def _offloaded_block_start(planner: _Planner, start: set[torch.fx.Node], saved: set[torch.fx.Node],
+                           rerun: set[torch.fx.Node], targets: dict[str, int], met: bool):
+    """Per-block checkpointing (`rerun`, from min-cut's own re-runs `start`, saving `saved`) when
+    saved values wait on the host: the same without min-cut's re-runs outside the blocks, if its
+    backward simulates lower on the GPU and it still meets `targets` where `rerun` did (NOTE:
+    Offloaded per-block start). Returns (saved, re-run, peaks per key, peak, met), or None to keep
+    `rerun`."""
     trial_saved, trial_rerun = planner.close(rerun - (start - planner.block_plan()))
     if trial_rerun == rerun:
         return None
-    if planner.peaks(trial_saved, trial_rerun, on_gpu=True)[1] >= planner.peaks(
-            *planner.close(rerun), on_gpu=True)[1]:
+    if planner.peaks(trial_saved, trial_rerun, on_gpu=True)[1] >= planner.peaks(saved, rerun, on_gpu=True)[1]:
         return None
     after, peak = planner.peaks(trial_saved, trial_rerun)
     trial_met = all(after.get(k, 0) <= t for k, t in targets.items())
