@@ -196,18 +196,6 @@ def _fully_shard():
     return fully_shard
 
 
-@contextlib.contextmanager
-def dynamo_config(**changes):
-    saved = {k: getattr(torch._dynamo.config, k) for k in changes}
-    for k, v in changes.items():
-        setattr(torch._dynamo.config, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(torch._dynamo.config, k, v)
-
-
 def build_variant(name: str, base: nn.Module, device: torch.device, args) -> tuple[nn.Module, Callable, dict]:
     """(the module whose .parameters() train, the callable of a step's forward, Dynamo settings)."""
     model = copy.deepcopy(base).to(device)
@@ -217,7 +205,7 @@ def build_variant(name: str, base: nn.Module, device: torch.device, args) -> tup
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         settings["optimize_ddp"] = {"apollo-1graph": False, "apollo-ca": "python_reducer"}.get(compiler, True)
-        with dynamo_config(optimize_ddp=settings["optimize_ddp"]):  # DDP picks its reducer when built
+        with torch._dynamo.config.patch(optimize_ddp=settings["optimize_ddp"]):  # DDP picks its reducer when built
             wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                           bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
     elif engine == "fsdp2":
@@ -317,7 +305,7 @@ def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple,
     with contextlib.ExitStack() as stack:
         backward_compiler = settings.pop("compiled_autograd", None)
         if settings:
-            stack.enter_context(dynamo_config(**settings))
+            stack.enter_context(torch._dynamo.config.patch(**settings))
         if backward_compiler is not None:
             stack.enter_context(compiled_autograd(backward_compiler))
         plans_before = apollo_plans_so_far(name)
