@@ -17,6 +17,7 @@ ones live at the step's peak, each with the wrapper line that made it: what the 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import json
@@ -104,9 +105,7 @@ def sizes_at(allocations) -> list[dict]:
     """Live allocations grouped by size, most bytes first: two variants' lists side by side show
     which buffer one holds that the other does not (session 13: apollo's offloading backward held
     0.144 GiB more than eager + save_on_cpu's at batch 512, one bf16 hidden state's size)."""
-    counts: dict[int, int] = {}
-    for e in allocations:
-        counts[e["size"]] = counts.get(e["size"], 0) + 1
+    counts = collections.Counter(e["size"] for e in allocations)
     return [{"bytes": size, "count": n, "gib": size * n / GiB}
             for size, n in sorted(counts.items(), key=lambda kv: -kv[0] * kv[1])]
 
