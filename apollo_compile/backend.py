@@ -35,7 +35,7 @@ from .pipeline import GraphContext, run_passes
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
 from .runtime.runner import build_runtime
-from .runtime.subgraphs import has_host_copies, inductor_config
+from .runtime.subgraphs import has_host_copies, has_symbolic_sizes, inductor_config
 from .tracing import fw_metadata
 
 log = logging.getLogger("apollo_compile")
@@ -136,7 +136,7 @@ def compile_graph(
                                f"failed: {type(e).__name__}: {e}") from e
         graph_plan.runtimes = runtimes
         if family is not None:
-            fn = _cudagraphed(runtimes, graph_name, kind, family, ctx)
+            fn = _cudagraphed(runtimes, graph_name, kind, family, ctx, has_symbolic_sizes(example_inputs))
             graph_plan.runner_ref = weakref.ref(fn)
         elif device.type == "cuda":  # un-graphed CUDA: extra streams only add launches
             fn = runtimes.get("one_lane", runtimes["lanes"])
@@ -177,8 +177,9 @@ def _quota_candidates(ctx: GraphContext) -> dict[str, dict[int, int]]:
 
 
 def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, family: GraphFamily,
-                 ctx: GraphContext) -> CudaGraphRunner:
-    """Wrap a CUDA runtime for CUDA-graph replay, telling it which inputs and outputs are whose."""
+                 ctx: GraphContext, symbolic: bool) -> CudaGraphRunner:
+    """Wrap a CUDA runtime for CUDA-graph replay, telling it which inputs and outputs are whose,
+    and whether its sizes may change between calls (`symbolic`)."""
     static_idxs: set[int] = set()
     user_visible: set[int] | None = None  # None: every output is the user's (inference, backward)
     # a backward's inputs AOTAutograd lets it reuse: saved for the backward only, aliasing no
@@ -194,7 +195,8 @@ def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, fami
     return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
                            on_measured=functools.partial(_calibrate, ctx),
                            max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None,
-                           donated_idxs=donated, capture_near_limit=ctx.options.cudagraphs is True)
+                           donated_idxs=donated, capture_near_limit=ctx.options.cudagraphs is True,
+                           symbolic=symbolic)
 
 
 def _calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:

@@ -10,6 +10,7 @@ ordering and capture itself (the fake graph re-runs the runtime; no CUDA)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -278,3 +279,35 @@ def test_under_a_budget_both_graphs_replay_one_lane_unmeasured_in_real_training(
         assert set(runner.candidates) == {"lanes", "one_lane"}, "the model has two towers: two candidates"
         assert runner.chosen == "one_lane" and runner.measured_ms == {}
         assert runner.replays == 2 and runner.ungraphed_calls == 0 and runner.disabled is None
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_a_graph_with_symbolic_sizes_replays_only_at_the_shapes_it_was_captured_at(runners, dynamic):
+    """dynamic=True, or Dynamo's automatic dynamic shapes (None: a second batch size recompiles the
+    graph with a symbolic batch): the capture holds the sizes of its call, so a call at another
+    batch size runs without the CUDA graph, with one warning per graph, and training equals eager
+    throughout. Before, the next replay copied a batch of 5 into the static buffer of a batch of 6
+    and failed (a batch of 1 would have broadcast into it)."""
+    torch.manual_seed(0)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager"}, dynamic=dynamic)
+    sizes = (3, 4, 6, 6, 5, 6, 5) if dynamic is None else (4, 6, 6, 5, 6, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, batch in enumerate(sizes):
+            inputs = two_tower_inputs(batch=batch, seed=step)
+            loss, ref_loss = compiled(*inputs), ref(*inputs)
+            loss.backward()
+            ref_loss.backward()
+            assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+    symbolic = [r for r in runners if r.symbolic]
+    assert [r.kind for r in symbolic] == ["forward", "backward"]
+    for runner in symbolic:  # eager at 4, captured at 6 and replayed twice more, eager at 5 twice
+        assert (runner.replays, runner.ungraphed_calls) == (3, 2), runner.kind
+        assert runner.captured_shapes is not None and runner.disabled is None
+    messages = [str(w.message) for w in caught if "input shapes other than" in str(w.message)]
+    assert len(messages) == 2 and {m.split()[1] for m in messages} == {r.name for r in symbolic}, messages
+    assert not [r for r in runners if not r.symbolic and r.ungraphed_calls], "static graphs replay throughout"

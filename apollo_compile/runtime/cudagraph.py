@@ -33,8 +33,11 @@ Saved activations are returned in place, one of them as a fresh alias whose live
 (they are all held by one autograd context): if the previous forward's is still alive when the
 forward runs again (two forwards before one backward, ``retain_graph=True``), that call runs
 without the CUDA graph, so nothing the pending backward needs is overwritten. A backward whose
-saved inputs are not where the captured one read them runs without the CUDA graph too. Every
-such path is correct and warns once.
+saved inputs are not where the captured one read them runs without the CUDA graph too. A graph
+with symbolic sizes (``dynamic=True``, or Dynamo's automatic dynamic shapes after a second batch
+size) is captured at the shapes of its second call; a call at other shapes runs without the
+CUDA graph (`input_shapes`): the captured kernels and static buffers hold the captured sizes.
+Every such path is correct and warns once.
 
 [NOTE] Donation: the backward reuses its saved activations' memory::
 
@@ -342,6 +345,12 @@ _data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None
 _use_count = torch._C._storage_Use_Count  # what CUDA-graph trees read to tell a storage's liveness
 
 
+def input_shapes(args: Sequence) -> tuple:
+    """What a graph with symbolic sizes was called at: each tensor's shape, each other input
+    itself (a SymInt input arrives as an int)."""
+    return tuple(x.shape if isinstance(x, torch.Tensor) else x for x in args)
+
+
 class LentOutputs:
     """Static outputs handed out in the pool's own memory, and the check that lets a replay
     overwrite them (see the NOTE above).
@@ -394,8 +403,11 @@ class CudaGraphRunner:
                  static_input_idxs: set[int], user_visible_outputs: set[int] | None,
                  on_measured: Callable[[dict[str, float]], None] | None = None,
                  max_memory_ratio: float | None = None, donated_idxs: set[int] | None = None,
-                 capture_near_limit: bool = False) -> None:
+                 capture_near_limit: bool = False, symbolic: bool = False) -> None:
         self.candidates, self.name, self.kind, self.family = candidates, name, kind, family
+        # sizes that vary between calls (dynamic shapes): replayed only at the captured ones
+        self.symbolic = symbolic
+        self.captured_shapes: tuple | None = None
         self.capture_near_limit = capture_near_limit  # cudagraphs=True: no headroom check before capture
         self.on_measured = on_measured  # gets {candidate: ms} once measured (the model calibrates from it)
         self.max_memory_ratio = max_memory_ratio  # concurrency within this much of one stream's pool (`fastest`)
@@ -783,6 +795,14 @@ class CudaGraphRunner:
             self._warn_once("pending", "the previous forward's saved activations are still alive "
                                        "(two forwards before a backward, or retain_graph=True)")
             return self._eager(args)
+        if self.symbolic:
+            shapes = input_shapes(args)
+            if self.graph is None:
+                self.captured_shapes = shapes
+            elif shapes != self.captured_shapes:
+                self._warn_once("shape", "it was called at input shapes other than those it was captured at "
+                                         "(dynamic shapes); calls at the captured shapes replay it")
+                return self._eager(args)
         if self.graph is None:
             self.capture_refused = self.disabled = self._capture_refused()
             if self.disabled is not None:
