@@ -311,3 +311,26 @@ def test_a_graph_with_symbolic_sizes_replays_only_at_the_shapes_it_was_captured_
     messages = [str(w.message) for w in caught if "input shapes other than" in str(w.message)]
     assert len(messages) == 2 and {m.split()[1] for m in messages} == {r.name for r in symbolic}, messages
     assert not [r for r in runners if not r.symbolic and r.ungraphed_calls], "static graphs replay throughout"
+
+
+def test_a_second_model_instance_runs_the_compiled_code_without_its_graph_and_says_why(runners):
+    """Dynamo's cache is per code object: a fresh model of the same class compiled in the same
+    process reuses the first one's graphs, whose parameters were captured in place. It trains like
+    eager without the CUDA graphs, and each graph's one warning says how to give it graphs of its own."""
+    first = twins("eager")[2]
+    for step in range(3):  # the first model's graphs captured and replayed
+        first(*two_tower_inputs(seed=step)).backward()
+    model, ref, compiled = twins("eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            inputs = two_tower_inputs(seed=step)
+            loss, ref_loss = compiled(*inputs), ref(*inputs)
+            loss.backward()
+            ref_loss.backward()
+            assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+    messages = [str(w.message) for w in caught if "another address" in str(w.message)]
+    assert len(messages) == 2 and all("torch._dynamo.reset()" in m for m in messages), messages  # fw, bw
+    assert [(r.replays, r.ungraphed_calls) for r in runners] == [(2, 3), (2, 3)]

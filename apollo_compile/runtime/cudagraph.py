@@ -824,7 +824,9 @@ class CudaGraphRunner:
             start = time.perf_counter()  # capturing and measuring took seconds: not a replay's host time
         if not self._inputs_in_place(args):
             self._warn_once("moved", "an input captured in place (a parameter or a saved activation) "
-                                     "now lives at another address")
+                                     "now lives at another address: parameters replaced (p.data = ...), "
+                                     "or another model instance running this compiled code, which "
+                                     "torch._dynamo.reset() before compiling it would give graphs of its own")
             return self._eager(args)
         if self.family.lent is not None and not self.family.lent.reclaim(self.family.grad_owners,
                                                                            self.family.input_owners):
