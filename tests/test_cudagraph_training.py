@@ -53,6 +53,18 @@ def twins(compiler: str):
     return model, ref, torch.compile(model, backend="apollo", options={"subgraph_compiler": compiler})
 
 
+def backward_like_eager(compiled, model, ref, batches) -> None:
+    """One backward per batch through `compiled` and its eager twin `ref`: the loss and every
+    gradient match; then zero_grad(set_to_none=True)."""
+    for step, inputs in enumerate(batches):
+        loss, ref_loss = compiled(*inputs), ref(*inputs)
+        loss.backward()
+        ref_loss.backward()
+        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_training_through_the_runner_equals_eager(runners, compiler):
     model, ref, compiled = twins(compiler)
@@ -265,14 +277,7 @@ def test_under_a_budget_both_graphs_replay_one_lane_unmeasured_in_real_training(
     model = TwoTower()
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager", "memory_budget": 0.5})
-    for step in range(3):
-        inputs = two_tower_inputs(seed=step)
-        loss, ref_loss = compiled(*inputs), ref(*inputs)
-        loss.backward()
-        ref_loss.backward()
-        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+    backward_like_eager(compiled, model, ref, [two_tower_inputs(seed=step) for step in range(3)])
     forward, backward = runners
     assert forward.family.backward_donates and backward.donated_bytes > 0
     for runner in (forward, backward):
@@ -295,14 +300,7 @@ def test_a_graph_with_symbolic_sizes_replays_only_at_the_shapes_it_was_captured_
     sizes = (3, 4, 6, 6, 5, 6, 5) if dynamic is None else (4, 6, 6, 5, 6, 5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step, batch in enumerate(sizes):
-            inputs = two_tower_inputs(batch=batch, seed=step)
-            loss, ref_loss = compiled(*inputs), ref(*inputs)
-            loss.backward()
-            ref_loss.backward()
-            assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
+        backward_like_eager(compiled, model, ref, [two_tower_inputs(batch=b, seed=k) for k, b in enumerate(sizes)])
     symbolic = [r for r in runners if r.symbolic]
     assert [r.kind for r in symbolic] == ["forward", "backward"]
     for runner in symbolic:  # eager at 4, captured at 6 and replayed twice more, eager at 5 twice
@@ -323,14 +321,7 @@ def test_a_second_model_instance_runs_the_compiled_code_without_its_graph_and_sa
     model, ref, compiled = twins("eager")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(3):
-            inputs = two_tower_inputs(seed=step)
-            loss, ref_loss = compiled(*inputs), ref(*inputs)
-            loss.backward()
-            ref_loss.backward()
-            assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
+        backward_like_eager(compiled, model, ref, [two_tower_inputs(seed=step) for step in range(3)])
     messages = [str(w.message) for w in caught if "another address" in str(w.message)]
     assert len(messages) == 2 and all("torch._dynamo.reset()" in m for m in messages), messages  # fw, bw
     assert [(r.replays, r.ungraphed_calls) for r in runners] == [(2, 3), (2, 3)]
