@@ -72,14 +72,6 @@ def _import_fully_shard():
     return fully_shard
 
 
-def compiled_autograd(compiler):
-    """torch._dynamo.compiled_autograd's context manager (``_enable``; ``enable`` in older torch)."""
-    from torch._dynamo import compiled_autograd as ca
-
-    enable = getattr(ca, "_enable", None) or ca.enable
-    return enable(compiler)
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A plain CPU copy: the full tensor of an FSDP2 DTensor (a collective), else the tensor."""
     if hasattr(t, "full_tensor"):
@@ -90,8 +82,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def worker(scenario: str, out: Path) -> None:
     import torch.distributed as dist
 
-    sys.path[:0] = [str(ROOT), str(HERE)]
+    sys.path[:0] = [str(ROOT), str(HERE), str(ROOT / "benchmarks")]
     import apollo_compile  # noqa: F401  (registers backend="apollo")
+    from bench_step import compiled_autograd
     from models import TwoTower, two_tower_inputs
 
     engine, compiler, width, bucket_cap_mb = SCENARIOS[scenario]
