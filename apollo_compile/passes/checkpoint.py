@@ -224,7 +224,7 @@ def _partitioner_views() -> frozenset:
 _PARTITIONER_VIEWS = _partitioner_views()
 
 
-def _is_view(node: torch.fx.Node) -> bool:
+def is_view(node: torch.fx.Node) -> bool:
     """Aliases its input (our view rule and the partitioner's): recomputing it is free."""
     if node.op != "call_function" or node.target is operator.getitem:
         return False
@@ -329,7 +329,7 @@ def _materialized(op: torch.fx.Node) -> bool:
         seen.add(u)
         if u.op != "call_function":
             continue
-        if u.target is operator.getitem or _is_view(u):
+        if u.target is operator.getitem or is_view(u):
             stack.extend(u.users)
         elif _extern(u):
             return True
@@ -368,12 +368,12 @@ def storage_node(node: torch.fx.Node) -> torch.fx.Node:
     seen = 0
     while seen < 10_000:
         seen += 1
-        if _is_view(node):
+        if is_view(node):
             base = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
             if base is None:
                 return node
             node = base
-        elif node.target is operator.getitem and _is_view(node.args[0]):  # a piece of split/unbind
+        elif node.target is operator.getitem and is_view(node.args[0]):  # a piece of split/unbind
             node = node.args[0]
         else:
             return node
@@ -450,7 +450,7 @@ class _Planner:
         self.key = {n: (labels.get(n) or "fusion") if per_modality else GLOBAL for n in gm.graph.nodes}
         self.cost: dict[torch.fx.Node, tuple[float, bool]] = {}
         for n in self.fw:
-            if n.op == "call_function" and not _is_view(n) and n.target is not operator.getitem:
+            if n.op == "call_function" and not is_view(n) and n.target is not operator.getitem:
                 c = node_cost(n, spec)
                 self.cost[n] = (c[4], _heavy(n, c[3]))
         self.inputs = {o: self.storages(o.all_input_nodes) for o in self.cost}
@@ -986,7 +986,7 @@ def _names(nodes) -> list[str]:
 
 def _is_alias(node: torch.fx.Node) -> bool:
     """A view, or a piece of a view op that returns several (split, unbind)."""
-    return _is_view(node) or (node.target is operator.getitem and _is_view(node.args[0]))
+    return is_view(node) or (node.target is operator.getitem and is_view(node.args[0]))
 
 
 def _tangent_closure(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:

@@ -29,7 +29,7 @@ import torch.fx
 
 from ..annotations import info
 from ..options import ApolloOptions
-from .checkpoint import _is_view, nbytes
+from .checkpoint import is_view, nbytes
 
 # Smaller values are left on the GPU: each transfer costs a launch and a PCIe round trip, and a
 # block's small saved values (norm statistics, attention's logsumexp) free almost nothing.
@@ -62,7 +62,7 @@ def waits_on_host(node: torch.fx.Node, model_outputs) -> bool:
     multi-output op or non-contiguous). The checkpoint pass simulates the GPU memory with it."""
     val = node.meta.get("val")
     return (_worth_offloading(node) and node not in model_outputs and node.target is not operator.getitem
-            and not _is_view(node) and val.is_contiguous())
+            and not is_view(node) and val.is_contiguous())
 
 
 @contextlib.contextmanager
