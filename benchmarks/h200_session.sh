@@ -3,6 +3,7 @@
 # at most), results under $OUT, the compile cache carried from call to call (device_cache.sh).
 #
 #   run(command="bash benchmarks/h200_session.sh smoke")                              # 1 min: runner correct?
+#   run(command="bash benchmarks/h200_session.sh next16")                              # 5 min: scalar inputs, smoke
 #   run(command="bash benchmarks/h200_session.sh step",    carry=[".device_cache"])   # issue 3 table
 #   run(command="bash benchmarks/h200_session.sh memory",  carry=[".device_cache"])   # issue 4, batch 64
 #   run(command="bash benchmarks/h200_session.sh memory+search ...")                  # batch 64 + 20 GiB search
@@ -305,6 +306,12 @@ case "${1:-}" in
   step14)    # session 14, call 6 (run as this command, before it was a phase): issue 3 at batch 8 alone,
              # what the last ~270 s of device time allowed
              timeout 430 python benchmarks/bench_step.py --batch 8 --steps 30 --out "$OUT/step14"
+             exit $? ;;
+  next16)    # for session 16: the host-value check (cudagraph.host_values, not yet run on a GPU): a changing
+             # Python float must be exact ("unchecked" row: wrong, as session 15 measured), then the smoke
+             # modes (every runner path, and batch sizes that vary) before anything long
+             PYTHONPATH=. timeout 200 python benchmarks/scalar_input_probe.py || exit $?
+             PYTHONPATH=. timeout 250 python benchmarks/smoke_gpu.py
              exit $? ;;
   stream15)  # for session 15: apollo's offloading copies on the compute stream (batch 64: 61 ms against 32.5
              # without offloading, session 14); with PyTorch's separate-stream offloading (-offload-stream,

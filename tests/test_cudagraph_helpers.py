@@ -542,3 +542,38 @@ def test_memory_pressure_without_cuda_is_none_and_refuses_nothing():
     assert cudagraph.memory_pressure() is None
     runner = CudaGraphRunner({"lanes": lambda args: args}, "g_forward", "forward", GraphFamily(), set(), None)
     assert runner._capture_refused() is None and runner.family.capture_refused is None
+
+
+def test_host_values_are_cpu_tensors_with_data_beside_device_ones():
+    """Meta tensors stand in for CUDA ones: a CPU scalar among them is a value a replay would not
+    read again; an empty CPU tensor (compiled autograd's size carriers) holds none; with every
+    input on the CPU (the tests' fake graphs) nothing is a host value."""
+    from apollo_compile.runtime.cudagraph import host_values
+
+    device, scalar, sizes = torch.empty(3, device="meta"), torch.tensor(2.5, dtype=torch.float64), torch.empty(0, 4)
+    assert host_values([device, scalar, 7, sizes]) == [1]
+    assert host_values([sizes, device]) == []
+    assert host_values([scalar, torch.ones(2)]) == []
+
+
+def test_a_graph_reading_a_host_value_is_never_captured(monkeypatch):
+    """`loss * t` with t a Python float Dynamo has seen change (a 0-dim CPU tensor): on the H200 a
+    replay kept the captured t (benchmarks/scalar_input_probe.py). The runner runs such a graph
+    without its CUDA graph from the call that would capture it, with one warning."""
+    from apollo_compile.runtime import cudagraph
+
+    def forward(args):
+        x, t = args
+        args.clear()
+        return [x * t]
+
+    forward._boxed_call = True
+    runner = CudaGraphRunner({"lanes": forward}, "f_forward", "forward", GraphFamily(), set(), None)
+    fake_cuda_graphs(monkeypatch)
+    # the CPU stands in for the device: input 1 is the host value
+    monkeypatch.setattr(cudagraph, "host_values", lambda args: [1])
+    x = torch.ones(2)
+    with pytest.warns(ApolloFallbackWarning, match="input 1 is a CPU tensor"):
+        outs = [runner([x, torch.tensor(t)])[0] for t in (0.5, 1.5, 2.5, 3.5)]
+    assert [float(o[0]) for o in outs] == [0.5, 1.5, 2.5, 3.5]
+    assert runner.graph is None and runner.replays == 0 and runner.ungraphed_calls == 3

@@ -37,7 +37,8 @@ saved inputs are not where the captured one read them runs without the CUDA grap
 with symbolic sizes (``dynamic=True``, or Dynamo's automatic dynamic shapes after a second batch
 size) is captured at the shapes of its second call; a call at other shapes runs without the
 CUDA graph (`input_shapes`): the captured kernels and static buffers hold the captured sizes.
-Every such path is correct and warns once.
+A graph with CPU tensor inputs (a Python float Dynamo has seen change) is not captured at all
+(`host_values`). Every such path is correct and warns once.
 
 [NOTE] Donation: the backward reuses its saved activations' memory::
 
@@ -343,6 +344,18 @@ class GraphFamily:
 # all(tensors[i].data_ptr() == ptrs[i] for i in indices), in C++; CUDA builds only
 _data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 _use_count = torch._C._storage_Use_Count  # what CUDA-graph trees read to tell a storage's liveness
+
+
+def host_values(args: Sequence) -> list[int]:
+    """Positions of the inputs a CUDA graph would read only once, at capture: CPU tensors holding
+    data beside device ones. A kernel takes a CPU scalar's value as a launch argument, so a replay
+    keeps the captured value whatever the static buffer holds: a Python float that Dynamo has seen
+    change becomes such a 0-dim tensor (on the H200 a replayed ``loss * t`` kept the captured
+    ``t``: gradients 44% off; benchmarks/scalar_input_probe.py). Empty CPU tensors (compiled
+    autograd's size carriers) hold no value. All-CPU inputs are the tests' fake graphs."""
+    host = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel()]
+    on_device = any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in args)
+    return host if on_device else []
 
 
 def input_shapes(args: Sequence) -> tuple:
@@ -804,6 +817,13 @@ class CudaGraphRunner:
                                          "(dynamic shapes); calls at the captured shapes replay it")
                 return self._eager(args)
         if self.graph is None:
+            if host := host_values(args):
+                x = args[host[0]]
+                self.disabled = (f"its input {host[0]} is a CPU tensor ({x.dtype}, shape {tuple(x.shape)}; a Python "
+                                 "float that changes between calls is passed so), whose value a replay would not "
+                                 "read again; pass it as a CUDA tensor to keep the graph")
+                self._warn_once("host", self.disabled)
+                return self._eager(args)
             self.capture_refused = self.disabled = self._capture_refused()
             if self.disabled is not None:
                 self._warn_once("memory", self.disabled)
