@@ -456,6 +456,9 @@ def apollo_diagnostics(row: dict, name: str):
                 for kind, g in entry["graphs"].items():
                     if g.get("cuda_graph"):
                         log(f"  [{name}] {entry['plan']} {kind}: {json.dumps(g['cuda_graph'])}")
+                    else:  # un-graphed (compiled autograd's graph in session 15): say so, and why if known
+                        why = g.get("fallback") or "no CUDA-graph runner (CPU, or not a CUDA graph's device)"
+                        log(f"  [{name}] {entry['plan']} {kind}: without a CUDA graph: {why}")
 
 
 def is_oom(exc: BaseException) -> bool:
