@@ -36,7 +36,8 @@ Variants, run side by side in ONE process (absolute times drift between runs; DE
                              -bw-follows: the forward's measured, and its donating backward replays
                              the forward's choice unmeasured (follow_the_forward); -offload-stream:
                              offloading with PyTorch's copies on a stream of their own
-                             (offload_stream_settings; untried on the H200 as of session 14)
+                             (offload_stream_settings; on torch 2.11 Inductor fails on its stream op and
+                             the forward runs as eager ATen: RESULTS.md, session 15)
 
 Method (shared with bench_step.py, whose helpers this script imports): for each batch size, every
 variant gets a deep copy of one fp32 model built on the CPU from a fixed seed, moved to the device;
@@ -116,6 +117,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -193,8 +195,6 @@ class Variant:
             if not self.tf32:
                 stack.enter_context(bs.no_tf32())
             if self.functorch_budget is not None:
-                import torch._functorch.config as functorch_config
-
                 stack.enter_context(functorch_config.patch(activation_memory_budget=self.functorch_budget))
             if not self.memory_bound_first:
                 from apollo_compile.passes import checkpoint
@@ -212,8 +212,6 @@ class Variant:
             if self.backward_follows:
                 stack.enter_context(follow_the_forward())
             if self.offload_stream:
-                import torch._functorch.config as functorch_config
-
                 stack.enter_context(functorch_config.patch(**offload_stream_settings()))
             if self.save_on_cpu:  # packs what the forward saves; the backward unpacks it wherever it runs
                 stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=True))
@@ -296,8 +294,6 @@ def offload_stream_settings() -> dict[str, bool]:
     prefetched. apollo's offloading (sessions 11-14) copies on the compute stream: at batch 64 its
     step took 61 ms against 32.5 without offloading, about the time of ~1.2 GB over PCIe each step.
     Whether apollo's lanes and Inductor take these stream ops is what the variant is for."""
-    import torch._functorch.config as functorch_config
-
     known = functorch_config.get_config_copy()
     if "activation_offload_separate_stream" not in known:
         raise RuntimeError(f"torch {torch.__version__} has no separate-stream activation offloading")
