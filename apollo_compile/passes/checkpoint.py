@@ -146,7 +146,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..annotations import KEY, info
+from ..annotations import info
 from ..shapes import concrete_numel
 from ..tracing import fw_metadata
 from . import modality
@@ -339,7 +339,7 @@ def _materialized(op: torch.fx.Node) -> bool:
 def _block_of(node: torch.fx.Node) -> str | None:
     """``vision.blocks.3`` for a node of ``vision.blocks.3.mlp.0``: the outermost repeated block
     (module list or sequential entry) it is in, if any."""
-    path = modality._innermost_path(node)
+    path = modality.innermost_path(node)
     if not path:
         return None
     parts = path.split(".")
@@ -812,22 +812,6 @@ class _Groups:
 # ---------------------------------------------------------------------------- the pass
 
 
-def _labels(gm: torch.fx.GraphModule, ctx) -> dict[torch.fx.Node, str]:
-    """Modality labels of the joint graph's nodes, leaving no annotation behind (see docstring)."""
-    had = {n for n in gm.graph.nodes if KEY in n.meta}
-    if all(n in had and n.meta[KEY].modality for n in gm.graph.nodes):  # a joint modality pass ran
-        return {n: n.meta[KEY].modality for n in gm.graph.nodes}
-    joint_ctx = copy.copy(ctx)
-    joint_ctx.kind = "joint"  # the modality pass marks recomputation only in a backward graph
-    try:
-        modality.run(gm, joint_ctx)
-        return {n: info(n).modality for n in gm.graph.nodes}
-    finally:
-        for n in gm.graph.nodes:
-            if n not in had:
-                n.meta.pop(KEY, None)
-
-
 def _plain_partition(gm: torch.fx.GraphModule, num_fwd: int):
     """Run the untagged min-cut partition on a copy: (names saved, names recomputed)."""
     from functorch.compile import min_cut_rematerialization_partition
@@ -880,7 +864,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
         log.warning("apollo: memory_budget ignored for %s: cannot tell its forward outputs apart", ctx.name)
         return None
     per_modality = isinstance(budget, Mapping)
-    labels = _labels(gm, ctx) if per_modality else {}
+    labels = modality.labels_of(gm, ctx) if per_modality else {}
     on_host = None
     if ctx.options.offload_activations:
         from . import offload  # not at the top: offload imports this module

@@ -22,13 +22,14 @@ Rules, in order:
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import Counter
 from typing import Mapping
 
 import torch.fx
 
-from ..annotations import FUSION, info
+from ..annotations import FUSION, KEY, info
 from . import casts
 
 _SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
@@ -45,7 +46,8 @@ def module_path(stack_entry: str) -> str:
     return path.strip(".").replace("..", ".")
 
 
-def _innermost_path(node: torch.fx.Node) -> str | None:
+def innermost_path(node: torch.fx.Node) -> str | None:
+    """The dotted path of the innermost module a node ran in (forward or backward), or None."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return None
@@ -90,7 +92,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
             ann.modality = from_forward[node.name]
             continue
         if node.op in ("call_function", "call_method", "call_module"):
-            path = _innermost_path(node)
+            path = innermost_path(node)
             ann.modality = modality_of_path(path, modalities) if path else None
             if ann.modality is None:
                 ann.modality = _merge(info(arg).modality for arg in node.all_input_nodes)
@@ -104,3 +106,20 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
             ann.modality = _merge(info(arg).modality for arg in node.all_input_nodes) or FUSION
     counts = Counter(info(n).modality for n in nodes if n.op not in ("placeholder", "output"))
     return {"nodes": dict(sorted(counts.items())), "recomputed": sum(info(n).recomputed for n in nodes)}
+
+
+def labels_of(gm: torch.fx.GraphModule, ctx) -> dict[torch.fx.Node, str]:
+    """Each node's modality as this pass would label it, leaving no annotation behind: the joint
+    passes (checkpoint) plan per modality before the per-graph pipeline labels the halves."""
+    had = {n for n in gm.graph.nodes if KEY in n.meta}
+    if all(n in had and n.meta[KEY].modality for n in gm.graph.nodes):  # a joint modality pass ran
+        return {n: n.meta[KEY].modality for n in gm.graph.nodes}
+    joint_ctx = copy.copy(ctx)
+    joint_ctx.kind = "joint"  # recomputation is marked only in a backward graph
+    try:
+        run(gm, joint_ctx)
+        return {n: info(n).modality for n in gm.graph.nodes}
+    finally:
+        for n in gm.graph.nodes:
+            if n not in had:
+                n.meta.pop(KEY, None)
