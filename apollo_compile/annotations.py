@@ -19,6 +19,7 @@ class NodeInfo:
     # modality pass
     modality: str | None = None
     recomputed: bool = False  # a forward op the partitioner recomputes in the backward
+    backward: bool = False  # computes gradients (a backward graph's ops, a whole step's backward part)
     # cost pass
     flops: int = 0
     bytes: int = 0

@@ -24,6 +24,7 @@ import statistics
 import torch
 
 from .devices import DeviceSpec
+from .perf_model import parse_quota_name
 
 log = logging.getLogger("apollo_compile")
 
@@ -98,8 +99,6 @@ def record(spec: DeviceSpec, plan, model, measured_ms: dict[str, float]) -> dict
     "lanes" and "one_lane"; each quota candidate ("quota:...") gives a quota penalty relative to
     "one_lane".
     """
-    from .passes.quotas import parse_quota_name
-
     one = measured_ms.get("one_lane")
     if not one or plan is None or model is None:
         return {}

@@ -10,7 +10,7 @@ from apollo_compile import calibration
 from apollo_compile.backend import _quota_candidates
 from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.passes import quotas as Q
-from apollo_compile.passes.quotas import PerfModel
+from apollo_compile.perf_model import PerfModel, quota_name
 from apollo_compile.pipeline import GraphContext
 from test_quotas import H200, make_plan, two_tower_plan
 
@@ -18,7 +18,7 @@ from test_quotas import H200, make_plan, two_tower_plan
 def measured_by(truth: PerfModel, plan, split: dict[int, int]) -> dict[str, float]:
     """What the runner would report (ms per replay) on a device that behaves like `truth`."""
     return {"lanes": truth.simulate(plan, None).makespan / 1e3, "one_lane": truth.serial_us(plan) / 1e3,
-            Q.quota_name(split): truth.simulate(plan, split).makespan / 1e3}
+            quota_name(split): truth.simulate(plan, split).makespan / 1e3}
 
 
 def test_record_fits_both_penalties_and_later_models_start_from_them(tmp_path):
@@ -82,7 +82,7 @@ def test_quota_splits_predicted_to_lose_are_not_captured(monkeypatch):
     planned = {c.name: c.predicted_us for c in ctx.decisions["quotas"].candidates}
     lanes = planned["lanes"]
     assert any(name.startswith("quota:") and us >= lanes for name, us in planned.items())  # one predicted to lose
-    assert _quota_candidates(ctx) == {Q.quota_name(split): split}  # ... is not measured; the winner is
+    assert _quota_candidates(ctx) == {quota_name(split): split}  # ... is not measured; the winner is
     slow = PerfModel(H200, quota_penalty=1.5)  # what the H200 showed: every split lost by 1.3-1.7x
     calibration.record(H200, plan, PerfModel(H200), measured_by(slow, plan, split))
     ctx.decisions["quotas"] = Q.run(None, ctx)

@@ -12,9 +12,11 @@ import torch.fx
 
 from apollo_compile.annotations import KEY, NodeInfo
 from apollo_compile.devices import DEVICE_SPECS
+from apollo_compile import perf_model as M
 from apollo_compile.passes import quotas as Q
 from apollo_compile.passes.lanes import LanePlan, Subgraph
-from apollo_compile.passes.quotas import Candidate, PerfModel, SubgraphStats, fit_power_law, plan_quotas
+from apollo_compile.passes.quotas import Candidate, plan_quotas
+from apollo_compile.perf_model import PerfModel, SubgraphStats, fit_power_law
 
 H200 = DEVICE_SPECS["H200"]
 
@@ -61,22 +63,22 @@ def quota_cands(cands: list[Candidate]) -> list[Candidate]:
 def test_compute_default_reproduces_design_matmul():
     model = PerfModel(H200)
     matmul = SubgraphStats("mm", compute_us=1500.0)
-    for sms, ms in Q.DESIGN_MATMUL_MS:
+    for sms, ms in M.DESIGN_MATMUL_MS:
         assert model.predict(matmul, sms) / 1e3 == pytest.approx(ms, rel=0.15), sms
 
 
 def test_compute_default_is_the_least_squares_fit_of_design():
-    t_full, alpha, sat, _ = fit_power_law(Q.DESIGN_MATMUL_MS, H200.sms)
-    assert alpha == pytest.approx(Q.COMPUTE_ALPHA, abs=0.05)
-    assert sat == pytest.approx(Q.COMPUTE_SAT_FRAC * H200.sms, abs=8)
+    t_full, alpha, sat, _ = fit_power_law(M.DESIGN_MATMUL_MS, H200.sms)
+    assert alpha == pytest.approx(M.COMPUTE_ALPHA, abs=0.05)
+    assert sat == pytest.approx(M.COMPUTE_SAT_FRAC * H200.sms, abs=8)
     assert t_full == pytest.approx(1.5, rel=0.05)
 
 
 def test_overlap_penalty_default_derived_from_design():
-    one, two, vision, text = Q.DESIGN_STREAMS_B8
+    one, two, vision, text = M.DESIGN_STREAMS_B8
     model = PerfModel(H200)
     p = model.fit_overlap_penalty(two, one, lane_us=(vision, text))
-    assert p == pytest.approx(Q.OVERLAP_PENALTY, abs=0.01)
+    assert p == pytest.approx(M.OVERLAP_PENALTY, abs=0.01)
     # the formula: max + p * min (+ the non-overlappable rest) gives back the measurement
     rest = one - vision - text
     assert model.predict_overlap(vision, text) + rest == pytest.approx(two, rel=0.01)
@@ -186,10 +188,10 @@ def test_calibrate_quota_penalty_from_a_measured_split():
     measured = truth.simulate(plan, split).makespan
     model = PerfModel(H200)
     assert model.simulate(plan, split).makespan < measured  # isolated by default: optimistic
-    fitted = model.calibrate([(Q.quota_name(split), None, measured), ("one_lane", None, truth.serial_us(plan))],
+    fitted = model.calibrate([(M.quota_name(split), None, measured), ("one_lane", None, truth.serial_us(plan))],
                              plan=plan)
     assert fitted["quota_penalty"] == pytest.approx(0.4, abs=1e-4)
-    assert Q.parse_quota_name("quota:1=88,2=40") == split
+    assert M.parse_quota_name("quota:1=88,2=40") == split
 
 
 def test_two_lane_overlap_is_max_plus_penalty_min():
