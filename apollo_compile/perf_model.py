@@ -28,8 +28,9 @@ component; the components come from the cost labels:
   usually saturated by a fraction of the SMs. To be calibrated on the GPU.
 * **fixed**: ``spec.launch_us`` per costed node (the cost pass adds it to every ``est_us``):
   kernel dispatch does not depend on the SM count (``alpha = 0``).
-* **tile caps** (``tile_caps=True``): a matmul-like compute node whose output tiles (128x128 per
-  SM, from ``node.meta["val"]``) are fewer than the compute saturation saturates at its tile count
+* **tile caps** (``tile_caps=True``): a compute node that is a library kernel (a matmul, convolution
+  or attention: ``nodes.is_library_kernel_name``) whose output tiles (128x128 per SM, from
+  ``node.meta["val"]``) are fewer than the compute saturation saturates at its tile count
   (rounded up to the quota granularity): the text tower of a CLIP model at B=8 has projections of
   20 tiles, which no quota above 24 SMs speeds up under this rule. A heuristic (cuBLAS tile sizes vary);
   calibration replaces it per subgraph.
@@ -79,6 +80,7 @@ import torch.fx
 
 from .annotations import info
 from .devices import DeviceSpec
+from .nodes import is_library_kernel_name, op_name
 from .passes.lanes import LanePlan, Subgraph
 
 __all__ = [
@@ -98,9 +100,6 @@ TILE = (128, 128)  # output tile one SM computes at a time, for the tile caps (h
 DESIGN_MATMUL_MS = ((16, 10.3), (32, 5.2), (66, 2.4), (100, 1.8), (132, 1.5))
 # DESIGN.md, B=8, CUDA graph: one stream, two streams, vision alone, text alone (ms)
 DESIGN_STREAMS_B8 = (9.79, 7.61, 6.09, 3.34)
-
-_MATMUL_NAMES = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", "_int_mm"})
-_MATMUL_PREFIXES = ("conv", "cudnn_conv", "mkldnn_conv", "_conv")  # convolution, its backward, ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,10 +125,10 @@ class SubgraphStats:
 
 
 def tiles(node: torch.fx.Node) -> int | None:
-    """Output tiles of a matmul-like node (how many SMs it can keep busy), or None."""
-    target = getattr(node.target, "__name__", str(node.target))
-    name = target.split(".")[0]
-    if not (name in _MATMUL_NAMES or name.startswith(_MATMUL_PREFIXES) or "attention" in name):
+    """Output tiles of a matmul-like node (a library kernel: ``nodes.is_library_kernel_name``), how
+    many SMs it can keep busy; None for other nodes or an output without a known 2-D shape."""
+    name = op_name(node)
+    if not is_library_kernel_name(name):
         return None
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
