@@ -2,7 +2,9 @@
 
 ``MODULE_PATH`` is a Python file (``examples/clip.py``) or an importable module name
 (``mypkg.models``); ``FUNCTION`` takes no arguments and returns ``(model, example_inputs)`` or
-``(model, example_inputs, options)``. The model is compiled with apollo and run once
+``(model, example_inputs, options)``. ``example_inputs`` is a tuple or list of positional inputs,
+a dict of keyword inputs (a Hugging Face batch: ``{"input_ids": ..., "pixel_values": ...,
+"return_loss": True}``), or one input. The model is compiled with apollo and run once
 (:func:`apollo_compile.explain`); the text table goes to stdout, the HTML page to ``--out``, the
 predicted timeline as a Chrome/Perfetto trace to ``--trace``.
 
@@ -19,7 +21,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -65,10 +67,13 @@ def report_command(args: argparse.Namespace) -> int:
         raise SystemExit("apollo_compile report: the function must return (model, example_inputs) or "
                          f"(model, example_inputs, options), got {type(built).__name__}")
     model, inputs = built[0], built[1]
-    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if isinstance(inputs, Mapping):
+        positional, keywords = (), dict(inputs)
+    else:
+        positional, keywords = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}
     options = dict(built[2] or {}) if len(built) == 3 else {}
     options.update(dict(args.option or ()))
-    report = explain(model, *inputs, **options)
+    report = explain(model, *positional, options=options, **keywords)
     print(report, end="")
     report.save_html(args.out)
     print(f"wrote {args.out}")
@@ -84,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="compile a model with apollo and write an HTML report of the plan",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     rep.add_argument("target", metavar="MODULE_PATH:FUNCTION",
-                     help="a .py file or module and a function returning (model, example_inputs[, options])")
+                     help="a .py file or module and a function returning (model, example_inputs[, options]); "
+                          "example_inputs: a tuple of positional inputs, a dict of keyword inputs, or one input")
     rep.add_argument("--out", default="report.html", help="the HTML page to write (default: report.html)")
     rep.add_argument("--trace", default=None, help="also write the predicted timeline as Chrome trace JSON")
     rep.add_argument("--option", action="append", type=parse_option, metavar="KEY=VALUE",

@@ -1,6 +1,7 @@
 """Explain what apollo decides for a model: a text table, one HTML page, a Chrome trace.
 
-    report = apollo_compile.explain(model, *example_inputs, subgraph_compiler="eager")
+    report = apollo_compile.explain(model, images, tokens, options={"device": "H200"})
+    report = apollo_compile.explain(hf_model, **batch, options={"device": "H200"})  # keyword inputs
     print(report)                       # one row per compiled graph
     report.save_html("report.html")     # graphs, lane timelines, memory arenas; one file, no network
     report.save_trace("trace.json")     # the predicted timeline for ui.perfetto.dev / chrome://tracing
@@ -18,11 +19,13 @@ part of the DAG). Measured times can be attached with :meth:`Report.add_measured
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.fx
@@ -31,10 +34,11 @@ from . import dump
 from . import plan as plan_store
 from .annotations import info
 from .fallback import ApolloFallbackWarning
+from .options import ApolloOptions
 from .plan import GraphPlan, ModelPlan
 
 __all__ = ["GraphStats", "Report", "candidate_rows", "dominant_modality", "explain", "format_bytes", "graph_stats",
-           "largest_ops", "predicted_timeline"]
+           "largest_ops", "loss_of", "predicted_timeline"]
 
 _GRAPH_KINDS = ("forward", "backward", "inference")
 
@@ -44,40 +48,97 @@ _GRAPH_KINDS = ("forward", "backward", "inference")
 # ----------------------------------------------------------------------------------------------
 
 
-def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> "Report":
-    """Compile `model` with apollo, run it once on `example_inputs`, and report what was planned.
+def explain(model: torch.nn.Module, *args: Any, options: Mapping[str, Any] | None = None,
+            **kwargs: Any) -> "Report":
+    """Compile `model` with apollo, run it once as ``model(*args, **kwargs)``, and report what was planned.
 
-    ``options`` are apollo's options (``subgraph_compiler="eager"``, ``device="H200"``, ...),
-    passed to ``torch.compile(model, backend="apollo", options=options)`` as given.
+    ``args`` and ``kwargs`` are the model's inputs, as the model is called: ``explain(model, images,
+    tokens)``, or a Hugging Face batch by keyword, ``explain(model, **batch)`` with ``input_ids=``,
+    ``pixel_values=``, ``return_loss=True``. ``options`` is apollo's options dict, as
+    ``torch.compile(model, backend="apollo", options=options)`` takes it (``{"device": "H200",
+    "subgraph_compiler": "eager"}``); it is validated before anything is compiled.
 
     ``torch._dynamo.reset()`` runs first so that graphs cached by an earlier compilation are
-    compiled (and planned) again. One forward runs on the example inputs; if its output is a
-    scalar tensor that requires grad (a loss), one backward runs too, so that the backward graph
-    is planned as well. The gradients that backward computes are discarded: every parameter's
-    ``.grad`` is restored to what it was before the call. The report holds every plan
-    (:func:`apollo_compile.plans`) made during the call, and the fallback warnings raised
-    (they are re-issued to the caller as well).
+    compiled (and planned) again. One forward runs; if it returns a loss, one backward runs from
+    it too, so that the backward graph is planned and reported as well. The loss is the output
+    itself when it is a one-element tensor that requires grad, else the output's ``loss``: the
+    ``.loss`` of a Hugging Face ``ModelOutput`` (``return_loss=True``, ``labels=``) or the
+    ``"loss"`` of a dict, again when it is a one-element tensor that requires grad. The gradients
+    that backward computes are discarded: every parameter's ``.grad`` is restored to what it was
+    before the call. The report holds every plan (:func:`apollo_compile.plans`) made during the
+    call, and the fallback warnings raised (they are re-issued to the caller as well).
     """
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"explain(): options must be a dict of apollo options (as torch.compile(..., "
+                        f"options=) takes it) or None, got {type(options).__name__}: {options!r}")
+    options = dict(options or {})
+    ApolloOptions.from_user(options)  # a bad key or value raises here, naming it, before any tracing
+    _check_model_keywords(model, kwargs)
     before = {id(p) for p in plan_store.plans()}
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="apollo", options=dict(options) or None)
+    compiled = torch.compile(model, backend="apollo", options=options or None)
     saved_grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
-    ran_backward = False
+    backward_from = None
+    caught: list[warnings.WarningMessage] = []
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = compiled(*example_inputs)
-            if isinstance(out, torch.Tensor) and out.requires_grad and out.numel() == 1:
-                out.backward()
-                ran_backward = True
+            out = compiled(*args, **kwargs)
+            loss, backward_from = loss_of(out)
+            if loss is not None:
+                loss.backward()
     finally:
         for p, g in saved_grads.items():
             p.grad = g
-    for w in caught:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     messages = [str(w.message) for w in caught if issubclass(w.category, ApolloFallbackWarning)]
     new = [p for p in plan_store.plans() if id(p) not in before]
-    return Report(new, dict(options), ran_backward, messages)
+    return Report(new, options, backward_from is not None, messages, backward_from=backward_from)
+
+
+def loss_of(out: Any) -> tuple[torch.Tensor | None, str | None]:
+    """(loss, where it was found) in a model's output, or (None, None): the output itself when it
+    is a one-element tensor that requires grad; else ``out.loss`` (a Hugging Face ``ModelOutput``,
+    any object) or ``out["loss"]`` of a dict, under the same condition."""
+    if isinstance(out, torch.Tensor):
+        loss, where = out, "the output"
+    elif getattr(out, "loss", None) is not None:  # a ModelOutput (a mapping too) or any object
+        loss, where = out.loss, "output.loss"
+    elif isinstance(out, Mapping):
+        loss, where = out.get("loss"), "output['loss']"
+    else:
+        return None, None
+    if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
+        return loss, where
+    return None, None
+
+
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(ApolloOptions))
+
+
+def _check_model_keywords(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Keywords of explain() are the model's inputs; one that is an apollo option the model's
+    forward does not name was meant for ``options=`` (explain's signature before it took keyword
+    inputs): a TypeError when forward takes no ``**kwargs``, else a warning."""
+    stray = [k for k in kwargs if k in _OPTION_NAMES]
+    if not stray:
+        return
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    named = {k for k, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    stray = [k for k in stray if k not in named]
+    if not stray:
+        return
+    hint = (f"{', '.join(map(repr, stray))} {'is an apollo option' if len(stray) == 1 else 'are apollo options'}, "
+            f"not an input that {type(model).__name__}.forward names: explain()'s keywords are the model's inputs; "
+            f"pass apollo's options as explain(model, *inputs, options={{{', '.join(f'{k!r}: ...' for k in stray)}}})")
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        warnings.warn(f"explain(): {hint}; they go to the model as inputs", UserWarning, stacklevel=3)
+    else:
+        raise TypeError(f"explain(): {hint}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,6 +242,7 @@ class Report:
     ran_backward: bool = False
     fallback_warnings: list[str] = field(default_factory=list)
     measured: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    backward_from: str | None = None  # where explain() found the loss it ran the backward from
 
     @property
     def graphs(self) -> list[GraphPlan]:
@@ -223,7 +285,7 @@ class Report:
         stats = self.stats()
         devices = sorted({s.device for s in stats})
         head = (f"apollo explain: {len(stats)} graph(s) from {len(self.plans)} Dynamo graph(s), planned for "
-                f"{', '.join(devices) or '-'}; ran forward{' + backward' if self.ran_backward else ' only'}")
+                f"{', '.join(devices) or '-'}; ran {self.ran_text()}")
         if not stats:
             return head + "\n(no graph was planned)\n" + "".join(f"warning: {w}\n" for w in self.fallback_warnings)
         rows = [("graph", "kind", "lanes", "subgraphs", "serial µs", "concurrent µs", "speedup", "waits",
@@ -254,6 +316,12 @@ class Report:
             if not mp.graphs:
                 lines.append(f"fallback: {mp.name}: no ATen graph was planned (the Dynamo graph runs as traced)")
         return "\n".join(lines) + "\n"
+
+    def ran_text(self) -> str:
+        """What explain() ran: "forward only" or "forward + backward (from output.loss)"."""
+        if not self.ran_backward:
+            return "forward only"
+        return "forward + backward" + (f" (from {self.backward_from})" if self.backward_from else "")
 
     def __repr__(self) -> str:
         return f"Report(graphs={[g.name for g in self.graphs]})"

@@ -269,7 +269,7 @@ def render_page(report: Report) -> str:
 <body>
 <header><h1>apollo_compile <span>report</span></h1>
 <p>{len(stats)} graph(s) from {len(report.plans)} Dynamo graph(s) · planned for {_esc(devices)} ·
-ran forward{' + backward' if report.ran_backward else ' only'} · options: {_esc(options)} ·
+ran {_esc(report.ran_text())} · options: {_esc(options)} ·
 times are roofline predictions from the cost model</p></header>
 <main>
 {_summary_table(report, stats) if stats else '<p class="note">No graph was planned.</p>'}
