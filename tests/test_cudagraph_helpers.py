@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from apollo_compile import ApolloFallbackWarning
-from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily, OutputCopier
+from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+from apollo_compile.runtime.graph_io import OutputCopier
 from helpers import fake_cuda_graphs
 
 
@@ -29,7 +30,7 @@ def test_fresh_copies_keep_values_and_strides_in_new_memory():
 
 
 def test_is_non_overlapping():
-    from apollo_compile.runtime.cudagraph import is_non_overlapping
+    from apollo_compile.runtime.graph_io import is_non_overlapping
 
     assert is_non_overlapping(torch.randn(4, 6)[:, :3])  # gaps are fine
     assert is_non_overlapping(torch.empty_strided((4, 4, 4, 8), (384, 8, 96, 1)))  # a slice of a qkv projection
@@ -193,7 +194,7 @@ def test_a_view_of_a_lent_gradient_keeps_the_graph_from_overwriting_it(monkeypat
 def test_concurrency_is_replayed_only_where_it_pays():
     """A candidate with lanes (or SM quotas) must beat one stream by min_gain: within noise, one
     stream wins, since two lanes hold both towers' temporaries at once."""
-    from apollo_compile.runtime.cudagraph import fastest
+    from apollo_compile.runtime.choice import fastest
 
     # the H200's budget-0.2 backward (ms per replay) and its forward
     assert fastest({"lanes": 21.633, "one_lane": 21.636}, 0.01) == "one_lane"
@@ -208,7 +209,7 @@ def test_with_memory_first_concurrency_must_stay_within_the_pool_ratio():
     """Given each candidate's capture pool and a ratio (set when the user gave a memory_budget),
     a concurrent candidate whose pool exceeds one stream's by more than the ratio is not
     replayed, however fast; one whose pool is unknown is judged on time alone."""
-    from apollo_compile.runtime.cudagraph import fastest
+    from apollo_compile.runtime.choice import fastest
 
     ms = {"lanes": 7.0, "one_lane": 8.0, "quota:1=96,2=32": 6.5}
     assert fastest(ms, 0.01) == "quota:1=96,2=32"  # no ratio: time alone
@@ -223,7 +224,7 @@ def test_memory_first_judges_concurrency_by_the_step_peak_not_the_pool_alone():
     """The 1.1x bound is on the step's peak: what was allocated beside the graph (parameters, the
     forward's saved activations) counts on both sides. Measured on the H200: a lanes backward pool
     1.21x one lane's was 1.07x of its step peak."""
-    from apollo_compile.runtime.cudagraph import fastest
+    from apollo_compile.runtime.choice import fastest
 
     ms, pools = {"lanes": 7.0, "one_lane": 8.0}, {"lanes": 121, "one_lane": 100}
     assert fastest(ms, 0.01, pools, 1.1) == "one_lane"  # nothing beside: 1.21x
@@ -250,7 +251,7 @@ def test_a_backward_capture_takes_over_the_memory_of_donated_saved_activations()
     another, undonated, input also reads stays the family's; so does an undonated one."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from apollo_compile.runtime.cudagraph import borrowed, unowned
+    from apollo_compile.runtime.graph_pool import borrowed, unowned
 
     owners = {}
     views = []
@@ -280,7 +281,7 @@ def test_side_lanes_take_over_only_what_their_own_stream_made_and_alone_read():
     freed under side lanes is safe only if no other lane could still read it when that stream
     allocates again (cudagraph.py, NOTE: Donation on side lanes). Streams 10 (capture), 11 (side
     lane 1, shared with the forward), 12 (a stream this backward never allocates on)."""
-    from apollo_compile.runtime.cudagraph import donations_safe_on_lanes
+    from apollo_compile.runtime.graph_pool import donations_safe_on_lanes
 
     donatable = {100: [0], 200: [1], 300: [2, 3], 400: [4], 500: [5], 600: [6]}
     made_on = {100: 10, 200: 11, 300: 11, 400: 11, 500: 12}  # 600: the allocator could not place it
@@ -298,17 +299,17 @@ def test_side_lanes_take_over_only_what_their_own_stream_made_and_alone_read():
 
 
 def test_allocation_streams_reads_the_allocator_segments(monkeypatch):
-    from apollo_compile.runtime import cudagraph
+    from apollo_compile.runtime import graph_pool
 
     segments = [{"address": 1000, "total_size": 100, "stream": 7}, {"address": 500, "total_size": 50, "stream": 8}]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    assert cudagraph.allocation_streams([1000, 1099, 1100, 520, 499, 10]) == {1000: 7, 1099: 7, 520: 8}
+    assert graph_pool.allocation_streams([1000, 1099, 1100, 520, 499, 10]) == {1000: 7, 1099: 7, 520: 8}
 
     def no_cuda():
         raise RuntimeError("no CUDA")
 
     monkeypatch.setattr(torch.cuda, "memory_snapshot", no_cuda)
-    assert cudagraph.allocation_streams([1000]) == {}
+    assert graph_pool.allocation_streams([1000]) == {}
 
 
 def test_a_side_lane_frees_the_inputs_its_stream_made_at_their_last_reader():
@@ -343,7 +344,7 @@ def test_the_chosen_runtimes_side_lanes_decide_what_the_backward_takes_over(monk
     from types import SimpleNamespace
 
     from apollo_compile.runtime import cudagraph
-    from apollo_compile.runtime.cudagraph import borrowed, unowned
+    from apollo_compile.runtime.graph_pool import borrowed, unowned
 
     owners, full = {}, []
     for n in (8, 4):
@@ -398,6 +399,55 @@ def test_under_a_budget_the_forward_of_a_donating_backward_replays_one_lane_unme
     forward.max_memory_ratio = None  # no budget: time decides (measured on CUDA)
     with pytest.raises(BaseException, match="measured"):
         forward._choose_candidate()
+
+
+def test_a_strategy_decides_which_candidate_replays(monkeypatch):
+    """choice.py: a strategy given to the runner, else the one `using` puts in effect, else apollo's
+    rule. Fixed replays its candidate unmeasured; ChooseFastest without the memory-first rule
+    measures under a budget; following the forward replays the forward's choice in a donating
+    backward; a choice the graph lacks is refused."""
+    from apollo_compile.runtime import choice
+
+    runner = _borrowing_backward({}, [], donated_idxs={0})
+    monkeypatch.setattr(type(runner), "_will_donate", lambda self: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("measured"))
+    with choice.using(choice.Fixed("lanes")):
+        assert runner._choose_candidate() == "lanes" and runner.measured_ms == {}
+        runner.strategy = choice.ChooseFastest()  # the runner's own strategy wins
+        assert runner._choose_candidate() == "one_lane"
+    runner.strategy = None
+    assert choice.in_effect() is choice.DEFAULT and runner._choose_candidate() == "one_lane"
+    for measuring in (choice.ChooseFastest(memory_first=()), choice.ChooseFastest(memory_first=("forward",))):
+        runner.strategy = measuring
+        with pytest.raises(BaseException, match="measured"):
+            runner._choose_candidate()
+    runner.strategy = choice.Fixed("quota:1=96,2=32")  # no such candidate: chosen as apollo would...
+    assert runner._choose_candidate() == "one_lane"
+    runner.strategy = choice.Fixed("quota:1=96,2=32", otherwise=choice.Fixed("lanes"))  # ... or as told
+    assert runner._choose_candidate() == "lanes"
+    runner.strategy = choice.ChooseFastest(memory_first=(), follow_forward=True)
+    for chosen in ("lanes", "one_lane"):
+        runner.family.forward_chosen = chosen
+        assert runner._choose_candidate() == chosen and runner.measured_ms == {}
+
+    class Wrong(choice.ChooseFastest):
+        def unmeasured(self, graph):
+            return "quota:1=8", "wrong"
+
+    runner.strategy = Wrong()
+    with pytest.raises(ValueError, match="does not have"):
+        runner._choose_candidate()
+
+
+def test_the_measured_times_go_to_the_strategy():
+    """ChooseFastest.choose is `fastest` over what was measured, with the graph's memory bound."""
+    from apollo_compile.runtime.choice import ChooseFastest, GraphFacts
+
+    ms, pools = {"lanes": 10.0, "one_lane": 11.0}, {"lanes": 130, "one_lane": 100}
+    assert ChooseFastest().choose(GraphFacts("g", "forward", tuple(ms)), ms, pools, 0) == "lanes"
+    budget = GraphFacts("g", "forward", tuple(ms), max_memory_ratio=1.1)
+    assert ChooseFastest().choose(budget, ms, pools, 0) == "one_lane"
+    assert ChooseFastest(min_gain=0.2).choose(GraphFacts("g", "forward", tuple(ms)), ms, pools, 0) == "one_lane"
 
 
 def test_each_capture_gets_cublas_workspaces_of_its_own(monkeypatch):
@@ -494,7 +544,7 @@ def test_each_candidate_reports_the_memory_its_capture_pool_holds(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the allocator answers on CUDA")
 def test_pool_bytes_without_cuda_is_none():
-    from apollo_compile.runtime.cudagraph import pool_bytes
+    from apollo_compile.runtime.graph_pool import pool_bytes
 
     assert pool_bytes((0, 1)) is None
 
@@ -535,11 +585,11 @@ def test_inputs_in_place_checks_only_the_fixed_positions(monkeypatch, check):
 def test_memory_pressure_without_cuda_is_none_and_refuses_nothing():
     """No CUDA to ask (a CPU build): the headroom check refuses no capture (NOTE: A capture needs
     headroom); the runner captures only on CUDA anyway."""
-    from apollo_compile.runtime import cudagraph
+    from apollo_compile.runtime import graph_pool
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine has an allocator to ask")
-    assert cudagraph.memory_pressure() is None
+    assert graph_pool.memory_pressure() is None
     runner = CudaGraphRunner({"lanes": lambda args: args}, "g_forward", "forward", GraphFamily(), set(), None)
     assert runner._capture_refused() is None and runner.family.capture_refused is None
 
@@ -548,7 +598,7 @@ def test_host_values_are_cpu_tensors_with_data_beside_device_ones():
     """Meta tensors stand in for CUDA ones: a CPU scalar among them is a value a replay would not
     read again; an empty CPU tensor (compiled autograd's size carriers) holds none; with every
     input on the CPU (the tests' fake graphs) nothing is a host value."""
-    from apollo_compile.runtime.cudagraph import host_values
+    from apollo_compile.runtime.graph_io import host_values
 
     device, scalar, sizes = torch.empty(3, device="meta"), torch.tensor(2.5, dtype=torch.float64), torch.empty(0, 4)
     assert host_values([device, scalar, 7, sizes]) == [1]

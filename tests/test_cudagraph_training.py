@@ -16,21 +16,19 @@ import pytest
 import torch
 
 from apollo_compile import backend
+from apollo_compile.runtime import choice
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
 from helpers import TOLERANCE, assert_same_loss_and_grads, fake_cuda_graphs
 from models import TwoTower, two_tower_inputs
 
 
-CHOOSE_CANDIDATE = CudaGraphRunner._choose_candidate  # before the fixture stands in for CUDA timing
-
-
 @pytest.fixture
 def runners(monkeypatch):
-    """Every apollo graph compiled in the test gets a CUDA-graph runner with a fake graph."""
+    """Every apollo graph compiled in the test gets a CUDA-graph runner with a fake graph, which
+    replays "lanes" unmeasured (timing needs CUDA events)."""
     made: list[CudaGraphRunner] = []
     fake_cuda_graphs(monkeypatch)
     monkeypatch.setattr(backend, "_quota_candidates", lambda ctx: {})  # no green contexts on a CPU
-    monkeypatch.setattr(CudaGraphRunner, "_choose_candidate", lambda self: "lanes")  # timing needs CUDA events
     families: dict[int, GraphFamily] = {}
     original = backend.compile_graph
 
@@ -42,7 +40,8 @@ def runners(monkeypatch):
         return fn
 
     monkeypatch.setattr(backend, "compile_graph", compile_graph)
-    return made
+    with choice.using(choice.Fixed("lanes")):
+        yield made
 
 
 def twins(compiler: str):
@@ -106,20 +105,21 @@ def test_cudagraphs_true_reaches_the_runner_as_capture_near_the_limit(runners, c
     assert [r.capture_near_limit for r in runners] == [near_limit, near_limit]
 
 
-def test_replay_host_time_leaves_out_the_capturing_call(runners, monkeypatch):
+def test_replay_host_time_leaves_out_the_capturing_call(runners):
     """Capturing and measuring candidates take seconds on a GPU; counted as a replay, they made
     session 8's `replay_host_ms` read 2 ms for a call whose launch took 0.06."""
     import time
 
-    def slow_choice(self):  # stands in for measuring the candidates
-        time.sleep(0.5)
-        return "lanes"
+    class SlowChoice(choice.Fixed):
+        def unmeasured(self, graph):  # stands in for measuring the candidates
+            time.sleep(0.5)
+            return super().unmeasured(graph)
 
-    monkeypatch.setattr(CudaGraphRunner, "_choose_candidate", slow_choice)
     model, _, compiled = twins("eager")
-    for step in range(3):
-        compiled(*two_tower_inputs(seed=step)).backward()
-        model.zero_grad(set_to_none=True)
+    with choice.using(SlowChoice("lanes")):
+        for step in range(3):
+            compiled(*two_tower_inputs(seed=step)).backward()
+            model.zero_grad(set_to_none=True)
     for runner in runners:  # two replays each: the capturing call's 0.5 s would read 250 ms
         assert runner.replays == 2
         assert runner.summary()["replay_host_ms"] < 100
@@ -271,13 +271,13 @@ def test_under_a_budget_both_graphs_replay_one_lane_unmeasured_in_real_training(
     it would fail the capture and run un-graphed), and training equals eager."""
     from apollo_compile.runtime import cudagraph
 
-    monkeypatch.setattr(CudaGraphRunner, "_choose_candidate", CHOOSE_CANDIDATE)
     monkeypatch.setattr(cudagraph, "in_graph_pool", lambda t: True)
     torch.manual_seed(0)
     model = TwoTower()
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager", "memory_budget": 0.5})
-    backward_like_eager(compiled, model, ref, [two_tower_inputs(seed=step) for step in range(3)])
+    with choice.using(choice.ChooseFastest()):  # apollo's own rule, in place of the fixture's fixed "lanes"
+        backward_like_eager(compiled, model, ref, [two_tower_inputs(seed=step) for step in range(3)])
     forward, backward = runners
     assert forward.family.backward_donates and backward.donated_bytes > 0
     for runner in (forward, backward):

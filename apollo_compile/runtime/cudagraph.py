@@ -7,7 +7,13 @@ the forward's saved outputs, which the backward reads in place instead of copyin
 Call 1 runs the runtime eagerly (Inductor/Triton compile their kernels lazily, which must not
 happen under capture); call 2 captures and replays; later calls replay. Inputs the graph was
 told are static (parameters) and the forward's saved outputs are used in place; other inputs are
-copied into static buffers.
+copied into static buffers. On call 2 the runner's strategy picks the candidate runtime (lanes, one
+lane, SM quotas) that replays, unmeasured or after capturing and timing each (``choice.py``).
+
+This module is the runner and the state a family shares; beside it ``graph_io.py`` (which inputs a
+graph can take, its output copies, the gradients it lends), ``graph_pool.py`` (pools, the
+allocator's segments and streams, borrowed storages, the memory-limit rule: NOTE: A capture needs
+headroom) and ``choice.py`` (the strategies).
 
 [NOTE] Outputs and the next replay::
 
@@ -36,9 +42,9 @@ without the CUDA graph, so nothing the pending backward needs is overwritten. A 
 saved inputs are not where the captured one read them runs without the CUDA graph too. A graph
 with symbolic sizes (``dynamic=True``, or Dynamo's automatic dynamic shapes after a second batch
 size) is captured at the shapes of its second call; a call at other shapes runs without the
-CUDA graph (`input_shapes`): the captured kernels and static buffers hold the captured sizes.
+CUDA graph (`graph_io.input_shapes`): the captured kernels and static buffers hold the captured sizes.
 A graph with CPU tensor inputs (a Python float Dynamo has seen change) is not captured at all
-(`host_values`). Every such path is correct and warns once.
+(`graph_io.host_values`). Every such path is correct and warns once.
 
 [NOTE] Donation: the backward reuses its saved activations' memory::
 
@@ -61,7 +67,7 @@ runs on, whose boxed subgraphs free each input after its last use. The allocator
 to what the capture allocates next in the same pool *and stream*: a backward on one lane reuses
 what a forward on one lane saved; a side lane holds what it reads from the main lane to the join
 (codegen's NOTE: Freeing across lanes). So under a memory budget both graphs replay one lane
-(`_memory_first_one_lane`; H200, batch 64, budget 0.5: 3.72 instead of 4.55 GiB reserved, the
+(`choice.memory_first_reason`; H200, batch 64, budget 0.5: 3.72 instead of 4.55 GiB reserved, the
 step 28.45 instead of 27.96 ms). Without a budget time decides; a two-lane backward after a
 two-lane forward reused little while both towers ran on side lanes (batch 128: the family's pool
 13.1 GB against 11.6 for one lane), hence the costliest tower runs on the main lane in both graphs
@@ -75,13 +81,13 @@ two-lane forward reused little while both towers ran on side lanes (batch 128: t
 The forward and backward of a family run each side lane on the same stream (``side_streams``),
 so the backward's side lane can take over what the forward's same lane saved: the backward's
 capture looks up which stream made each donated activation (the allocator's segments,
-`allocation_streams`) and `donations_safe_on_lanes` decides. Made on the capture stream, or on a
-stream this backward does not allocate on: donated as above. Made on side lane k's stream and read
-only on lane k: donated, and lane k frees it at its last reader instead of holding it to the join
-(``LaneRuntime.free_at_last_reader``). Made on lane k's stream but read on another lane: not
-donated; the block would go back to stream k, whose next allocation could overwrite it while the
-other lane still reads it. Unknown stream: not donated. The un-graphed path runs one lane, so
-this only ever concerns a capture.
+`graph_pool.allocation_streams`) and `graph_pool.donations_safe_on_lanes` decides. Made on the
+capture stream, or on a stream this backward does not allocate on: donated as above. Made on side
+lane k's stream and read only on lane k: donated, and lane k frees it at its last reader instead
+of holding it to the join (``LaneRuntime.free_at_last_reader``). Made on lane k's stream but read
+on another lane: not donated; the block would go back to stream k, whose next allocation could
+overwrite it while the other lane still reads it. Unknown stream: not donated. The un-graphed
+path runs one lane, so this only ever concerns a capture.
 
 A donated saved activation is read once: AOTAutograd already refuses a second backward through a
 graph compiled with donated buffers (``retain_graph=True``), and compiles none when the first
@@ -93,230 +99,25 @@ go back to the heap.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
 import time
 import warnings
 import weakref
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..fallback import ApolloFallbackWarning
+from .choice import GraphFacts, Strategy, in_effect, memory_first_reason
+from .graph_io import LentOutputs, OutputCopier, host_values, input_shapes, is_non_overlapping
+from .graph_pool import (allocation_streams, borrowed, clear_cublas_workspaces, donations_safe_on_lanes, in_graph_pool,
+                         memory_pressure, pool_bytes, too_close_to_the_limit, unowned)
+
+__all__ = ["CudaGraphRunner", "GraphFamily"]
 
 log = logging.getLogger("apollo_compile")
 
-
-def is_non_overlapping(x: torch.Tensor) -> bool:
-    """No two elements share memory (gaps allowed), so copy_ into an empty_strided twin works."""
-    reach = 0  # elements spanned by the dims seen so far, smallest stride first
-    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.size()) if sz != 1):
-        if stride <= reach:
-            return False
-        reach = stride * (size - 1) + reach
-    return True
-
-
-class OutputCopier:
-    """Copies of a fixed list of tensors (a graph's static outputs) in new memory, same sizes and
-    strides, planned once.
-
-    Used for what a graph hands out that the next replay would overwrite and that is not lent
-    (the NOTE above): a forward's user-visible outputs, all outputs of an inference graph. There
-    may be many, and at small batches a step is bound by the host (profile_step.py: 7.9 ms to issue
-    an 8.2 ms step at batch 8), so the contiguous ones of each dtype are copied by one ``cat`` into
-    one allocation and handed out as views made in C++ (``_flatten/_unflatten_dense_tensors``): no
-    Python work per tensor. The views keep the shared allocation alive until the last of them
-    dies. Other layouts are cloned one by one (``clone`` keeps a dense layout's strides)."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        groups: dict[tuple, list[int]] = {}
-        self.singles: list[int] = []
-        for k, t in enumerate(tensors):
-            if t.is_contiguous():
-                groups.setdefault((t.dtype, t.device), []).append(k)
-            else:
-                self.singles.append(k)
-        for ks in list(groups.values()):
-            if len(ks) == 1:  # flattening one tensor returns a view of it, not a copy
-                self.singles += ks
-        self.groups = [ks for ks in groups.values() if len(ks) > 1]
-
-    def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        out = list(tensors)
-        for k in self.singles:
-            out[k] = tensors[k].clone()
-        for ks in self.groups:
-            src = [tensors[k] for k in ks]
-            for k, view in zip(ks, _unflatten_dense_tensors(_flatten_dense_tensors(src), src)):
-                out[k] = view
-        return out
-
-
-def fastest(measured_ms: dict[str, float], min_gain: float, pool_bytes: dict[str, int | None] | None = None,
-            max_memory_ratio: float | None = None, base_bytes: int = 0) -> str:
-    """The candidate to replay: the fastest, unless it beats the one-stream schedule by less than
-    `min_gain`. Concurrency that does not pay still costs memory (both towers' temporaries live
-    at once: the two-lane capture set the whole-run peak of a budgeted batch-64 step on the H200,
-    1.11x the one-stream call's, for a backward 0.01% faster than one lane).
-
-    With `pool_bytes` (each candidate's capture pool) and `max_memory_ratio`, a candidate whose
-    peak (`base_bytes`, what was allocated beside the graph, plus its pool) exceeds the one-stream
-    candidate's by more than that ratio is not replayed, however fast: multi-lane peak memory must
-    stay within 1.1x of one lane's (issue 3). Pools alone overstated it: the lanes' backward pool
-    of a budgeted batch-64 step was 1.21x one lane's, its step peak 1.07x (RESULTS.md, session 6).
-    A candidate whose pool is unknown is judged on time alone."""
-    if max_memory_ratio is not None and pool_bytes and pool_bytes.get("one_lane"):
-        limit = (base_bytes + pool_bytes["one_lane"]) * max_memory_ratio - base_bytes
-        measured_ms = {k: v for k, v in measured_ms.items()
-                       if k == "one_lane" or pool_bytes.get(k) is None or pool_bytes[k] <= limit}
-    best = min(measured_ms, key=measured_ms.get)
-    single = measured_ms.get("one_lane")
-    if single is not None and measured_ms[best] > single * (1 - min_gain):
-        return "one_lane"
-    return best
-
-
-def clear_cublas_workspaces() -> None:
-    """Drop cuBLAS's cached per-stream workspaces, as CUDA-graph trees do around each capture
-    (``torch._inductor.cudagraph_trees.clear_cublas_manager``).
-
-    cuBLAS keeps one workspace per (handle, stream), allocated on first use and held for the
-    process. Cleared before a capture, the workspaces the graph needs are allocated in the graph's
-    own pool (not reused eager memory that could be handed out again); cleared after it, the pool
-    holds them for the graph alone. Without this, each candidate's workspaces (its streams' own)
-    stayed allocated after the candidate died: measuring left 0.23 and 0.32 GiB allocated for the
-    forward and backward of a base CLIP at batch 64 on the H200 (``measuring_left_bytes``,
-    session 5), whose capture step peaked 0.71 GiB above its first step (2.92 vs 2.21 GiB). That
-    those bytes are all workspaces is inferred, not yet measured with the clearing in place."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-
-
-def in_graph_pool(t: torch.Tensor) -> bool:
-    """Whether `t`'s memory is a CUDA-graph pool's, which keeps freed bytes reserved for its
-    graphs: only such memory is donated (NOTE: Donation). Tests on the CPU stand in for it."""
-    return t.is_cuda
-
-
-def borrowed(t: torch.Tensor, storage) -> torch.Tensor:
-    """`t` (same dtype, offset, sizes, strides) over `storage` instead of its own."""
-    with torch.no_grad():
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
-
-
-def unowned(storage):
-    """A storage at `storage`'s address that does not own it: freeing it frees nothing (NOTE:
-    Donation). CUDA-graph trees build their outputs' storages the same way."""
-    return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
-
-
-def allocator_segments() -> list[dict] | None:
-    """The caching allocator's segments (``torch.cuda.memory_snapshot``), or None where it cannot
-    say (no CUDA)."""
-    try:
-        return torch.cuda.memory_snapshot()
-    except (AttributeError, RuntimeError, AssertionError):
-        return None
-
-
-def pool_bytes(pool) -> int | None:
-    """Bytes the caching allocator holds for the private pool `pool`: a captured graph's memory,
-    temporaries included (a pool keeps every segment its capture needed), so the memory a
-    candidate costs, which a replay's ``max_memory_allocated`` does not show. None where the
-    allocator cannot say (no CUDA)."""
-    segments = allocator_segments()
-    if segments is None:
-        return None
-    key = tuple(pool) if isinstance(pool, (tuple, list)) else pool
-    return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id") or ()) == key)
-
-
-def allocation_streams(ptrs) -> dict[int, int]:
-    """data_ptr -> the stream (handle) whose allocator segment holds it: the only stream that
-    reuses its block once freed (NOTE: Donation on side lanes). Pointers the allocator cannot
-    place, or all of them without CUDA, are left out."""
-    spans = sorted((seg["address"], seg["address"] + seg["total_size"], seg["stream"])
-                   for seg in allocator_segments() or ())
-    starts = [start for start, _, _ in spans]
-    out = {}
-    for ptr in ptrs:
-        k = bisect.bisect_right(starts, ptr) - 1
-        if k >= 0 and ptr < spans[k][1]:
-            out[ptr] = spans[k][2]
-    return out
-
-
-def donations_safe_on_lanes(donatable: dict[int, list[int]], made_on: dict[int, int],
-                            lane_streams: dict[int, int], input_lanes: Sequence[frozenset[int]]
-                            ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """Of the saved activations a backward may take over (data_ptr -> its input positions), those
-    safe to free under its side lanes (NOTE: Donation on side lanes), and per side lane the input
-    positions it frees at their last reader. `made_on`: data_ptr -> the stream that allocated it;
-    `lane_streams`: side lane -> its stream; `input_lanes`: per input, the lanes that read it."""
-    if not lane_streams:
-        return donatable, {}
-    lane_of = {stream: lane for lane, stream in lane_streams.items()}
-    safe: dict[int, list[int]] = {}
-    local: dict[int, list[int]] = {}
-    for ptr, idxs in donatable.items():
-        if ptr not in made_on:
-            continue
-        lane = lane_of.get(made_on[ptr])
-        if lane is None:
-            safe[ptr] = idxs
-        elif input_lanes and all(input_lanes[i] <= {lane} for i in idxs):
-            safe[ptr] = idxs
-            local.setdefault(lane, []).extend(idxs)
-    return safe, local
-
-
-# [NOTE] A capture needs headroom: it cannot release cached memory (eager code that runs out frees
-# the allocator's cached segments and retries; a capture may not), and a graph pool's free blocks
-# serve only its graphs. When a backward's capture runs out, its un-graphed fallback runs beside
-# the forward's pool, with the saved activations it reads already handed over to the capture
-# (NOTE: Donation): it cannot borrow the pool's free memory without risking them, and the step is
-# lost. Then, once that step's saved activations are dead, the forward lets its graph go
-# (`_let_go`), so the pool can return to the allocator and later steps run as the first did
-# (measured at 1152 with cudagraphs=True: step 2 lost, steps 3-5 at step 1's peak, session 11;
-# benchmarks/capture_recovery.py). Measured on the H200 (budgeted CLIP in 20 GiB; the first step's
-# peak as a share of it, measured at 1024 and 1152, the others read off the line through them;
-# RESULTS.md, sessions 7 and 10): batches 896 (~69%) and 960 (~74%) captured; 1024 (79%), 1088
-# (~83%) and 1152 (88%) ran out capturing their backward, then in the fallback. The edge moves
-# with the allocation order (1024 captured in session 7, before the lanes changed, and in a fresh
-# process in session 11). So a family is not captured where its first step used more than
-# CAPTURE_HEADROOM of the memory the process may hold, a little under the last share that fit: the
-# un-graphed path it keeps is the one the first step already ran at that size. Graphs save little
-# on large steps (batch 128: Inductor without them took 1.10x reduce-overhead's step, session 7).
-# cudagraphs=True captures regardless.
-CAPTURE_HEADROOM = 0.75
-
-
-def memory_pressure() -> tuple[int, int] | None:
-    """(this process's peak allocated bytes so far, the bytes it may hold) on the current device:
-    the per-process fraction of the device, or what is free plus what the allocator already holds
-    if less (other processes). None where the allocator cannot say. The peak counts since the last
-    ``reset_peak_memory_stats``: work before training can only make it larger (more cautious)."""
-    try:
-        peak = torch.cuda.max_memory_allocated()
-        free, total = torch.cuda.mem_get_info()
-        fraction = torch.cuda.get_per_process_memory_fraction() if hasattr(
-            torch.cuda, "get_per_process_memory_fraction") else 1.0
-        return peak, int(min(total * fraction, free + torch.cuda.memory_reserved()))
-    except (AttributeError, RuntimeError, AssertionError):
-        return None
-
-
-def too_close_to_the_limit(peak: int, limit: int, headroom: float = CAPTURE_HEADROOM) -> str | None:
-    """Why a family is not captured at `peak` bytes of `limit` (NOTE: A capture needs headroom)."""
-    if limit <= 0 or peak <= headroom * limit:
-        return None
-    return (f"its first step peaked at {peak / 2**30:.2f} GiB, {peak / limit:.0%} of the {limit / 2**30:.2f} GiB "
-            f"this process may hold (over {headroom:.0%}): a capture cannot release cached memory, and near the "
-            "limit it can run out where the un-graphed step fits; cudagraphs=True captures regardless")
+# NOTE: A capture needs headroom: graph_pool.py, with CAPTURE_HEADROOM and the rule it explains.
 
 
 class GraphFamily:
@@ -343,87 +144,29 @@ class GraphFamily:
 
 # all(tensors[i].data_ptr() == ptrs[i] for i in indices), in C++; CUDA builds only
 _data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-_use_count = torch._C._storage_Use_Count  # what CUDA-graph trees read to tell a storage's liveness
-
-
-def host_values(args: Sequence) -> list[int]:
-    """Positions of the inputs a CUDA graph would read only once, at capture: CPU tensors holding
-    data beside device ones. A kernel takes a CPU scalar's value as a launch argument, so a replay
-    keeps the captured value whatever the static buffer holds: a Python float that Dynamo has seen
-    change becomes such a 0-dim tensor (on the H200 a replayed ``loss * t`` kept the captured
-    ``t``: gradients 44% off; benchmarks/scalar_input_probe.py). Empty CPU tensors (compiled
-    autograd's size carriers) hold no value. All-CPU inputs are the tests' fake graphs."""
-    host = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel()]
-    on_device = any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in args)
-    return host if on_device else []
-
-
-def input_shapes(args: Sequence) -> tuple:
-    """What a graph with symbolic sizes was called at: each tensor's shape, each other input
-    itself (a SymInt input arrives as an int)."""
-    return tuple(x.shape if isinstance(x, torch.Tensor) else x for x in args)
-
-
-class LentOutputs:
-    """Static outputs handed out in the pool's own memory, and the check that lets a replay
-    overwrite them (see the NOTE above).
-
-    Built once at capture, when only the runner's static outputs hold the storages: their use
-    counts then are the baseline. Each replay lends fresh aliases, which AccumulateGrad can steal
-    (it keeps a detached alias of its own as ``.grad``): a held gradient is therefore found through
-    the tensors it is the ``.grad`` of, not through what we handed out."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        storages = {}  # cdata -> storage, held so that the counts we compare never lose a holder of ours
-        for t in tensors:
-            storage = t.untyped_storage()
-            storages.setdefault(storage._cdata, storage)
-        self.storages = list(storages.values())
-        self.cdatas = list(storages)
-        self.baseline = list(map(_use_count, self.cdatas))
-        self.moved = 0  # gradients moved to a copy because they were still held at a later replay
-        self.aliases: list[weakref.ref] = []  # the last replay's, held by whoever took them as they are
-
-    def lend(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        aliases = list(map(torch.Tensor.detach, tensors))
-        self.aliases = list(map(weakref.ref, aliases))  # torch.autograd.grad hands these out unchanged
-        return aliases
-
-    def reclaim(self, *owners: list[weakref.ref]) -> bool:
-        """Make the storages safe to overwrite: move the ``.grad`` of `owners` (parameters, inputs
-        that require grad), and the aliases we lent that are still alive (``torch.autograd.grad``'s
-        results), out of them. False if something else still holds one (a view of a gradient)."""
-        counts = list(map(_use_count, self.cdatas))
-        if counts == self.baseline:
-            return True
-        held = {c for c, n, base in zip(self.cdatas, counts, self.baseline) if n != base}
-        grads = (None if (p := ref()) is None else p.grad for ref in itertools.chain(*owners))
-        with torch.no_grad():
-            for t in itertools.chain(grads, (ref() for ref in self.aliases)):
-                if t is not None and t.untyped_storage()._cdata in held:
-                    t.data = t.clone()  # every reference to this tensor follows it to the copy
-                    self.moved += 1
-        return list(map(_use_count, self.cdatas)) == self.baseline
 
 
 class CudaGraphRunner:
-    """A boxed callable: warm up, capture once, then replay the wrapped runtime."""
+    """A boxed callable: warm up, capture once, then replay the wrapped runtime.
+
+    Which candidate runtime replays is `strategy`'s choice (choice.py); without one, the strategy in
+    effect when it captures (``choice.using``, else apollo's own rule, ``choice.ChooseFastest``)."""
 
     timing_replays = 5
-    min_gain = 0.01  # concurrency must beat one stream by this much to be replayed (see `fastest`)
 
     def __init__(self, candidates: dict[str, Callable[[list], list]], name: str, kind: str, family: GraphFamily,
                  static_input_idxs: set[int], user_visible_outputs: set[int] | None,
                  on_measured: Callable[[dict[str, float]], None] | None = None,
                  max_memory_ratio: float | None = None, donated_idxs: set[int] | None = None,
-                 capture_near_limit: bool = False, symbolic: bool = False) -> None:
+                 capture_near_limit: bool = False, symbolic: bool = False, strategy: Strategy | None = None) -> None:
         self.candidates, self.name, self.kind, self.family = candidates, name, kind, family
+        self.strategy = strategy  # which candidate replays; None: `choice.in_effect()` at capture
         # sizes that vary between calls (dynamic shapes): replayed only at the captured ones
         self.symbolic = symbolic
         self.captured_shapes: tuple | None = None
         self.capture_near_limit = capture_near_limit  # cudagraphs=True: no headroom check before capture
         self.on_measured = on_measured  # gets {candidate: ms} once measured (the model calibrates from it)
-        self.max_memory_ratio = max_memory_ratio  # concurrency within this much of one stream's pool (`fastest`)
+        self.max_memory_ratio = max_memory_ratio  # concurrency within this much of one stream's pool (`choice.fastest`)
         self.donated_idxs = donated_idxs or set()  # a backward's inputs AOTAutograd lets it reuse (NOTE: Donation)
         self.donated_bytes = 0  # saved-activation memory the backward's capture took over
         self.side_lane_donated_bytes = 0  # ... of which a side lane frees (NOTE: Donation on side lanes)
@@ -651,8 +394,43 @@ class CudaGraphRunner:
         return graph, outputs
 
     def _choose_candidate(self) -> str:
-        """Capture every candidate runtime (lanes, one lane), time its replays, keep the fastest
-        (concurrency only where it beats one stream by `min_gain`: see :func:`fastest`).
+        """The candidate to replay: the strategy's choice (choice.py), unmeasured or from every
+        candidate captured and timed (`_measure`). A strategy's choice the graph lacks raises
+        (the capture then fails and the graph runs without it, with one warning)."""
+        if len(self.candidates) == 1:
+            return next(iter(self.candidates))
+        strategy = self.strategy if self.strategy is not None else in_effect()
+        graph = self._facts()
+        pick = strategy.unmeasured(graph)
+        if pick is not None:
+            chosen, why = pick
+            log.info("apollo: %s replays %r unmeasured: %s", self.name, chosen, why)
+            return self._offered(chosen)
+        allocated_before = self._measure()
+        best = strategy.choose(graph, dict(self.measured_ms), dict(self.candidate_pool_bytes), allocated_before)
+        if self.on_measured is not None:
+            self.on_measured(dict(self.measured_ms))
+        log.info("apollo: %s measured %s; replaying %r", self.name,
+                 ", ".join(f"{k} {v:.3f} ms" + (f" ({self.candidate_pool_bytes[k] / 2**30:.2f} GiB pool)"
+                                                 if self.candidate_pool_bytes.get(k) else "")
+                           for k, v in self.measured_ms.items()), best)
+        return self._offered(best)
+
+    def _offered(self, chosen: str) -> str:
+        if chosen not in self.candidates:
+            raise ValueError(f"the strategy chose {chosen!r}, which {self.name} does not have "
+                             f"({', '.join(self.candidates)})")
+        return chosen
+
+    def _facts(self) -> GraphFacts:
+        """What the strategy is told of this graph."""
+        return GraphFacts(self.name, self.kind, tuple(self.candidates), self.max_memory_ratio,
+                          will_donate=self._will_donate(), forward_chosen=self.family.forward_chosen,
+                          memory_first=self._memory_first_one_lane())
+
+    def _measure(self) -> int:
+        """Capture every candidate runtime (lanes, one lane, quota splits) and time its replays
+        (`measured_ms`, `candidate_pool_bytes`); return the bytes allocated beside them.
 
         Concurrency is a prediction until measured (DESIGN.md: a fixed split was slower than
         two plain streams), so the single-stream schedule of the same subgraphs is always a
@@ -660,16 +438,7 @@ class CudaGraphRunner:
         with it after timing (a pool outlives no graph: capturing into the pool of a deleted
         graph trips the allocator), so memory never holds two of them; the winner is captured
         again into the family's pool. Replays advance the CUDA RNG: a graph with dropout draws
-        other masks afterwards than an untimed run would (still random).
-
-        Under a memory budget, a backward that will reuse its saved activations' memory (NOTE:
-        Donation) replays one lane, unmeasured, and so does its forward (`_memory_first_one_lane`)."""
-        if len(self.candidates) == 1:
-            return next(iter(self.candidates))
-        why = self._memory_first_one_lane()
-        if why is not None:
-            log.info("apollo: %s replays 'one_lane' unmeasured: %s", self.name, why)
-            return "one_lane"
+        other masks afterwards than an untimed run would (still random)."""
         torch.cuda.synchronize()
         allocated_before = torch.cuda.memory_allocated()
         for name, fn in self.candidates.items():
@@ -690,37 +459,14 @@ class CudaGraphRunner:
         # a candidate's graph, pool and outputs die with it, its cuBLAS workspaces too (they were
         # in its pool: _capture_one); anything left would be a leak
         self.measuring_left_bytes = torch.cuda.memory_allocated() - allocated_before
-        best = fastest(self.measured_ms, self.min_gain, self.candidate_pool_bytes, self.max_memory_ratio,
-                       allocated_before)
-        if self.on_measured is not None:
-            self.on_measured(dict(self.measured_ms))
-        log.info("apollo: %s measured %s; replaying %r", self.name,
-                 ", ".join(f"{k} {v:.3f} ms" + (f" ({self.candidate_pool_bytes[k] / 2**30:.2f} GiB pool)"
-                                                 if self.candidate_pool_bytes.get(k) else "")
-                           for k, v in self.measured_ms.items()), best)
-        return best
+        return allocated_before
 
     def _memory_first_one_lane(self) -> str | None:
-        """Why this graph replays one lane unmeasured under a memory budget, or None.
-
-        The caching allocator hands a freed block only to a tensor allocated on the stream that
-        allocated it. On one lane in both graphs the backward's capture reuses every saved
-        activation; with side lanes it reuses only those made and read by the same lane, and a
-        side lane cannot take what the main lane freed (NOTE: Donation on side lanes). Measuring
-        also sets the whole run's peak, each candidate's pool held beside every saved activation:
-        with side lanes reusing their own, measuring both graphs under budget 0.5 still raised a
-        batch-64 CLIP step's whole-run peak from 3.33 to 4.18 GiB for a 3% faster step (RESULTS.md,
-        session 9).
-        The forward learns of the donation from the family: its backward is compiled at the first
-        backward, before the forward's second call captures."""
-        if self.max_memory_ratio is None or "one_lane" not in self.candidates:
-            return None
-        if self._will_donate():
-            return "under a memory budget the backward reuses its saved activations' memory on one stream"
-        if self.kind == "forward" and self.family.backward_donates:
-            return ("under a memory budget the backward reuses the saved activations' memory, which only "
-                    "a forward on the capture stream makes reusable")
-        return None
+        """Why this graph replays one lane unmeasured under a memory budget, or None
+        (`choice.memory_first_reason`; apollo's strategy honours it)."""
+        budget = self.max_memory_ratio is not None and "one_lane" in self.candidates
+        return memory_first_reason(self.kind, tuple(self.candidates), self.max_memory_ratio,
+                                   budget and self._will_donate(), self.family.backward_donates)
 
     def _capture_refused(self) -> str | None:
         """Why this graph is not captured, or None (NOTE: A capture needs headroom). The forward

@@ -1,0 +1,170 @@
+"""Which captured runtime a CUDA-graph runner replays: the strategy it is given.
+
+A graph's runner (``cudagraph.py``) holds its candidate runtimes: ``"lanes"``, ``"one_lane"`` when
+the plan has side lanes, and SM-quota splits (``"quota:1=88,2=40"``). A graph with one candidate
+replays it. Otherwise, at its capture step, the runner asks its strategy twice:
+
+1. :meth:`Strategy.unmeasured`: a candidate to replay without measuring any (and why), or None;
+2. if None, the runner captures each candidate into a pool of its own and times its replays, then
+   :meth:`Strategy.choose` picks one from those times, each capture's pool and what was allocated
+   beside the graph. The times also calibrate the performance model (``calibration.py``).
+
+Both get the :class:`GraphFacts` the runner knows then. :class:`ChooseFastest` is apollo's own rule
+(the default): the memory-first rule under a memory budget, else the fastest candidate where it
+beats one stream by ``min_gain``. :class:`Fixed` replays one named candidate, unmeasured. A runner
+built without a strategy (``CudaGraphRunner(..., strategy=None)``, as ``backend.py`` builds them)
+uses the one in effect when it chooses: ``with using(Fixed("one_lane")):`` around a compile and its
+calls (benchmarks, tests), else ``ChooseFastest()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+__all__ = ["ChooseFastest", "Fixed", "GraphFacts", "Strategy", "fastest", "in_effect", "memory_first_reason", "using"]
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What a runner knows of its graph when it chooses a candidate."""
+
+    name: str
+    kind: str  # "forward" | "backward" | "inference"
+    candidates: tuple[str, ...]
+    max_memory_ratio: float | None = None  # under a memory budget: concurrency's bound (`fastest`); else None
+    will_donate: bool = False  # a backward whose capture takes over saved activations (cudagraph.py, NOTE: Donation)
+    forward_chosen: str | None = None  # what the family's forward replays, once it is captured
+    memory_first: str | None = None  # why the memory-first rule replays one lane (`memory_first_reason`), or None
+
+
+class Strategy(Protocol):
+    def unmeasured(self, graph: GraphFacts) -> tuple[str, str] | None:
+        """(the candidate to replay without measuring, why), or None to measure every candidate."""
+
+    def choose(self, graph: GraphFacts, measured_ms: dict[str, float], pool_bytes: dict[str, int | None],
+               base_bytes: int) -> str:
+        """The candidate to replay, from each one's ms per replay and capture pool (bytes, None where
+        the allocator cannot say) and the bytes allocated beside the graph."""
+
+
+def fastest(measured_ms: dict[str, float], min_gain: float, pool_bytes: dict[str, int | None] | None = None,
+            max_memory_ratio: float | None = None, base_bytes: int = 0) -> str:
+    """The candidate to replay: the fastest, unless it beats the one-stream schedule by less than
+    `min_gain`. Concurrency that does not pay still costs memory (both towers' temporaries live
+    at once: the two-lane capture set the whole-run peak of a budgeted batch-64 step on the H200,
+    1.11x the one-stream call's, for a backward 0.01% faster than one lane).
+
+    With `pool_bytes` (each candidate's capture pool) and `max_memory_ratio`, a candidate whose
+    peak (`base_bytes`, what was allocated beside the graph, plus its pool) exceeds the one-stream
+    candidate's by more than that ratio is not replayed, however fast: multi-lane peak memory must
+    stay within 1.1x of one lane's (issue 3). Pools alone overstated it: the lanes' backward pool
+    of a budgeted batch-64 step was 1.21x one lane's, its step peak 1.07x (RESULTS.md, session 6).
+    A candidate whose pool is unknown is judged on time alone."""
+    if max_memory_ratio is not None and pool_bytes and pool_bytes.get("one_lane"):
+        limit = (base_bytes + pool_bytes["one_lane"]) * max_memory_ratio - base_bytes
+        measured_ms = {k: v for k, v in measured_ms.items()
+                       if k == "one_lane" or pool_bytes.get(k) is None or pool_bytes[k] <= limit}
+    best = min(measured_ms, key=measured_ms.get)
+    single = measured_ms.get("one_lane")
+    if single is not None and measured_ms[best] > single * (1 - min_gain):
+        return "one_lane"
+    return best
+
+
+def memory_first_reason(kind: str, candidates: tuple[str, ...], max_memory_ratio: float | None,
+                        will_donate: bool, backward_donates: bool) -> str | None:
+    """Why a graph replays one lane unmeasured under a memory budget, or None.
+
+    `will_donate`: this graph is a backward whose capture takes over saved activations;
+    `backward_donates`: its family's backward does (a forward learns it from the family: its
+    backward is compiled at the first backward, before the forward's second call captures).
+
+    The caching allocator hands a freed block only to a tensor allocated on the stream that
+    allocated it. On one lane in both graphs the backward's capture reuses every saved
+    activation; with side lanes it reuses only those made and read by the same lane, and a
+    side lane cannot take what the main lane freed (cudagraph.py, NOTE: Donation on side lanes).
+    Measuring also sets the whole run's peak, each candidate's pool held beside every saved
+    activation: with side lanes reusing their own, measuring both graphs under budget 0.5 still
+    raised a batch-64 CLIP step's whole-run peak from 3.33 to 4.18 GiB for a 3% faster step
+    (RESULTS.md, session 9)."""
+    if max_memory_ratio is None or "one_lane" not in candidates:
+        return None
+    if will_donate:
+        return "under a memory budget the backward reuses its saved activations' memory on one stream"
+    if kind == "forward" and backward_donates:
+        return ("under a memory budget the backward reuses the saved activations' memory, which only "
+                "a forward on the capture stream makes reusable")
+    return None
+
+
+@dataclass(frozen=True)
+class ChooseFastest:
+    """apollo's rule, the default. Under a memory budget, a graph of a kind in `memory_first` whose
+    memory-first rule applies (`GraphFacts.memory_first`) replays one lane unmeasured; otherwise
+    every candidate is measured and the fastest replays where it beats one stream by `min_gain`,
+    within the budget's memory bound (:func:`fastest`).
+
+    `memory_first=("backward",)` lets the forward measure beside a donating backward (the rule
+    before session 7), `()` lets both graphs measure. `follow_forward`: under a budget, a donating
+    backward replays what its forward replays, unmeasured (benchmarks/bench_memory.py's
+    ``-bw-follows``)."""
+
+    min_gain: float = 0.01
+    memory_first: tuple[str, ...] = ("forward", "backward")
+    follow_forward: bool = False
+
+    def unmeasured(self, graph: GraphFacts) -> tuple[str, str] | None:
+        if (self.follow_forward and graph.kind == "backward" and graph.max_memory_ratio is not None
+                and graph.forward_chosen in graph.candidates and graph.will_donate):
+            return graph.forward_chosen, "under a memory budget the donating backward replays its forward's choice"
+        if graph.kind in self.memory_first and graph.memory_first is not None:
+            return "one_lane", graph.memory_first
+        return None
+
+    def choose(self, graph: GraphFacts, measured_ms: dict[str, float], pool_bytes: dict[str, int | None],
+               base_bytes: int) -> str:
+        return fastest(measured_ms, self.min_gain, pool_bytes, graph.max_memory_ratio, base_bytes)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Replay `candidate` (``"lanes"``, ``"one_lane"``, a quota split's name), unmeasured, in every
+    graph that has it; a graph without it (a quota split whose green context was refused) chooses
+    by `otherwise`."""
+
+    candidate: str
+    otherwise: Strategy = ChooseFastest()
+
+    def unmeasured(self, graph: GraphFacts) -> tuple[str, str] | None:
+        if self.candidate in graph.candidates:
+            return self.candidate, "the strategy fixes it"
+        return self.otherwise.unmeasured(graph)
+
+    def choose(self, graph: GraphFacts, measured_ms: dict[str, float], pool_bytes: dict[str, int | None],
+               base_bytes: int) -> str:
+        return self.otherwise.choose(graph, measured_ms, pool_bytes, base_bytes)
+
+
+DEFAULT = ChooseFastest()
+_in_effect: contextvars.ContextVar[Strategy | None] = contextvars.ContextVar("apollo_strategy", default=None)
+
+
+def in_effect() -> Strategy:
+    """The strategy a runner built without one uses: the innermost :func:`using`'s, else
+    :data:`DEFAULT`."""
+    strategy = _in_effect.get()
+    return DEFAULT if strategy is None else strategy
+
+
+@contextlib.contextmanager
+def using(strategy: Strategy) -> Iterator[Strategy]:
+    """Runners without a strategy of their own choose with `strategy` inside this block (they
+    choose at their capture step: the block must hold the graph's second call)."""
+    token = _in_effect.set(strategy)
+    try:
+        yield strategy
+    finally:
+        _in_effect.reset(token)

@@ -1,0 +1,162 @@
+"""The memory a CUDA graph lives in: its private pool, the allocator's segments and streams, the
+storages a capture borrows, and when a capture is too close to the memory limit to try.
+
+Helpers of the runner (``cudagraph.py``), which reads its NOTEs on donation for why the backward
+takes over saved activations and why only on the stream that made them; NOTE: A capture needs
+headroom is here, with the rule it explains.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "CAPTURE_HEADROOM", "allocation_streams", "allocator_segments", "borrowed", "clear_cublas_workspaces",
+    "donations_safe_on_lanes", "in_graph_pool", "memory_pressure", "pool_bytes", "too_close_to_the_limit", "unowned",
+]
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached per-stream workspaces, as CUDA-graph trees do around each capture
+    (``torch._inductor.cudagraph_trees.clear_cublas_manager``).
+
+    cuBLAS keeps one workspace per (handle, stream), allocated on first use and held for the
+    process. Cleared before a capture, the workspaces the graph needs are allocated in the graph's
+    own pool (not reused eager memory that could be handed out again); cleared after it, the pool
+    holds them for the graph alone. Without this, each candidate's workspaces (its streams' own)
+    stayed allocated after the candidate died: measuring left 0.23 and 0.32 GiB allocated for the
+    forward and backward of a base CLIP at batch 64 on the H200 (``measuring_left_bytes``,
+    session 5), whose capture step peaked 0.71 GiB above its first step (2.92 vs 2.21 GiB). That
+    those bytes are all workspaces is inferred, not yet measured with the clearing in place."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+def in_graph_pool(t: torch.Tensor) -> bool:
+    """Whether `t`'s memory is a CUDA-graph pool's, which keeps freed bytes reserved for its
+    graphs: only such memory is donated (cudagraph.py, NOTE: Donation). Tests on the CPU stand in
+    for it."""
+    return t.is_cuda
+
+
+def borrowed(t: torch.Tensor, storage) -> torch.Tensor:
+    """`t` (same dtype, offset, sizes, strides) over `storage` instead of its own."""
+    with torch.no_grad():
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
+def unowned(storage):
+    """A storage at `storage`'s address that does not own it: freeing it frees nothing (cudagraph.py,
+    NOTE: Donation). CUDA-graph trees build their outputs' storages the same way."""
+    return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
+
+
+def allocator_segments() -> list[dict] | None:
+    """The caching allocator's segments (``torch.cuda.memory_snapshot``), or None where it cannot
+    say (no CUDA)."""
+    try:
+        return torch.cuda.memory_snapshot()
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+
+
+def pool_bytes(pool) -> int | None:
+    """Bytes the caching allocator holds for the private pool `pool`: a captured graph's memory,
+    temporaries included (a pool keeps every segment its capture needed), so the memory a
+    candidate costs, which a replay's ``max_memory_allocated`` does not show. None where the
+    allocator cannot say (no CUDA)."""
+    segments = allocator_segments()
+    if segments is None:
+        return None
+    key = tuple(pool) if isinstance(pool, (tuple, list)) else pool
+    return sum(seg["total_size"] for seg in segments if tuple(seg.get("segment_pool_id") or ()) == key)
+
+
+def allocation_streams(ptrs) -> dict[int, int]:
+    """data_ptr -> the stream (handle) whose allocator segment holds it: the only stream that
+    reuses its block once freed (cudagraph.py, NOTE: Donation on side lanes). Pointers the
+    allocator cannot place, or all of them without CUDA, are left out."""
+    spans = sorted((seg["address"], seg["address"] + seg["total_size"], seg["stream"])
+                   for seg in allocator_segments() or ())
+    starts = [start for start, _, _ in spans]
+    out = {}
+    for ptr in ptrs:
+        k = bisect.bisect_right(starts, ptr) - 1
+        if k >= 0 and ptr < spans[k][1]:
+            out[ptr] = spans[k][2]
+    return out
+
+
+def donations_safe_on_lanes(donatable: dict[int, list[int]], made_on: dict[int, int],
+                            lane_streams: dict[int, int], input_lanes: Sequence[frozenset[int]]
+                            ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Of the saved activations a backward may take over (data_ptr -> its input positions), those
+    safe to free under its side lanes (cudagraph.py, NOTE: Donation on side lanes), and per side
+    lane the input positions it frees at their last reader. `made_on`: data_ptr -> the stream
+    that allocated it; `lane_streams`: side lane -> its stream; `input_lanes`: per input, the
+    lanes that read it."""
+    if not lane_streams:
+        return donatable, {}
+    lane_of = {stream: lane for lane, stream in lane_streams.items()}
+    safe: dict[int, list[int]] = {}
+    local: dict[int, list[int]] = {}
+    for ptr, idxs in donatable.items():
+        if ptr not in made_on:
+            continue
+        lane = lane_of.get(made_on[ptr])
+        if lane is None:
+            safe[ptr] = idxs
+        elif input_lanes and all(input_lanes[i] <= {lane} for i in idxs):
+            safe[ptr] = idxs
+            local.setdefault(lane, []).extend(idxs)
+    return safe, local
+
+
+# [NOTE] A capture needs headroom: it cannot release cached memory (eager code that runs out frees
+# the allocator's cached segments and retries; a capture may not), and a graph pool's free blocks
+# serve only its graphs. When a backward's capture runs out, its un-graphed fallback runs beside
+# the forward's pool, with the saved activations it reads already handed over to the capture
+# (cudagraph.py, NOTE: Donation): it cannot borrow the pool's free memory without risking them,
+# and the step is lost. Then, once that step's saved activations are dead, the forward lets its
+# graph go (`CudaGraphRunner._let_go`), so the pool can return to the allocator and later steps
+# run as the first did (measured at 1152 with cudagraphs=True: step 2 lost, steps 3-5 at step
+# 1's peak, session 11; benchmarks/capture_recovery.py). Measured on the H200 (budgeted CLIP in 20 GiB; the first step's
+# peak as a share of it, measured at 1024 and 1152, the others read off the line through them;
+# RESULTS.md, sessions 7 and 10): batches 896 (~69%) and 960 (~74%) captured; 1024 (79%), 1088
+# (~83%) and 1152 (88%) ran out capturing their backward, then in the fallback. The edge moves
+# with the allocation order (1024 captured in session 7, before the lanes changed, and in a fresh
+# process in session 11). So a family is not captured where its first step used more than
+# CAPTURE_HEADROOM of the memory the process may hold, a little under the last share that fit: the
+# un-graphed path it keeps is the one the first step already ran at that size. Graphs save little
+# on large steps (batch 128: Inductor without them took 1.10x reduce-overhead's step, session 7).
+# cudagraphs=True captures regardless.
+CAPTURE_HEADROOM = 0.75
+
+
+def memory_pressure() -> tuple[int, int] | None:
+    """(this process's peak allocated bytes so far, the bytes it may hold) on the current device:
+    the per-process fraction of the device, or what is free plus what the allocator already holds
+    if less (other processes). None where the allocator cannot say. The peak counts since the last
+    ``reset_peak_memory_stats``: work before training can only make it larger (more cautious)."""
+    try:
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        fraction = torch.cuda.get_per_process_memory_fraction() if hasattr(
+            torch.cuda, "get_per_process_memory_fraction") else 1.0
+        return peak, int(min(total * fraction, free + torch.cuda.memory_reserved()))
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+
+
+def too_close_to_the_limit(peak: int, limit: int, headroom: float = CAPTURE_HEADROOM) -> str | None:
+    """Why a family is not captured at `peak` bytes of `limit` (NOTE: A capture needs headroom)."""
+    if limit <= 0 or peak <= headroom * limit:
+        return None
+    return (f"its first step peaked at {peak / 2**30:.2f} GiB, {peak / limit:.0%} of the {limit / 2**30:.2f} GiB "
+            f"this process may hold (over {headroom:.0%}): a capture cannot release cached memory, and near the "
+            "limit it can run out where the un-graphed step fits; cudagraphs=True captures regardless")
+
