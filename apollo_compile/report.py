@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import textwrap
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,10 +36,12 @@ from . import plan as plan_store
 from .annotations import info
 from .fallback import ApolloFallbackWarning
 from .options import ApolloOptions
+from .perf_model import parse_quota_name
 from .plan import GraphPlan, ModelPlan
 
 __all__ = ["GraphStats", "Report", "candidate_rows", "dominant_modality", "explain", "format_bytes", "graph_stats",
-           "largest_ops", "loss_of", "predicted_timeline"]
+           "largest_ops", "loss_of", "predicted_timeline", "CANDIDATE_NAMES", "MEASURED_NOTE", "TOP_OPS_RANKING",
+           "describe_candidate", "format_flops", "op_cost"]
 
 _GRAPH_KINDS = ("forward", "backward", "inference")
 
@@ -303,12 +306,23 @@ class Report:
             if timings:
                 span = max(e for _, e in timings.values()) - min(s for s, _ in timings.values())
                 lines.append(f"measured: {name}: {span:.1f} µs over {len(timings)} subgraph(s)")
+        tops = [(gp.name, largest_ops(gp.gm.graph.nodes, 5)) for gp in self.graphs if gp.lanes is not None]
+        if any(ops for _, ops in tops):
+            lines.append(f"top ops ({TOP_OPS_RANKING}):")
+            lines += [f"  {name.ljust(width)}  " + ", ".join(
+                f"{n.name} [sg {info(n).subgraph}] {format_flops(info(n).flops)} {format_bytes(info(n).bytes)}"
+                for n in ops) for name, ops in tops if ops]
+        any_candidates = False
         for gp in self.graphs:
             rows = candidate_rows(gp)
             if rows:
+                any_candidates = True
                 lines.append(f"candidates: {gp.name}: " + ", ".join(
                     f"{name} {pred} µs" + (f" / measured {ms} ms" if ms != "-" else "") + (f" ({note})" if note else "")
                     for name, pred, ms, note in rows))
+        if any_candidates:
+            lines += textwrap.wrap(f"{CANDIDATE_NAMES}. µs: predicted by the performance model; {MEASURED_NOTE}.",
+                                   width=110, initial_indent="  ", subsequent_indent="  ")
         for s in stats:
             if s.fallback:
                 lines.append(f"fallback: {s.name}: {s.fallback}")
@@ -352,7 +366,7 @@ class Report:
                         "args": {"subgraph": sg_id, "lane": sg.lane, "nodes": len(sg.nodes),
                                  "est_us": round(sg.est_us, 3),
                                  "waits_for": sorted(lp.dag.predecessors(sg_id)),
-                                 "largest_ops": [f"{n.name} ({dump.format_target(n)}, {info(n).est_us:.2f} µs)"
+                                 "largest_ops": [f"{n.name} ({dump.format_target(n)}, {op_cost(n)})"
                                                  for n in largest_ops(sg.nodes, 5)]},
                     })
         return {"traceEvents": events,
@@ -383,11 +397,31 @@ class Report:
 # ----------------------------------------------------------------------------------------------
 
 
+TOP_OPS_RANKING = ("ranked by roofline time past the fixed launch cost (the larger of FLOPs / peak and "
+                   "bytes / bandwidth), then FLOPs, then bytes")
+
+
 def largest_ops(nodes: Iterable[torch.fx.Node], k: int) -> list[torch.fx.Node]:
-    """The `k` costliest real ops (compute- or memory-bound) of `nodes`."""
+    """The `k` costliest real ops (compute- or memory-bound) of `nodes` (:data:`TOP_OPS_RANKING`).
+
+    ``est_us`` is that roofline time plus one fixed launch cost, so it ranks the same, unrounded:
+    on a small model every op reads the launch floor (2.0 µs on an H200) and only the digits past
+    it tell a 200 kFLOP convolution from a 16-element softmax. Ties go to FLOPs, then bytes."""
     nodes = [n for n in nodes if info(n).bound in ("compute", "memory")]
-    # ties (many small ops sit at the launch-overhead floor) go to the op with more FLOPs
-    return sorted(nodes, key=lambda n: (-round(info(n).est_us, 1), -info(n).flops))[:k]
+    return sorted(nodes, key=lambda n: (-info(n).est_us, -info(n).flops, -info(n).bytes, n.name))[:k]
+
+
+def format_flops(n: int) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} FLOP"
+
+
+def op_cost(n: torch.fx.Node) -> str:
+    """What sets a top op's rank, readable: ``"196.6 kFLOP · 38.1 KiB · 2.008 µs"``."""
+    a = info(n)
+    return f"{format_flops(a.flops)} · {format_bytes(a.bytes)} · {a.est_us:.3f} µs"
 
 
 def dominant_modality(nodes: Iterable[torch.fx.Node]) -> str | None:
@@ -398,6 +432,31 @@ def dominant_modality(nodes: Iterable[torch.fx.Node]) -> str | None:
         if m:
             weight[m] += info(n).est_us + 1e-6
     return weight.most_common(1)[0][0] if weight else None
+
+
+CANDIDATE_NAMES = ("one_lane: every subgraph on the caller's stream, in launch order (no concurrency); "
+                   "lanes: the lane plan, each side lane on a CUDA stream of its own, no SM limit; "
+                   "quota:LANE=SMS,...: the lane plan with each listed side lane held to SMS streaming "
+                   "multiprocessors (a green context), lane 0 (the caller's stream) on the SMs they leave")
+MEASURED_NOTE = ("measured fills in on a CUDA device only: from the graph's second call the CUDA-graph runner "
+                 "captures every candidate, times its replays and replays the fastest; explain() runs one step, "
+                 "so there and on CPU it stays empty (-); Report(apollo_compile.plans()) after a few training "
+                 "steps on a GPU shows it while the compiled model lives")
+
+
+def describe_candidate(name: str) -> str:
+    """One candidate runtime's name in words (:data:`CANDIDATE_NAMES`)."""
+    if name == "one_lane":
+        return "every subgraph on one stream"
+    if name == "lanes":
+        return "lanes on their own streams, no SM limit"
+    if name.startswith("quota:"):
+        try:
+            quotas = parse_quota_name(name)
+        except ValueError:
+            return "an SM split"
+        return "; ".join(f"lane {lane} on {sms} SMs" for lane, sms in sorted(quotas.items())) + "; lane 0 on the rest"
+    return ""
 
 
 def candidate_rows(gp: GraphPlan) -> list[tuple[str, str, str, str]]:

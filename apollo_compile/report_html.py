@@ -9,7 +9,8 @@ import html
 
 from . import dump
 from .plan import GraphPlan
-from .report import GraphStats, Report, candidate_rows, format_bytes
+from .report import (CANDIDATE_NAMES, MEASURED_NOTE, TOP_OPS_RANKING, GraphStats, Report, candidate_rows,
+                     describe_candidate, format_bytes)
 from .report_svg import GREY, arena_svg, is_drawn, node_svg, slug, subgraph_svg, timeline_svg
 
 __all__ = ["NODE_CAP", "render_page"]
@@ -92,7 +93,10 @@ def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
                    + timeline_svg(gp, gname, measured, colors) + "</div>")
         out.append('<div class="row">')
         out.append('<div class="panel graph-view"><h3>Subgraphs <small>boxes per lane in dependency order; '
-                   'dashed arrows are cross-lane waits</small></h3><div class="scroll">'
+                   'dashed arrows are cross-lane waits</small></h3>'
+                   f'<p class="note top-ops-ranking">Each box lists its top 3 ops, {_esc(TOP_OPS_RANKING)}; beside '
+                   'each, the FLOPs (compute-bound, square) or bytes (memory-bound, circle) that set its time. '
+                   'Hover a glyph for its estimate.</p><div class="scroll">'
                    + subgraph_svg(gp, gname, colors) + "</div></div>")
         if gp.memory is not None:
             m = gp.memory
@@ -105,13 +109,17 @@ def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
     if cands:
         calibrated = gp.decisions["quotas"].calibrated
         out.append('<div class="panel candidates"><h3>Runtime candidates <small>predicted by the performance '
-                   'model; measured as CUDA-graph replays on the GPU'
+                   'model; measured as CUDA-graph replays on a GPU'
                    + (f"; refitted from them: {_esc(', '.join(f'{k} {v:.3f}' for k, v in calibrated.items()))}"
                       if calibrated else "") + '</small></h3><table class="summary"><thead><tr>'
-                   + "".join(f"<th>{h}</th>" for h in ("runtime", "predicted µs", "measured ms", ""))
+                   + "".join(f"<th>{h}</th>" for h in ("runtime", "predicted µs", "measured ms (GPU)", "",
+                                                       "what it runs"))
                    + "</tr></thead><tbody>"
-                   + "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in cands)
-                   + "</tbody></table></div>")
+                   + "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row)
+                             + f'<td class="what">{_esc(describe_candidate(row[0]))}</td></tr>' for row in cands)
+                   + "</tbody></table>"
+                   f'<p class="note candidate-names">{_esc(CANDIDATE_NAMES)}.</p>'
+                   f'<p class="note measured-note">{_esc(MEASURED_NOTE[0].upper() + MEASURED_NOTE[1:])}.</p></div>')
     drawn = sum(is_drawn(n) for n in gp.gm.graph.nodes)
     total = len(gp.gm.graph.nodes)
     if drawn <= NODE_CAP:
@@ -189,6 +197,7 @@ table.summary th, table.summary td { padding:5px 8px; border-bottom:1px solid va
   vertical-align:top; white-space:nowrap; }
 table.summary th:nth-child(-n+3), table.summary td:nth-child(-n+3) { text-align:left; }
 table.summary th { background:#f0f3f8; font-weight:600; color:#344054; }
+table.summary td.what { text-align:left; color:#475467; }
 table.node-table { font-size:11.5px; width:100%; }
 table.node-table th { position:sticky; top:0; background:#f0f3f8; text-align:left; padding:3px 6px; }
 table.node-table td { padding:2px 6px; border-bottom:1px solid #eef1f5; white-space:nowrap; }

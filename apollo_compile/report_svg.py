@@ -20,7 +20,7 @@ import torch.fx
 from . import dump
 from .annotations import info
 from .plan import GraphPlan
-from .report import dominant_modality, format_bytes, largest_ops, predicted_timeline
+from .report import dominant_modality, format_bytes, format_flops, largest_ops, op_cost, predicted_timeline
 
 __all__ = ["GREY", "arena_svg", "is_drawn", "node_layout", "node_svg", "slug", "subgraph_svg", "timeline_svg"]
 
@@ -236,7 +236,8 @@ def arena_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
 
 def subgraph_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
     """Subgraphs as boxes (columns = longest-path layer of the DAG, rows = lanes), with their
-    node counts and largest ops; arrows are DAG edges, dashed where they cross lanes (a wait)."""
+    node counts and top ops (:func:`~apollo_compile.report.largest_ops`, each with the FLOPs or
+    bytes that set its roofline time); arrows are DAG edges, dashed where they cross lanes (a wait)."""
     lp = gp.lanes
     layer: dict[int, int] = {}
     for sg_id in lp.order:
@@ -290,9 +291,11 @@ def subgraph_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
             yy = y + 52 + 15 * i
             out.append(_glyph(n, x + 14, yy - 4, 4.5, colors.get(info(n).modality or "", GREY), gname + "-box"))
             op = dump.format_target(n)
-            op = op if len(op) <= 22 else op[:21] + "…"
+            op = op if len(op) <= 19 else op[:18] + "…"
             out.append(_text(x + 24, yy, op, "sg-op"))
-            out.append(_text(x + box_w - 8, yy, f"{info(n).est_us:.1f} µs", "sg-op num", "end"))
+            # est_us reads the launch floor on a small model: show what ranks the op (largest_ops)
+            cost = format_flops(info(n).flops) if info(n).bound == "compute" else format_bytes(info(n).bytes)
+            out.append(_text(x + box_w - 8, yy, cost, "sg-op num", "end", f' data-cost="{_esc(op_cost(n))}"'))
         out.append("</g>")
     out.append(f'<defs><marker id="arrow-sg-{gname}" viewBox="0 0 8 8" refX="7" refY="4" markerWidth="6" '
                f'markerHeight="6" orient="auto"><path d="M0,0 L8,4 L0,8 z" class="arrowhead"/></marker></defs>')

@@ -116,6 +116,20 @@ def test_an_apollo_option_passed_as_a_model_input_says_options():
         apollo_compile.explain(TwoTower(), *two_tower_inputs(), subgraph_compiler="eager")
 
 
+def test_an_apollo_option_into_a_forward_that_takes_kwargs_warns():
+    class TakesKwargs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x, **kwargs):
+            return self.lin(x).mean()
+
+    with pytest.warns(UserWarning, match="'max_lanes' is an apollo option"):
+        report = apollo_compile.explain(TakesKwargs(), torch.randn(4, 8), max_lanes=1, options=EAGER)
+    assert report.ran_backward
+
+
 def test_cli_builds_keyword_inputs(tmp_path, capsys):
     script = tmp_path / "build_kw.py"
     script.write_text(textwrap.dedent("""

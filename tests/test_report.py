@@ -3,6 +3,7 @@ headless Chromium when one is installed), the Chrome trace and the command line.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -17,10 +18,10 @@ import torch
 
 import apollo_compile
 from apollo_compile import pipeline
-from apollo_compile import report_html
+from apollo_compile import dump, report_html
 from apollo_compile.annotations import info
 from apollo_compile.cli import load_function, parse_option
-from apollo_compile.report import predicted_timeline
+from apollo_compile.report import TOP_OPS_RANKING, describe_candidate, largest_ops, predicted_timeline
 from apollo_compile.report_svg import node_layout
 from models import MLP, GraphBreakModel, TwoTower, two_tower_inputs
 
@@ -137,6 +138,47 @@ def test_fallback_reason_is_reported(monkeypatch):
     assert "no plan today" in page and "No lane plan for this graph" in page
 
 
+def test_top_ops_discriminate_at_the_launch_floor(h200_report):
+    """On a small model planned for an H200 every op's estimate sits near the launch floor (2.0 µs);
+    the top ops are ranked by the roofline time past it, then FLOPs, then bytes, and show the FLOPs
+    or bytes that rank them instead of µs that all read the same."""
+    fw = h200_report.graphs[0]
+    for sg in fw.lanes.subgraphs:
+        top = largest_ops(sg.nodes, 3)
+        keys = [(info(n).est_us, info(n).flops, info(n).bytes) for n in top]
+        assert keys == sorted(keys, reverse=True)
+        rest = [n for n in sg.nodes if info(n).bound in ("compute", "memory") and n not in top]
+        assert all(info(n).est_us <= info(top[-1]).est_us for n in rest)
+    ops = largest_ops(fw.gm.graph.nodes, 5)
+    ests = [info(n).est_us for n in ops]
+    assert max(ests) < 1.15 * min(ests), "the model should sit near the launch floor for this test to mean much"
+    assert dump.format_target(ops[0]).startswith(("convolution", "addmm", "mm", "bmm")), ops[0]
+    page = h200_report.to_html()
+    assert TOP_OPS_RANKING in page and _has_class(page, "top-ops-ranking")
+    labels = re.findall(r'class="sg-op num" data-cost="[^"]*">([^<]*)<', page)
+    assert labels and not any(label.endswith("µs") for label in labels) and len(set(labels)) > 1, labels
+    assert any(label.endswith("FLOP") for label in labels) and any(label.endswith("B") for label in labels)
+    text = str(h200_report)
+    assert f"top ops ({TOP_OPS_RANKING}):" in text
+    line = next(x for x in text.splitlines() if x.startswith(f"  {fw.name}") and "[sg " in x)
+    assert line.split()[1] == ops[0].name and "FLOP" in line
+
+
+def test_candidate_names_and_the_measured_column_are_explained(h200_report):
+    assert describe_candidate("quota:1=56,2=8") == "lane 1 on 56 SMs; lane 2 on 8 SMs; lane 0 on the rest"
+    assert describe_candidate("one_lane") and describe_candidate("lanes")
+    page = h200_report.to_html()
+    for cls in ("candidate-names", "measured-note"):
+        assert _has_class(page, cls), cls
+    assert "quota:LANE=SMS" in page and "one_lane: every subgraph on the caller&#x27;s stream" in page
+    assert "measured ms (GPU)" in page and "fills in on a CUDA device only" in page and "on CPU it stays empty" in page
+    names = [c.name for c in h200_report.graphs[0].decisions["quotas"].candidates]
+    for name in names:
+        assert f'<td class="what">{html.escape(describe_candidate(name))}</td>' in page
+    text = " ".join(str(h200_report).split())
+    assert "quota:LANE=SMS" in text and "measured fills in on a CUDA device only" in text
+
+
 # ---- HTML ------------------------------------------------------------------------------------
 
 
@@ -248,7 +290,7 @@ def test_cli_report_in_a_subprocess(tmp_path):
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "frame0_0_forward" in proc.stdout and "frame0_0_backward" in proc.stdout
-    lanes = [line for line in proc.stdout.splitlines() if line.startswith("  frame0_0_")]
+    lanes = [line for line in proc.stdout.splitlines() if line.startswith("  frame0_0_") and " lane 0:" in line]
     assert len(lanes) == 2 and all("lane 0: fusion, text" in line and "vision" in line for line in lanes), lanes
     assert "lane 1:" not in proc.stdout  # max_lanes=1 took effect
     assert 'id="graph-frame0_0_forward"' in out.read_text(encoding="utf-8")
