@@ -1,20 +1,39 @@
 """What kind of op an FX node is: the facts every pass asks about a node, decided once.
 
 Passes import these instead of keeping their own name lists, so "is this a matmul" has one answer
-across the cost model, the checkpoint planner and the performance model.
+across the cost model, the checkpoint planner and the performance model; "is this a view", "does
+it draw random numbers" and "how many bytes is it" one answer across checkpointing and offloading.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
+import torch
 import torch.fx
+
+from .shapes import concrete_numel
+
+__all__ = ["deterministic_attention", "input_nodes", "is_library_kernel", "is_library_kernel_name", "is_random",
+           "is_view", "nbytes", "node_tensors", "op_name", "storage_node", "tensors"]
 
 # Library kernels (cuBLAS, cuDNN, attention): they read and write whole buffers and run at the
 # matmul peak. Matched on the op name without its overload; convolutions and attention by substring
 # (convolution_backward, _scaled_dot_product_flash_attention, flex_attention, ...).
 _MATMUL_NAMES = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
                            "vdot", "_scaled_mm", "_int_mm"})
+# Ops that draw random numbers, by op name, beyond the ``nondeterministic_seeded`` tag.
+_RANDOM_NAMES = frozenset({
+    "native_dropout", "dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint",
+    "randint_like", "randperm", "normal", "normal_", "uniform", "uniform_", "exponential", "exponential_",
+    "geometric", "cauchy", "log_normal", "multinomial", "poisson", "rrelu_with_noise", "_fused_dropout",
+    "philox_rand", "run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state",
+    "_standard_gamma", "_sample_dirichlet", "binomial",
+})
+
+
+# ---------------------------------------------------------------------------- names and op classes
 
 
 def op_name(target: Any) -> str:
@@ -39,3 +58,122 @@ def is_library_kernel_name(name: str) -> bool:
 def is_library_kernel(node: torch.fx.Node) -> bool:
     """A matmul, convolution or attention node."""
     return node.op == "call_function" and is_library_kernel_name(op_name(node))
+
+
+def _partitioner_views() -> frozenset:
+    try:
+        from torch._functorch.partitioners import get_default_op_list
+
+        return frozenset(get_default_op_list().view_ops)
+    except Exception:  # pragma: no cover - private API moved
+        return frozenset()
+
+
+_PARTITIONER_VIEWS = _partitioner_views()
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """Aliases its input (our view rule and the min-cut partitioner's): recomputing it is free.
+
+    (The cost pass's free nodes are a wider set: they also count detaches and metadata ops.)"""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    if getattr(node.target, "is_view", False) is True:
+        return True
+    packet = getattr(node.target, "overloadpacket", node.target)
+    try:
+        return packet in _PARTITIONER_VIEWS or op_name(node) in ("_unsafe_view", "_reshape_alias")
+    except TypeError:
+        return False
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """An op that draws random numbers: recomputing it would draw a different mask."""
+    if node.op != "call_function":
+        return False
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        # attention carries the tag for its dropout_p, even at 0 (see deterministic_attention)
+        return not deterministic_attention(node)
+    name = op_name(node)
+    namespace = getattr(node.target, "namespace", "")
+    return name in _RANDOM_NAMES or "rng" in name or "philox" in name or namespace in ("rngprims",)
+
+
+def deterministic_attention(node: torch.fx.Node) -> bool:
+    """An attention op (flash, efficient, cuDNN, CPU flash) called with ``dropout_p == 0``.
+
+    It carries the random tag for its dropout, but at 0 its kernels draw no random numbers (the
+    rng outputs are placeholders), so re-running it gives the forward's values. Recomputable, it
+    lets the checkpoint planner's block plan (``recompute_planner.Planner.block_plan``) save only
+    block inputs: kept, every block's q, k, v, output and logsumexp were a floor no budget went
+    under (0.108 of the base CLIP's plain peak on the H200)."""
+    if not isinstance(node.target, torch._ops.OpOverload) or "attention" not in op_name(node):
+        return False
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return isinstance(p, (int, float)) and p == 0
+    return False
+
+
+# ---------------------------------------------------------------------------- values and bytes
+
+
+def tensors(val: Any) -> list[torch.Tensor]:
+    """The tensors in a meta value: a tensor, nested tuples/lists/dicts of them, or anything else
+    (none)."""
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [t for y in val for t in tensors(y)]
+    if isinstance(val, dict):
+        return [t for y in val.values() for t in tensors(y)]
+    return []
+
+
+def node_tensors(node: torch.fx.Node) -> list[torch.Tensor]:
+    """The tensors a node's ``meta["val"]`` is, as a value the backward may save: a tensor or
+    nested tuples/lists of them. A dict-valued node (a Triton kernel's functional wrapper) is none:
+    its getitems are the values."""
+
+    def walk(x: Any) -> list[torch.Tensor]:
+        if isinstance(x, torch.Tensor):
+            return [x]
+        if isinstance(x, (list, tuple)):
+            return [t for y in x for t in walk(y)]
+        return []
+
+    return walk(node.meta.get("val"))
+
+
+def nbytes(node: torch.fx.Node) -> int:
+    """Bytes of the tensor(s) a node produces (:func:`node_tensors`, symbolic sizes at their hints)."""
+    total = 0
+    for t in node_tensors(node):
+        total += concrete_numel(t) * t.element_size()
+    return total
+
+
+def storage_node(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose output a value's storage is: views lead to their base, graph inputs to themselves."""
+    seen = 0
+    while seen < 10_000:
+        seen += 1
+        if is_view(node):
+            base = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
+            if base is None:
+                return node
+            node = base
+        elif node.target is operator.getitem and is_view(node.args[0]):  # a piece of split/unbind
+            node = node.args[0]
+        else:
+            return node
+    return node
+
+
+def input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Distinct input nodes in argument order (args, then kwargs)."""
+    seen: dict[torch.fx.Node, None] = {}
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: seen.setdefault(n, None))
+    return list(seen)

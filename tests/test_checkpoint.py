@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning, pipeline
 from apollo_compile.devices import DEVICE_SPECS
+from apollo_compile.nodes import is_library_kernel
 from apollo_compile.options import ApolloOptions
 from apollo_compile.passes import checkpoint
 from helpers import assert_trains_like_eager
@@ -418,7 +419,7 @@ def test_a_fused_recompute_chain_is_rerun_whole_at_its_first_use(monkeypatch):
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
     planner = checkpoint._Planner(gm, checkpoint._num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False,
                                   fuses_pointwise=True)
-    pointwise = {o for o in planner.cost if checkpoint._recomputable(o) and not checkpoint._extern(o)}
+    pointwise = {o for o in planner.cost if checkpoint._recomputable(o) and not is_library_kernel(o)}
     saved, rerun = planner.close(pointwise)
     group = planner.fused(rerun)
     residual = [o for o in rerun if o.target is torch.ops.aten.add.Tensor and checkpoint._block_of(o) is not None

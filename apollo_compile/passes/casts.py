@@ -92,6 +92,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..annotations import KEY, info
+from ..nodes import input_nodes
 from ..shapes import concrete_numel as _numel
 from ..shapes import concrete_shape as _shape
 
@@ -227,12 +228,6 @@ def _promote(entries: list[tuple[torch.dtype, int]]) -> torch.dtype:
     return functools.reduce(torch.promote_types, dims)
 
 
-def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
-    seen: dict[torch.fx.Node, None] = {}
-    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: seen.setdefault(n, None))
-    return list(seen)
-
-
 def _storage(node: Any) -> Any:
     """A weak reference to the storage of a node's example value (views share it), else None."""
     val = _val(node)
@@ -318,7 +313,7 @@ def _einsum_flops(args: list[Any]) -> int | None:
 
 def _roofline_us(node: torch.fx.Node, flops: int, spec: Any) -> float:
     nbytes = 0
-    for t in (*(_val(n) for n in _input_nodes(node)), _val(node)):
+    for t in (*(_val(n) for n in input_nodes(node)), _val(node)):
         if isinstance(t, torch.Tensor):
             nbytes += _numel(t) * t.element_size()
     peak = spec.peak_flops(torch.float32, matmul=True)
@@ -371,7 +366,7 @@ class _Rewriter:
         return self.new.get(node, self.orig.get(node))
 
     def float_inputs(self, node: torch.fx.Node) -> list[torch.fx.Node]:
-        return [n for n in _input_nodes(node) if _float(self.dtype(n))]
+        return [n for n in input_nodes(node) if _float(self.dtype(n))]
 
     def cast(self, src: torch.fx.Node, dtype: torch.dtype, user: torch.fx.Node) -> None:
         """Make `user` read `src` in `dtype`, through the cached cast of `src` or a new one."""
@@ -514,7 +509,7 @@ class _Rewriter:
     def outputs(self, output: torch.fx.Node) -> int:
         """Cast returned values back to their original dtypes; the number of casts made."""
         count = 0
-        for n in _input_nodes(output):
+        for n in input_nodes(output):
             if isinstance(self.orig.get(n), torch.dtype) and self.dtype(n) != self.orig[n]:
                 self.cast(n, self.orig[n], output)
                 count += 1

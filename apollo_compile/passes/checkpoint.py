@@ -147,7 +147,8 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..annotations import info
-from ..shapes import concrete_numel
+from ..nodes import (deterministic_attention, is_library_kernel, is_random, is_view, nbytes, node_tensors,
+                     storage_node)
 from ..tracing import fw_metadata
 from . import modality
 from .cost import node_cost
@@ -160,15 +161,6 @@ GLOBAL = "*"  # the constraint key of a budget over all modalities
 MEMORY_BOUND_FIRST = True  # order rule 2's tiers; False: bytes freed per microsecond alone
 _EXPAND_ROUNDS = 3
 _RELAX_MISSES = 8  # relax(): refusals in a row before it stops trying (each try is one simulation)
-_HEAVY_NAMES = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
-                          "vdot", "_scaled_mm"})
-_RANDOM_NAMES = frozenset({
-    "native_dropout", "dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint",
-    "randint_like", "randperm", "normal", "normal_", "uniform", "uniform_", "exponential", "exponential_",
-    "geometric", "cauchy", "log_normal", "multinomial", "poisson", "rrelu_with_noise", "_fused_dropout",
-    "philox_rand", "run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state",
-    "_standard_gamma", "_sample_dirichlet", "binomial",
-})
 
 
 @dataclass
@@ -205,68 +197,6 @@ class CheckpointDecision:
 # ---------------------------------------------------------------------------- node kinds
 
 
-def _op_name(node: torch.fx.Node) -> str:
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None:
-        return schema.name.split("::")[-1]
-    return getattr(node.target, "__name__", str(node.target))
-
-
-def _partitioner_views() -> frozenset:
-    try:
-        from torch._functorch.partitioners import get_default_op_list
-
-        return frozenset(get_default_op_list().view_ops)
-    except Exception:  # pragma: no cover - private API moved
-        return frozenset()
-
-
-_PARTITIONER_VIEWS = _partitioner_views()
-
-
-def is_view(node: torch.fx.Node) -> bool:
-    """Aliases its input (our view rule and the partitioner's): recomputing it is free."""
-    if node.op != "call_function" or node.target is operator.getitem:
-        return False
-    if getattr(node.target, "is_view", False) is True:
-        return True
-    packet = getattr(node.target, "overloadpacket", node.target)
-    try:
-        return packet in _PARTITIONER_VIEWS or _op_name(node) in ("_unsafe_view", "_reshape_alias")
-    except TypeError:
-        return False
-
-
-def is_random(node: torch.fx.Node) -> bool:
-    """An op that draws random numbers: recomputing it would draw a different mask."""
-    if node.op != "call_function":
-        return False
-    tags = getattr(node.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags:
-        # attention carries the tag for its dropout_p, even at 0 (see deterministic_attention)
-        return not deterministic_attention(node)
-    name = _op_name(node)
-    namespace = getattr(node.target, "namespace", "")
-    return name in _RANDOM_NAMES or "rng" in name or "philox" in name or namespace in ("rngprims",)
-
-
-def deterministic_attention(node: torch.fx.Node) -> bool:
-    """An attention op (flash, efficient, cuDNN, CPU flash) called with ``dropout_p == 0``.
-
-    It carries the random tag for its dropout, but at 0 its kernels draw no random numbers (the
-    rng outputs are placeholders), so re-running it gives the forward's values. Recomputable, it
-    lets the block plan (:meth:`_Planner.block_plan`) save only block inputs: kept, every block's
-    q, k, v, output and logsumexp were a floor no budget went under (0.108 of the base CLIP's
-    plain peak on the H200)."""
-    if not isinstance(node.target, torch._ops.OpOverload) or "attention" not in _op_name(node):
-        return False
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name == "dropout_p":
-            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
-            return isinstance(p, (int, float)) and p == 0
-    return False
-
-
 @contextlib.contextmanager
 def attention_recomputed_as_is():
     """Partition with deterministic attention recomputed as it is.
@@ -301,17 +231,11 @@ def _recomputable(node: torch.fx.Node) -> bool:
         return False  # higher-order ops, Python functions on SymInts
     if node.target._schema.is_mutable or node.target.namespace == "_c10d_functional":
         return False
-    return bool(_tensors(node.meta.get("val")))
+    return bool(node_tensors(node))
 
 
 def _heavy(node: torch.fx.Node, bound: str) -> bool:
-    return bound == "compute" or _extern(node)
-
-
-def _extern(node: torch.fx.Node) -> bool:
-    """A library kernel (matmul, convolution, attention): it reads and writes whole buffers."""
-    name = _op_name(node)
-    return name in _HEAVY_NAMES or "convolution" in name or "attention" in name
+    return bound == "compute" or is_library_kernel(node)
 
 
 def _materialized(op: torch.fx.Node) -> bool:
@@ -319,7 +243,7 @@ def _materialized(op: torch.fx.Node) -> bool:
     when it is re-run: a library kernel's output, or an input of one (directly or through views
     and getitems). Pointwise and reduction work that only feeds fused kernels is recomputed inside
     them. (Inductor may still realize a value read by many kernels: the prediction is a model.)"""
-    if _extern(op):
+    if is_library_kernel(op):
         return True
     stack, seen = list(op.users), set()
     while stack:
@@ -331,7 +255,7 @@ def _materialized(op: torch.fx.Node) -> bool:
             continue
         if u.target is operator.getitem or is_view(u):
             stack.extend(u.users)
-        elif _extern(u):
+        elif is_library_kernel(u):
             return True
     return False
 
@@ -345,39 +269,6 @@ def _block_of(node: torch.fx.Node) -> str | None:
     parts = path.split(".")
     first = next((i for i, part in enumerate(parts) if part.isdigit()), None)
     return ".".join(parts[:first + 1]) if first is not None else None
-
-
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
-    return []
-
-
-def nbytes(node: torch.fx.Node) -> int:
-    """Bytes of the tensor(s) a node produces (symbolic sizes at their hints)."""
-    total = 0
-    for t in _tensors(node.meta.get("val")):
-        total += concrete_numel(t) * t.element_size()
-    return total
-
-
-def storage_node(node: torch.fx.Node) -> torch.fx.Node:
-    """The node whose output a value's storage is: views lead to their base, graph inputs to themselves."""
-    seen = 0
-    while seen < 10_000:
-        seen += 1
-        if is_view(node):
-            base = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
-            if base is None:
-                return node
-            node = base
-        elif node.target is operator.getitem and is_view(node.args[0]):  # a piece of split/unbind
-            node = node.args[0]
-        else:
-            return node
-    return node
 
 
 # ---------------------------------------------------------------------------- graph facts
@@ -493,7 +384,7 @@ class _Planner:
         out: dict[torch.fx.Node, None] = {}
         for n in nodes:
             v = storage_node(n)
-            if v.op != "placeholder" and (v in self.fw or not fw_only) and _tensors(v.meta.get("val")):
+            if v.op != "placeholder" and (v in self.fw or not fw_only) and node_tensors(v):
                 out.setdefault(v, None)
         return list(out)
 
@@ -560,7 +451,7 @@ class _Planner:
         (groups of two or more only). Inductor fuses such a chain whole and schedules it before
         its first reader, so the group is re-run at once (NOTE: Fused recompute)."""
         members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-        for o, r in self._components([o for o in rerun if not _extern(o)], lambda p, o: True).items():
+        for o, r in self._components([o for o in rerun if not is_library_kernel(o)], lambda p, o: True).items():
             members.setdefault(r, []).append(o)
         return {o: group for group in members.values() if len(group) > 1 for o in group}
 
@@ -750,7 +641,7 @@ class _Planner:
             return self.cost[o][0] / max(1, sum(self.nb(v) for v in self.values.get(o, ())))
 
         misses = 0
-        for o in sorted((o for o in rerun if _extern(o)), key=lambda o: (-time_per_byte(o), self.order[o])):
+        for o in sorted((o for o in rerun if is_library_kernel(o)), key=lambda o: (-time_per_byte(o), self.order[o])):
             if o not in state[0]:
                 continue  # no longer re-run: what read it is saved now
             trial_saved, trial_rerun = self.close(state[0] - {o})
@@ -998,7 +889,7 @@ def _tag(gm: torch.fx.GraphModule, planner: _Planner, num_fwd: int, rerun: set) 
         stack.extend(v.all_input_nodes)
     tangent_side = _tangent_closure(gm)
     for n in gm.graph.nodes:
-        if n.op != "call_function" or "recompute" in n.meta or is_random(n) or not _tensors(n.meta.get("val")):
+        if n.op != "call_function" or "recompute" in n.meta or is_random(n) or not node_tensors(n):
             continue  # a user's checkpoint tag stays; random ops come below; SymInts are min-cut's
         if n not in fw:
             mutable = isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
@@ -1039,7 +930,7 @@ def mark_saved(gm: torch.fx.GraphModule, ctx) -> dict | None:
     if n_user is None:
         n_user = meta.num_forward_returns + getattr(meta, "num_outputs_rng_offset", 0)
     n_user += len(getattr(meta, "tokens", None) or ())
-    values = [o for o in _outputs(gm)[n_user:] if isinstance(o, torch.fx.Node) and _tensors(o.meta.get("val"))]
+    values = [o for o in _outputs(gm)[n_user:] if isinstance(o, torch.fx.Node) and node_tensors(o)]
     storages: dict[torch.fx.Node, None] = {}
     for v in values:
         info(v).saved = True

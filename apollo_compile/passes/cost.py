@@ -23,8 +23,9 @@ The model, deliberately simple and deterministic:
   every tensor output (written). An expanded/strided input counts the numel of the view it is,
   not of its storage; an input used twice by the same node is read once.
 * **Symbolic sizes** use their hint (``int(s.node.hint)``), or 1 when there is none (unbacked).
-* ``intensity = flops / bytes`` (0 when bytes == 0). Matmul-like ops (mm, addmm, bmm, baddbmm,
-  convolutions, attention forward/backward, linear, matmul, ``_scaled_mm``) are rated against
+* ``intensity = flops / bytes`` (0 when bytes == 0). Library kernels
+  (:func:`apollo_compile.nodes.is_library_kernel_name`: matmuls such as mm, addmm, bmm, baddbmm,
+  linear, matmul, ``_scaled_mm``; convolutions; attention forward/backward) are rated against
   ``spec.peak_flops(dtype, matmul=True)``, everything else against ``matmul=False``; dtype is that
   of the first floating-point tensor input (else output).
   ``bound = "compute"`` if intensity >= peak / bandwidth else ``"memory"``;
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -46,6 +47,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..annotations import info
 from ..devices import DeviceSpec
+from ..nodes import input_nodes, is_library_kernel_name, op_name, tensors
 from ..shapes import concrete_int as _int
 from ..shapes import concrete_numel as _numel
 from ..shapes import concrete_shape as _shape
@@ -86,9 +88,6 @@ _MOVEMENT_NAMES = frozenset(
         "diagonal_backward", "as_strided_backward",
     }
 )
-_MATMUL_NAMES = frozenset(
-    {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot", "vdot", "_scaled_mm"}
-)
 
 
 # ---------------------------------------------------------------------------- small helpers
@@ -114,18 +113,6 @@ def _contiguous(t: torch.Tensor) -> bool:
         return True
 
 
-def _tensors(x: Any) -> Iterator[torch.Tensor]:
-    """Tensors in a meta value (tensor, nested tuple/list/dict of them, or anything else)."""
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y)
-
-
 def _val(node: torch.fx.Node) -> Any:
     """The node's meta value: ``val``, else Dynamo's ``example_value``, else a get_attr tensor."""
     if "val" in node.meta:
@@ -142,24 +129,6 @@ def _val(node: torch.fx.Node) -> Any:
         if isinstance(obj, torch.Tensor):
             return obj
     return None
-
-
-def _op_name(target: Any) -> str:
-    """'mm' for aten.mm.default, 'flex_attention' for the HOP, the name of a function or method."""
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        return schema.name.split("::")[-1]
-    if isinstance(target, str):
-        return target
-    name = getattr(target, "__name__", None)
-    return name if isinstance(name, str) else str(target)
-
-
-def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """Distinct input nodes in argument order (args, then kwargs)."""
-    seen: dict[torch.fx.Node, None] = {}
-    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: seen.setdefault(n, None))
-    return list(seen)
 
 
 def _is_free(node: torch.fx.Node, out: Any, name: str) -> bool:
@@ -182,7 +151,7 @@ def _is_free(node: torch.fx.Node, out: Any, name: str) -> bool:
     if node.op == "call_function" and not isinstance(target, torch._ops.OperatorBase):
         # Python-level functions (operator.mul on SymInts, math, sym_* helpers): free unless they
         # produce a tensor.
-        return next(_tensors(out), None) is None
+        return not tensors(out)
     return False
 
 
@@ -212,7 +181,7 @@ def _flops_extra(name: str, args: tuple, out: Any) -> int | None:
     """Formulas for matmul-like ops that flop_registry lacks; None when the op is not one of them."""
     from torch.utils import flop_counter as fc
 
-    outs = list(_tensors(out))
+    outs = tensors(out)
     out_numel = sum(_numel(t) for t in outs)
     if name in ("matmul", "dot", "vdot", "mv", "linear"):
         a = _shape_of(args[0]) if args else None
@@ -230,10 +199,6 @@ def _flops_extra(name: str, args: tuple, out: Any) -> int | None:
         g, q, k, v = (_shape_of(a) for a in args[:4])
         return int(fc.sdpa_backward_flop_count(g, q, k, v)) if g and q and k and v else None
     return None
-
-
-def _is_matmul(name: str) -> bool:
-    return name in _MATMUL_NAMES or "convolution" in name or "attention" in name
 
 
 def _flops(node: torch.fx.Node, name: str, out: Any, in_vals: list[Any]) -> int:
@@ -259,14 +224,14 @@ def _flops(node: torch.fx.Node, name: str, out: Any, in_vals: list[Any]) -> int:
         return max(0, _int(extra))
     if name in _MOVEMENT_NAMES or name.endswith("_copy") or name.endswith("_scatter"):
         return 0
-    out_numel = sum(_numel(t) for t in _tensors(out))
-    in_numel = max((_numel(t) for v in in_vals for t in _tensors(v)), default=0)
+    out_numel = sum(_numel(t) for t in tensors(out))
+    in_numel = max((_numel(t) for v in in_vals for t in tensors(v)), default=0)
     return max(out_numel, in_numel)
 
 
 def _first_float_dtype(*vals: Any) -> torch.dtype | None:
     for v in vals:
-        for t in _tensors(v):
+        for t in tensors(v):
             if t.dtype.is_floating_point:
                 return t.dtype
     return None
@@ -279,21 +244,21 @@ def node_cost(node: torch.fx.Node, spec: DeviceSpec) -> Cost:
     """(flops, bytes, intensity, bound, est_us) of one node on `spec`; never raises."""
     try:
         out = _val(node)
-        name = _op_name(node.target)
+        name = op_name(node)
         if _is_free(node, out, name):
             return _FREE
     except Exception:
         return _FREE if node.op in ("placeholder", "output", "get_attr") else (0, 0, 0.0, "memory", spec.launch_us)
 
     try:
-        in_vals = [_val(n) for n in _input_nodes(node)]
-        nbytes = sum(_nbytes(t) for v in in_vals for t in _tensors(v)) + sum(_nbytes(t) for t in _tensors(out))
+        in_vals = [_val(n) for n in input_nodes(node)]
+        nbytes = sum(_nbytes(t) for v in in_vals for t in tensors(v)) + sum(_nbytes(t) for t in tensors(out))
         flops = _flops(node, name, out, in_vals)
         dtype = _first_float_dtype(*in_vals) or _first_float_dtype(out)
     except Exception:
         return (0, 0, 0.0, "memory", spec.launch_us)
 
-    peak = spec.peak_flops(dtype, matmul=_is_matmul(name))
+    peak = spec.peak_flops(dtype, matmul=is_library_kernel_name(name))
     bw = spec.bandwidth
     intensity = flops / nbytes if nbytes else 0.0
     ridge = peak / bw if bw > 0 else math.inf

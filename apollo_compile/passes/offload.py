@@ -28,8 +28,8 @@ import torch._functorch.config
 import torch.fx
 
 from ..annotations import info
+from ..nodes import is_view, nbytes
 from ..options import ApolloOptions
-from .checkpoint import is_view, nbytes
 
 # Smaller values are left on the GPU: each transfer costs a launch and a PCIe round trip, and a
 # block's small saved values (norm statistics, attention's logsumexp) free almost nothing.
