@@ -216,7 +216,7 @@ class CudaGraphRunner:
             if self.disabled is not None and self.capture_refused is None and hasattr(e, "add_note"):
                 e.add_note(f"apollo: {self.name} runs without its CUDA graph because its capture failed "
                            f"({self.disabled[:120]}), beside the graph pool its family keeps, whose free memory "
-                           "this run cannot use (cudagraph.py, NOTE: A capture needs headroom). Once this "
+                           "this run cannot use (runtime/graph_pool.py, NOTE: A capture needs headroom). Once this "
                            "step's tensors are gone the family runs without its graphs; cudagraphs=False "
                            "trains this size that way from the start.")
             raise
@@ -400,7 +400,7 @@ class CudaGraphRunner:
         if len(self.candidates) == 1:
             return next(iter(self.candidates))
         strategy = self.strategy if self.strategy is not None else in_effect()
-        graph = self._facts()
+        graph = self.facts()
         pick = strategy.unmeasured(graph)
         if pick is not None:
             chosen, why = pick
@@ -422,8 +422,8 @@ class CudaGraphRunner:
                              f"({', '.join(self.candidates)})")
         return chosen
 
-    def _facts(self) -> GraphFacts:
-        """What the strategy is told of this graph."""
+    def facts(self) -> GraphFacts:
+        """What its strategy is told of this graph when it chooses (at its capture)."""
         return GraphFacts(self.name, self.kind, tuple(self.candidates), self.max_memory_ratio,
                           will_donate=self._will_donate(), forward_chosen=self.family.forward_chosen,
                           memory_first=self._memory_first_one_lane())
@@ -469,10 +469,10 @@ class CudaGraphRunner:
                                    budget and self._will_donate(), self.family.backward_donates)
 
     def _capture_refused(self) -> str | None:
-        """Why this graph is not captured, or None (NOTE: A capture needs headroom). The forward
-        decides for its family, at the memory its first step used; its backward follows, since a
-        backward run un-graphed beside the forward's pool, or captured after an un-graphed
-        forward, needs memory the first step did not."""
+        """Why this graph is not captured, or None (graph_pool.py, NOTE: A capture needs headroom).
+        The forward decides for its family, at the memory its first step used; its backward
+        follows, since a backward run un-graphed beside the forward's pool, or captured after an
+        un-graphed forward, needs memory the first step did not."""
         if self.kind == "backward":
             return self.family.capture_refused
         why = None
