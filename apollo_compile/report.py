@@ -438,10 +438,11 @@ CANDIDATE_NAMES = ("one_lane: every subgraph on the caller's stream, in launch o
                    "lanes: the lane plan, each side lane on a CUDA stream of its own, no SM limit; "
                    "quota:LANE=SMS,...: the lane plan with each listed side lane held to SMS streaming "
                    "multiprocessors (a green context), lane 0 (the caller's stream) on the SMs they leave")
-MEASURED_NOTE = ("measured fills in on a CUDA device only: from the graph's second call the CUDA-graph runner "
-                 "captures every candidate, times its replays and replays the fastest; explain() runs one step, "
-                 "so there and on CPU it stays empty (-); Report(apollo_compile.plans()) after a few training "
-                 "steps on a GPU shows it while the compiled model lives")
+MEASURED_NOTE = ("measured fills in on a CUDA device only: on the graph's second call the CUDA-graph runner "
+                 "captures each candidate, times its replays and keeps one (the fastest that beats one stream; "
+                 "under a memory budget one_lane, unmeasured); explain() runs one step, so there and on CPU it "
+                 "stays empty (-); Report(apollo_compile.plans()) after a few training steps on a GPU shows it "
+                 "while the compiled model lives")
 
 
 def describe_candidate(name: str) -> str:
