@@ -26,6 +26,7 @@ class NodeInfo:
     intensity: float = 0.0  # FLOP per byte
     bound: str = "-"  # "compute", "memory", or "-" for views, placeholders, outputs
     est_us: float = 0.0  # roofline estimate on the planned device
+    library: bool = False  # a matmul, convolution or attention kernel (apollo_compile.nodes.is_library_kernel)
     # casts pass (on the Dynamo graph, carried to ATen nodes through meta["custom"])
     cast: str | None = None  # this node is a cast apollo inserted, to this dtype ("bf16", ...)
     # checkpoint pass

@@ -3,7 +3,10 @@
 Reads  ``node.meta["val"]`` (FakeTensor, a tuple/list of them, SymInt, or None; Dynamo's
        ``meta["example_value"]`` and get_attr tensors are used when ``val`` is missing).
 Writes the cost fields of :class:`apollo_compile.annotations.NodeInfo` (``node.meta["apollo"]``):
-       ``flops``, ``bytes``, ``intensity``, ``bound``, ``est_us``.
+       ``flops``, ``bytes``, ``intensity``, ``bound``, ``est_us``, and ``library``: the op class,
+       labelled once here (:func:`apollo_compile.nodes.is_library_kernel`) for the passes after
+       it. :func:`node_cost` stands alone: the checkpoint pass costs joint-graph nodes, which this
+       pass never sees.
 
 The model, deliberately simple and deterministic:
 
@@ -47,7 +50,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..annotations import info
 from ..devices import DeviceSpec
-from ..nodes import input_nodes, is_library_kernel_name, op_name, tensors
+from ..nodes import input_nodes, is_library_kernel, is_library_kernel_name, op_name, tensors
 from ..shapes import concrete_int as _int
 from ..shapes import concrete_numel as _numel
 from ..shapes import concrete_shape as _shape
@@ -277,6 +280,7 @@ def run(gm: torch.fx.GraphModule, ctx: Any) -> dict:
         flops, nbytes, intensity, bound, est_us = node_cost(node, spec)
         ann = info(node)
         ann.flops, ann.bytes, ann.intensity, ann.bound, ann.est_us = flops, nbytes, intensity, bound, est_us
+        ann.library = is_library_kernel(node)
         summary["flops"] += flops
         summary["bytes"] += nbytes
         summary["est_us"] += est_us
