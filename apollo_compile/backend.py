@@ -119,6 +119,7 @@ def compile_graph(
     forward = model_plan.graphs.get("forward")
     if kind == "backward" and forward is not None:
         ctx.forward_modalities = {n.name: info(n).modality for n in forward.gm.graph.nodes if n.op != "output"}
+        ctx.forward_inputs = [info(n).modality for n in forward.gm.graph.nodes if n.op == "placeholder"]
     graph_plan = GraphPlan(graph_name, kind, spec.name, gm, ctx.decisions)
     if kind == "forward":
         graph_plan.checkpoint = model_plan.joint.get("checkpoint")

@@ -118,7 +118,10 @@ def assign_lanes(nodes: list[torch.fx.Node], max_lanes: int | None) -> tuple[dic
             feeders[m] = set()
         for arg in n.all_input_nodes:
             am = info(arg).modality
-            if arg.op in COMPUTE_OPS and am not in (m, FUSION):
+            # a gradient reading a forward value (saved, recomputed, or in the same whole-step
+            # graph) reads it like an input: a tower's gradient reading the other tower's
+            # features (the logits' gradient) is no chain
+            if arg.op in COMPUTE_OPS and am not in (m, FUSION) and info(arg).backward >= info(n).backward:
                 feeders[m].add(am)
     # chain merging: a modality fed by exactly one other continues on its lane, when it is that
     # modality's only such follower

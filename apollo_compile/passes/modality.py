@@ -1,47 +1,68 @@
-"""Modality pass: label every node with the modality (tower) it belongs to.
+"""Modality pass: label every node with the tower (modality) it belongs to, from the dataflow.
 
-Reads ``nn_module_stack`` (forward, and forward ops recomputed in the backward) and
-``fwd_nn_module_stack`` (backward ops) that Dynamo and AOTAutograd leave in ``node.meta``.
-Writes ``NodeInfo.modality`` and ``NodeInfo.recomputed``.
+Reads the graph's edges, which inputs are parameters (AOTAutograd's static inputs), the backward
+marks AOTAutograd leaves (``autograd_backward``, ``partitioner_tag``), and, for display names and
+the ``modalities`` option only, the module paths in ``nn_module_stack`` / ``fwd_nn_module_stack``.
+Writes ``NodeInfo.modality``, ``NodeInfo.backward``, ``NodeInfo.recomputed`` and ``NodeInfo.cast``.
 
-Rules, in order:
-0. In a backward, a value the forward computed (a saved activation, an op recomputed under a
+A tower is what the graph says it is, so the same plan comes out whether the user compiles the
+module, a wrapper around it, a function that calls a global model, or the whole training step:
+
+1. **Forward** (forward graphs, inference graphs, the forward part of a whole-step or joint graph):
+   a node belongs to the towers whose *data inputs* (non-parameter tensor inputs: pixels, tokens)
+   reach it. One input: that input's tower; several: a join, ``fusion`` (the contrastive loss,
+   a cross-attention layer). A serial chain (embeddings -> encoder -> projection) is one tower.
+   An input whose own region holds no library kernel (matmul, convolution, attention: an
+   attention mask, position or token-type ids) is not a tower of its own: it is absorbed into the
+   towers it meets, else two lanes would join at the first attention layer.
+2. **Backward** (backward graphs, the backward part of a whole-step or joint graph): a node
+   belongs to the towers whose *parameter gradients* it reaches (reverse reachability from the
+   gradient outputs); several: a join (the loss's gradient, the logits' gradient). A gradient
+   output's tower is its parameter's: by position in a backward or joint graph (output i is the
+   gradient of forward input i), else the input it is allocated like (``copy(empty_like(p), g)``,
+   a whole step's new ``.grad``) or the input it updates, else the forward activation its last
+   library kernel reads.
+3. In a backward, a value the forward computed (a saved activation, an op recomputed under a
    memory budget) keeps the label the forward gave it, found by node name (the partitioner keeps
    the joint graph's names). Labelling it afresh would see only backward users: with the
-   contrastive loss recomputed from the saved logits, nothing in the loss region has a module path
-   or a labelled input, the whole region took one tower's label from its users, and the other
-   tower's gradients waited for that tower's lane (the H200 ran lanes no faster than one stream).
-1. A node that ran inside a submodule takes that submodule's modality: with the ``modalities``
-   option, the name of the longest matching module-path prefix; without it, the name of the
-   top-level submodule (``vision``, ``text``, ...). A path no prefix matches gets no seed.
-2. A node without a seed takes the modality of its inputs; when they disagree it is a join,
-   labelled ``fusion`` (the contrastive loss, a cross-attention layer).
-3. Whatever is still unlabelled (parameters, inputs, saved activations, tangents, constants)
-   takes the modality of its users, again ``fusion`` when they disagree.
+   contrastive loss recomputed from the saved logits, the whole loss region took one tower's label
+   and the other tower's gradients waited for that tower's lane (H200: lanes no faster than one
+   stream).
+4. Whatever is still unlabelled takes the label of its inputs, then of its users (parameters,
+   constants, a mask's preprocessing), ``fusion`` where they disagree.
+
+A tower's name is for people: the longest module path its forward nodes share (less the prefix
+every tower shares, ``model.`` under a wrapper), e.g. ``vision`` or ``vision_model``; else the
+module most of its nodes ran in; else its input's name. With the ``modalities`` option
+(module-path prefix -> name) the module paths decide instead, as the user asked: a node that ran
+in a named module takes that name, the others follow rule 4.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import re
 from collections import Counter
-from typing import Mapping
+from typing import Iterable, Mapping
 
+import torch
 import torch.fx
 
 from ..annotations import FUSION, KEY, info
+from ..nodes import is_library_kernel
+from ..tracing import fw_metadata
 from . import casts
 
 _SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
+_ROOT = re.compile(r"^(?:[LG]\[['\"][^'\"\]]+['\"]\]|L__self__|self)")
+COMPUTE = ("call_function", "call_method", "call_module")
 
 
 def module_path(stack_entry: str) -> str:
-    """``"L['self'].vision.blocks[0]"`` -> ``"vision.blocks.0"``: a plain dotted module path."""
-    path = stack_entry
-    for root in ("L['self']", 'L["self"]', "L__self__", "self"):
-        if path.startswith(root):
-            path = path[len(root):]
-            break
+    """``"L['self'].vision.blocks[0]"`` -> ``"vision.blocks.0"``: a plain dotted module path below
+    the compiled root, whatever the root is called (``L['self']``, ``L['s']``, ``G['model']``)."""
+    path = _ROOT.sub("", stack_entry, count=1)
     path = _SUBSCRIPT.sub(r".\1", path).replace("._modules.", ".")
     return path.strip(".").replace("..", ".")
 
@@ -51,17 +72,12 @@ def innermost_path(node: torch.fx.Node) -> str | None:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return None
-    entries = list(stack.values())
-    entry = entries[-1]
+    entry = list(stack.values())[-1]
     return module_path(entry[0] if isinstance(entry, tuple) else str(entry))
 
 
-def modality_of_path(path: str, modalities: Mapping[str, str] | None) -> str | None:
-    """The modality a module path belongs to (see the module docstring, rule 1)."""
-    if not path:
-        return None
-    if modalities is None:
-        return path.split(".")[0]
+def modality_of_path(path: str, modalities: Mapping[str, str]) -> str | None:
+    """The name of the longest ``modalities`` prefix that `path` falls under, or None."""
     best = None
     for prefix, name in modalities.items():
         if path == prefix or path.startswith(prefix + "."):
@@ -70,37 +86,260 @@ def modality_of_path(path: str, modalities: Mapping[str, str] | None) -> str | N
     return best[1] if best else None
 
 
-def _merge(labels) -> str | None:
-    labels = {label for label in labels if label is not None}
-    if not labels:
+def _merge(labels: Iterable[str | None]) -> str | None:
+    found = {label for label in labels if label is not None}
+    if not found:
         return None
-    return labels.pop() if len(labels) == 1 else FUSION
+    return found.pop() if len(found) == 1 else FUSION
+
+
+# ---------------------------------------------------------------------------- graph facts
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    args = out.args[0]
+    return list(args) if isinstance(args, (tuple, list)) else [args]
+
+
+def _is_tensor(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def backward_nodes(gm: torch.fx.GraphModule, kind: str) -> set[torch.fx.Node]:
+    """The nodes that compute gradients: in a backward graph every op but the recomputed forward
+    ones; in a joint graph what the tangents reach; in a whole-step graph what AOTAutograd marked
+    ``autograd_backward`` and everything downstream of it (``.grad`` copies, an optimizer)."""
+    nodes = list(gm.graph.nodes)
+    if kind == "backward":
+        return {n for n in nodes if n.op in COMPUTE and n.meta.get("partitioner_tag") != "is_forward"}
+    seeds = {n for n in nodes if n.meta.get("autograd_backward")}
+    if kind == "joint":
+        seeds |= {n for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    found: set[torch.fx.Node] = set()
+    for n in nodes:  # graph order is topological: one sweep closes over users
+        if n.op == "output":
+            continue
+        if n in seeds or any(a in found for a in n.all_input_nodes):
+            found.add(n)
+    return found
+
+
+def data_inputs(gm: torch.fx.GraphModule, kind: str) -> list[torch.fx.Node]:
+    """The tensor inputs that are data, not parameters, buffers, tangents or saved values: the
+    inputs AOTAutograd does not mark static (Dynamo marks parameters and buffers static) and
+    that need no gradient. Outside an AOTAutograd compile, the inputs that need no gradient."""
+    if kind == "backward":
+        return []
+    phs = _placeholders(gm)
+    meta = fw_metadata()
+    static = set(meta.static_input_indices or ()) if meta is not None else set()
+    infos = list(meta.input_info) if meta is not None else []
+    found = []
+    for i, ph in enumerate(phs):
+        if not _is_tensor(ph) or i in static or ph.name.startswith("tangents"):
+            continue
+        requires_grad = infos[i].requires_grad if i < len(infos) else ph.meta["val"].requires_grad
+        if not requires_grad:
+            found.append(ph)
+    return found
+
+
+# ---------------------------------------------------------------------------- forward: data inputs
+
+
+def _reach(nodes: list[torch.fx.Node], seeds: dict[torch.fx.Node, int], skip: set[torch.fx.Node]
+           ) -> dict[torch.fx.Node, int]:
+    """Which seeds (bitmask) reach each node, along the graph's edges, not through `skip`."""
+    reach: dict[torch.fx.Node, int] = {}
+    for n in nodes:
+        if n in skip or n.op == "output":
+            continue
+        mask = seeds.get(n, 0)
+        for a in n.all_input_nodes:
+            mask |= reach.get(a, 0)
+        if mask:
+            reach[n] = mask
+    return reach
+
+
+def forward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.Node]
+                   ) -> tuple[dict[torch.fx.Node, int], list[torch.fx.Node]]:
+    """Rule 1: for each forward node, the towers (bitmask over the returned tower inputs) whose
+    data inputs reach it. Inputs whose own region runs no library kernel are absorbed."""
+    nodes = list(gm.graph.nodes)
+    inputs = data_inputs(gm, kind)
+    reach = _reach(nodes, {x: 1 << i for i, x in enumerate(inputs)}, backward)
+    own = {m for n, m in reach.items() if is_library_kernel(n) and m & (m - 1) == 0}
+    heavy = [x for i, x in enumerate(inputs) if (1 << i) in own] or inputs
+    if len(heavy) < len(inputs):
+        reach = _reach(nodes, {x: 1 << i for i, x in enumerate(heavy)}, backward)
+    return reach, heavy
+
+
+# ---------------------------------------------------------------------------- backward: gradients
+
+
+def _gradient_outputs(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.Node],
+                      forward_inputs: list[str | None] | None) -> list[tuple[torch.fx.Node, str | None]]:
+    """(gradient output, its parameter's tower where the graph says it by position)."""
+    outs = _outputs(gm)
+    if kind == "backward":  # output i is the gradient of the forward's input i
+        labels = forward_inputs or []
+        return [(o, labels[i] if i < len(labels) else None) for i, o in enumerate(outs)
+                if isinstance(o, torch.fx.Node)]
+    if kind == "joint":  # the forward's outputs, then one gradient per primal, in order
+        primals = [n for n in _placeholders(gm) if not n.name.startswith("tangents")]
+        grads = outs[len(outs) - len(primals):]
+        return [(o, info(p).modality) for o, p in zip(grads, primals) if isinstance(o, torch.fx.Node)]
+    return [(o, None) for o in outs if isinstance(o, torch.fx.Node) and o in backward]
+
+
+def _tower_of_gradient(out: torch.fx.Node, backward: set[torch.fx.Node]) -> str | None:
+    """A gradient output's tower from the nodes around it (see the module docstring, rule 2)."""
+    # the input it is allocated like or updates: copy(empty_like(p), g), p.grad's new value
+    stack, seen, found = [out], set(), []
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a in seen:
+                continue
+            seen.add(a)
+            if a.op == "placeholder":
+                found.append(info(a).modality)
+            elif a not in backward:
+                stack.append(a)
+    if label := _merge(found):
+        return label
+    # the forward activations the last library kernel before it reads (a weight's gradient)
+    frontier, depth = [out], 0
+    while frontier and depth < 8:
+        kernels = [n for n in frontier if is_library_kernel(n)]
+        if kernels:
+            return _merge(info(a).modality for k in kernels for a in k.all_input_nodes if a not in backward)
+        frontier = [a for n in frontier for a in n.all_input_nodes if a in backward]
+        depth += 1
+    return None
+
+
+def backward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.Node],
+                    forward_inputs: list[str | None] | None) -> dict[torch.fx.Node, str]:
+    """Rule 2: each backward node's label from the towers of the parameter gradients it reaches."""
+    sinks: dict[torch.fx.Node, set[str]] = {}
+    for out, label in _gradient_outputs(gm, kind, backward, forward_inputs):
+        label = label if label not in (None, FUSION) else _tower_of_gradient(out, backward)
+        if label is not None and label != FUSION:
+            sinks.setdefault(out, set()).add(label)
+    reached: dict[torch.fx.Node, set[str]] = {}
+    for n in reversed(list(gm.graph.nodes)):
+        if n not in backward:
+            continue
+        towers = set(sinks.get(n, ()))
+        for user in n.users:
+            towers |= reached.get(user, set())
+        if towers:
+            reached[n] = towers
+    return {n: (next(iter(t)) if len(t) == 1 else FUSION) for n, t in reached.items()}
+
+
+# ---------------------------------------------------------------------------- names
+
+
+def tower_names(nodes_of: dict[int, list[torch.fx.Node]], inputs: list[torch.fx.Node]) -> dict[int, str]:
+    """A readable, unique name per tower: its longest shared module path less the prefix all
+    towers share; else its most frequent top-level module; else its input's name."""
+    paths = {t: [p for p in (innermost_path(n) for n in ns) if p] for t, ns in nodes_of.items()}
+    common = {t: os.path.commonprefix([p.split(".") for p in ps]) if ps else [] for t, ps in paths.items()}
+    shared = os.path.commonprefix([c for c in common.values()]) if len(common) > 1 else []
+    names: dict[int, str] = {}
+    for t in sorted(nodes_of):
+        rest = common[t][len(shared):]
+        if rest:
+            name = ".".join(rest)
+        elif paths[t]:
+            depth = len(shared)
+            heads = Counter(".".join(p.split(".")[:depth + 1]) for p in paths[t] if len(p.split(".")) > depth)
+            name = heads.most_common(1)[0][0].split(".")[-1] if heads else inputs[t].name
+        else:
+            name = inputs[t].name
+        while name in names.values() or name == FUSION:
+            name += "_"
+        names[t] = name
+    return names
+
+
+# ---------------------------------------------------------------------------- the pass
+
+
+def _by_module_paths(gm: torch.fx.GraphModule, modalities: Mapping[str, str]) -> None:
+    """The ``modalities`` option: a node in a named module takes that name (rule 4 does the rest)."""
+    for node in gm.graph.nodes:
+        if node.op in COMPUTE and info(node).modality is None:
+            path = innermost_path(node)
+            if path:
+                info(node).modality = modality_of_path(path, modalities)
+
+
+def _by_dataflow(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.Node],
+                 forward_inputs: list[str | None] | None) -> None:
+    reach, inputs = forward_towers(gm, kind, backward)
+    single = {n: m.bit_length() - 1 for n, m in reach.items() if m & (m - 1) == 0}
+    nodes_of: dict[int, list[torch.fx.Node]] = {}
+    for n, t in single.items():
+        if n.op in COMPUTE:
+            nodes_of.setdefault(t, []).append(n)
+    names = tower_names(nodes_of, inputs)
+    for n, m in reach.items():
+        if info(n).modality is None and (n.op in COMPUTE or n.op == "placeholder"):
+            info(n).modality = names.get(single[n]) if n in single else FUSION
+    _fill(gm, skip=backward)  # parameters take their users' towers: gradients are named by them
+    if backward:
+        labelled = backward_towers(gm, kind, backward, forward_inputs)
+        for n in backward:
+            if n in labelled and not info(n).recomputed:
+                info(n).modality = labelled[n]
+
+
+def _fill(gm: torch.fx.GraphModule, skip: set[torch.fx.Node] = frozenset()) -> None:
+    """Rule 4: unlabelled nodes take their inputs' label, then their users' (none of `skip`)."""
+    nodes = [n for n in gm.graph.nodes if n not in skip]
+    for node in nodes:
+        ann = info(node)
+        if ann.modality is None and node.op in COMPUTE:
+            ann.modality = _merge(info(arg).modality for arg in node.all_input_nodes)
+    for node in reversed(nodes):
+        ann = info(node)
+        if ann.modality is None and node.op != "output":
+            ann.modality = _merge(info(user).modality for user in node.users
+                                  if user.op != "output" and user not in skip)
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> dict:
-    modalities = ctx.options.modalities
     from_forward = getattr(ctx, "forward_modalities", None) or {}
     nodes = list(gm.graph.nodes)
     for node in nodes:
         ann = info(node)
+        ann.modality, ann.backward = None, False
         # the partitioner tags forward values it hands the backward too (placeholders): only ops
         # the backward runs are recomputed
         ann.recomputed = (ctx.kind == "backward" and node.op == "call_function"
                           and node.meta.get("partitioner_tag") == "is_forward")
         ann.cast = casts.cast_mark(node)  # carried from the Dynamo graph's cast nodes (casts pass)
-        if node.name in from_forward and (node.op == "placeholder" or ann.recomputed):  # rule 0
+        if node.name in from_forward and (node.op == "placeholder" or ann.recomputed):  # rule 3
             ann.modality = from_forward[node.name]
-            continue
-        if node.op in ("call_function", "call_method", "call_module"):
-            path = innermost_path(node)
-            ann.modality = modality_of_path(path, modalities) if path else None
-            if ann.modality is None:
-                ann.modality = _merge(info(arg).modality for arg in node.all_input_nodes)
-    for node in reversed(nodes):
-        ann = info(node)
-        if ann.modality is None and node.op != "output":
-            ann.modality = _merge(info(user).modality for user in node.users if user.op != "output")
-    for node in nodes:  # a node whose users are only the graph output, or that nothing labels
+    backward = backward_nodes(gm, ctx.kind) if ctx.kind in ("backward", "joint", "inference") else set()
+    for n in backward:
+        info(n).backward = True
+    if ctx.options.modalities is not None:
+        _by_module_paths(gm, ctx.options.modalities)
+    else:
+        _by_dataflow(gm, ctx.kind, backward, getattr(ctx, "forward_inputs", None))
+    _fill(gm)
+    for node in nodes:  # a node nothing labels: outputs, a graph with no data input
         ann = info(node)
         if ann.modality is None:
             ann.modality = _merge(info(arg).modality for arg in node.all_input_nodes) or FUSION
