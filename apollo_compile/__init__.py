@@ -17,11 +17,12 @@ from .options import ApolloOptions, ApolloOptionsError
 from .placement import ModalityPlacement, place_modalities
 from .plan import GraphPlan, ModelPlan, clear_plans, last_plan, plans
 from .report import Report, explain
+from .whole_step import compile_step
 
 __version__ = "0.1.0"
 __all__ = [
     "ApolloFallbackWarning", "ApolloOptions", "ApolloOptionsError", "GraphPlan", "ModelPlan", "apollo_backend",
-    "clear_plans", "last_plan", "ModalityPlacement", "place_modalities", "plans", "Report", "explain",
+    "clear_plans", "compile_step", "last_plan", "ModalityPlacement", "place_modalities", "plans", "Report", "explain",
 ]
 
 

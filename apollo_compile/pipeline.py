@@ -17,7 +17,7 @@ import torch.fx
 
 from .devices import DeviceSpec
 from .options import ApolloOptions
-from .passes import casts, checkpoint, codegen, cost, lanes, memory, modality, offload, quotas
+from .passes import casts, checkpoint, codegen, cost, gradients, lanes, memory, modality, offload, quotas
 
 log = logging.getLogger("apollo_compile")
 
@@ -37,6 +37,7 @@ JOINT_PASSES: list[tuple[str, Pass]] = [
 
 # On each forward, backward or inference ATen graph.
 GRAPH_PASSES: list[tuple[str, Pass]] = [
+    ("gradients", gradients.run),  # whole step: a new .grad is the gradient itself, not a copy
     ("modality", modality.run),  # label every node by tower: vision, text, ..., fusion for joins
     ("saved", checkpoint.mark_saved),  # forward values handed to the backward (with a memory_budget)
     ("offload", offload.label),  # the copies of offloaded saved values, to the host and back
@@ -58,6 +59,8 @@ class GraphContext:
     timings_ms: dict[str, float] = field(default_factory=dict)
     # backward only: the forward graph's labels by node name (saved values, recomputed ops)
     forward_modalities: dict[str, str] | None = None
+    # backward only: the labels of the forward's inputs, in order (output i is input i's gradient)
+    forward_inputs: list[str | None] | None = None
 
 
 # Tests turn this on: after every pass, verify.verify() checks the invariants and a violation

@@ -1,0 +1,84 @@
+"""Gradients pass: a whole step's new ``.grad`` is the gradient itself, not a copy of it.
+
+Reads and rewrites the graph (no annotations); returns how many copies it removed.
+
+Dynamo traces ``loss.backward()`` into a whole-step graph as ``torch.autograd.grad`` plus
+``accumulate_grad_`` per parameter; functionalized, a parameter whose ``.grad`` is None gets
+``copy(empty_like(p), g)``: a fresh parameter-sized buffer and a copy kernel per parameter (about
+200 for a CLIP), where eager autograd's AccumulateGrad steals ``g`` when nothing else holds it and
+its layout is the parameter's. This pass does the same: where ``g`` is a computed tensor (not an
+input, not returned elsewhere, not a view of a larger buffer) with the dtype, shape and strides
+``empty_like(p)`` would have, the output is ``g`` itself. A gradient in another layout keeps its copy, as eager clones it.
+Where ``.grad`` exists, ``p.grad + copy(empty_like(p), g)`` becomes ``p.grad + g``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+# what empty_like(p) becomes: as traced, or under Inductor's decompositions
+_ALLOCATIONS = (aten.empty_like.default, aten.empty.memory_format, aten.empty_strided.default)
+
+
+def _val(node) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _owns_its_storage(node: torch.fx.Node, numel: int) -> bool:
+    """Whether `node`'s value is a computed tensor, or a view of one of the same size (``t`` of a
+    matmul's output): holding it as ``.grad`` then holds no more memory than it shows."""
+    while isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        base = node.args[0] if node.args else None
+        if not isinstance(base, torch.fx.Node) or _val(base) is None or _val(base).numel() != numel:
+            return False
+        node = base
+    return node.op == "call_function"
+
+
+def _stealable(copy: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
+    """The gradient `copy` copies, if the copy can go (see the module docstring)."""
+    if copy.target is not aten.copy.default or len(copy.args) < 2 or copy.kwargs:
+        return None
+    dst, grad = copy.args[0], copy.args[1]
+    if not (isinstance(dst, torch.fx.Node) and isinstance(grad, torch.fx.Node)):
+        return None
+    if dst.target not in _ALLOCATIONS or len(dst.users) != 1:
+        return None
+    if grad.op != "call_function" or returned.get(grad, 0) or len(grad.users) != 1:
+        return None
+    out, g = _val(copy), _val(grad)
+    if out is None or g is None or (out.dtype, out.device, out.shape) != (g.dtype, g.device, g.shape):
+        return None
+    if returned.get(copy, 0):  # a new .grad: it must also own its memory in the parameter's layout
+        return grad if out.stride() == g.stride() and _owns_its_storage(grad, g.numel()) else None
+    # the existing .grad plus the new gradient: the sum reads values, whatever their layout
+    return grad if copy.users and all(u.target is aten.add.Tensor for u in copy.users) else None
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> dict:
+    if ctx.kind != "inference":
+        return {"stolen": 0}
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs = output.args[0]
+    if not isinstance(outs, (tuple, list)):
+        return {"stolen": 0}
+    returned: dict[torch.fx.Node, int] = {}
+    for o in outs:
+        if isinstance(o, torch.fx.Node):
+            returned[o] = returned.get(o, 0) + 1
+    stolen = 0
+    for copy in [n for n in gm.graph.nodes if n.target is aten.copy.default]:
+        if returned.get(copy, 0) > 1:
+            continue
+        grad = _stealable(copy, returned)
+        if grad is not None:
+            copy.replace_all_uses_with(grad)
+            returned[grad] = returned.pop(copy, 0)
+            stolen += 1
+    if stolen:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return {"stolen": stolen}
