@@ -67,7 +67,7 @@ Method, per per-GPU batch size B (global batch = world size x B; rank r draws it
    (its loss on rank 0 and its all-reduced gradients; with AMP also eager DDP's fp32 gradients, to
    know the bf16 noise floor). Each variant's gradients — DDP: as all-reduced; FSDP2: the full
    tensor of each sharded gradient; single-apollo: averaged over ranks by hand after the step,
-   which is exactly what DDP computes — are compared with bench_step.compare (same tolerances and
+   which is exactly what DDP computes — are compared with common.compare (same tolerances and
    PASS / PASS* rule as the single-GPU benchmark).
 
 Each variant runs in try/except on every rank; a failure (OOM included) becomes a FAILED / OOM row
@@ -102,15 +102,12 @@ import argparse
 import contextlib
 import copy
 import datetime
-import gc
+import functools
 import json
 import os
-import platform
 import socket
 import sys
 import time
-import traceback
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -120,13 +117,15 @@ import torch.distributed as dist
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # benchmarks/clip.py, bench_step.py
+sys.path.insert(0, str(HERE))  # benchmarks/clip.py, common.py, bench_step.py
 sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 
 import clip  # noqa: E402  (benchmarks/clip.py)
-from bench_step import (  # noqa: E402
-    GRAD_RTOL, LOSS_RTOL, compare, compiled_autograd, is_oom, no_tf32, rel_err, synchronize, time_steps, train_step,
-    verdict,
+import common  # noqa: E402  (the method every benchmark here shares)
+from bench_step import compiled_autograd  # noqa: E402
+from common import (  # noqa: E402
+    GiB, compare, fmt, markdown, no_tf32, numerics_cell, numerics_text, spread, synchronize,
+    time_steps, tolerance_text, train_step, verdict,
 )
 
 RANK0_VARIANTS = ("onegpu-apollo", "placed-eager", "placed-inductor", "placed-apollo")
@@ -134,9 +133,6 @@ VARIANTS = ("single-apollo", "ddp-eager", "ddp-inductor", "ddp-apollo", "ddp-apo
             "fsdp2-eager", "fsdp2-apollo", *RANK0_VARIANTS)
 BASELINE = "ddp-inductor"  # "vs ddp-inductor" = its median / the variant's median
 SINGLE = "single-apollo"
-GiB = 1024**3
-
-warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
 
 
 def rank() -> int:
@@ -242,37 +238,22 @@ def build_variant(name: str, base: nn.Module, device: torch.device, args) -> tup
 # steps, timing, numerics
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """fp32 CPU copy; an FSDP2 DTensor is gathered to its full tensor first (a collective)."""
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return t.detach().float().cpu().clone()
-
-
 def loss_and_grads(model: nn.Module, step_fn: Callable, batch: tuple, device: torch.device, amp: bool,
                    average: bool = False) -> tuple[float, dict]:
     """One step; rank-local loss, and every gradient as the data-parallel step sees it (on every
-    rank). average=True all-reduces the local gradients to their mean first (single-apollo)."""
-    loss = train_step(model, step_fn, batch, device, amp)
-    loss_value = float(loss.detach().float().cpu())
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        if g is not None and average and dist.get_world_size() > 1:
-            g = g.detach().clone()
-            dist.all_reduce(g)
-            g /= dist.get_world_size()
-        grads[name] = None if g is None else _full(g)
-    model.zero_grad(set_to_none=True)
-    return loss_value, grads
+    rank; an FSDP2 gradient gathered to its full tensor). average=True all-reduces the local
+    gradients to their mean first (single-apollo)."""
+    def mean_over_ranks(g: torch.Tensor) -> torch.Tensor:
+        g = g.detach().clone()
+        dist.all_reduce(g)
+        return g / dist.get_world_size()
+
+    return common.loss_and_grads(model, step_fn, batch, device, amp,
+                                 grad=mean_over_ranks if average and dist.get_world_size() > 1 else None)
 
 
 def free_device_memory(device: torch.device) -> None:
-    torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    common.free_device_memory(device)
 
 
 def reference(base: nn.Module, batch: tuple, device: torch.device, args, variant: str = "ddp-eager") -> dict:
@@ -280,19 +261,13 @@ def reference(base: nn.Module, batch: tuple, device: torch.device, args, variant
     With variant="onegpu-eager", eager on this GPU alone (the rank-0 variants' reference)."""
     model, step_fn, _ = build_variant(variant, base, device, args)
     loss, grads = loss_and_grads(model, step_fn, batch, device, args.amp)
-    ref = {"loss": loss, "grads": grads, "grads_fp32": None, "noise_floor": None, "noise_summary": None}
+    fp32 = None
     if args.amp:
         with no_tf32():
-            loss32, grads32 = loss_and_grads(model, step_fn, batch, device, False)
-        ref["grads_fp32"] = grads32
-        ref["noise_floor"] = {n: rel_err(g, grads32[n]) for n, g in grads.items()
-                              if g is not None and grads32[n] is not None}
-        worst = max(ref["noise_floor"], key=ref["noise_floor"].get)
-        ref["noise_summary"] = {"loss_abs_diff": abs(loss - loss32), "grad_rel_err_max": ref["noise_floor"][worst],
-                                "grad_rel_err_worst_param": worst}
+            fp32 = loss_and_grads(model, step_fn, batch, device, False)
     del model, step_fn
     free_device_memory(device)
-    return ref
+    return common.reference(loss, grads, fp32)
 
 
 def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args,
@@ -315,18 +290,11 @@ def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple,
 
         synchronize(device)
         dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(args.warmup):
-            run_step()
-        synchronize(device)
-        compile_s = time.perf_counter() - t0
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        compile_s = common.warm_up(run_step, args.warmup, device)["compile_s"]
+        common.reset_peaks(device)
         times = time_steps(run_step, args.steps, device, before_step=dist.barrier)
-        mem = None
-        if device.type == "cuda":
-            mem = {"peak_alloc_gib": torch.cuda.max_memory_allocated(device) / GiB,
-                   "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB}
+        alloc, reserved = common.read_peaks(device)
+        mem = None if alloc is None else {"peak_alloc_gib": alloc, "peak_reserved_gib": reserved}
         graphs = apollo_graphs_since(plans_before)
         loss, grads = loss_and_grads(model, step_fn, numerics_batch, device, args.amp, average=name == SINGLE)
 
@@ -334,9 +302,8 @@ def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple,
     row["per_rank"] = per_rank
     row["compile_s"] = max(r["compile_s"] for r in per_rank)
     step_ms = np.array([r["times_ms"] for r in per_rank])  # ranks x steps
-    slowest = step_ms.max(axis=0)
-    p10, median, p90 = np.percentile(slowest, [10, 50, 90])
-    row.update(median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90))
+    row.update({k: v for k, v in spread(step_ms.max(axis=0).tolist()).items() if k != "times_ms"})
+    median = row["median_ms"]
     if name == SINGLE:
         row["samples_per_s"] = float(sum(args.cur_batch / (np.median(t) / 1e3) for t in step_ms))
     else:
@@ -349,14 +316,12 @@ def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple,
         row["apollo_graphs"] = graphs["graphs"]
         row["apollo_fallbacks"] = graphs["fallbacks"]
     row["numerics"] = n = compare(loss, _align_shapes(grads, ref), ref, "bf16" if args.amp else "fp32")
-    log(f"  [{name}] compile + {args.warmup} warm-up: {row['compile_s']:.1f} s | median {median:.2f} ms "
-        f"(p10 {p10:.2f}, p90 {p90:.2f}) | {row['samples_per_s']:.1f} samples/s"
+    log(f"  [{name}] compile + {args.warmup} warm-up: {row['compile_s']:.1f} s | {common.spread_text(row)} | "
+        f"{row['samples_per_s']:.1f} samples/s"
         + (f" | peak {row['peak_alloc_gib']:.2f} GiB / reserved {row['peak_reserved_gib']:.2f} (max over ranks)"
            if mem else "")
         + (f" | apollo graphs {graphs['graphs']}, {len(graphs['fallbacks'])} fell back" if graphs else ""))
-    log(f"  [{name}] numerics {verdict(n)}: |dloss| {n['loss_abs_diff']:.2e}, max grad rel err "
-        f"{n['grad_rel_err_max']:.2e} ({n['grad_rel_err_worst_param']})"
-        + "".join(f"\n    {p}" for p in n["problems"] + n["params_over_tol"][:10]))
+    log(f"  [{name}] numerics {verdict(n)}: {numerics_text(n)}")
     return row
 
 
@@ -414,8 +379,8 @@ def _rank0_measure(name: str, base: nn.Module, args, device: torch.device) -> di
         sync_all()
         times.append((time.perf_counter() - t0) * 1e3)
     out: dict[str, Any] = {"compile_s": compile_s, "per_rank": [{"times_ms": times}]}
-    p10, median, p90 = np.percentile(times, [10, 50, 90])
-    out.update(median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90))
+    out.update({k: v for k, v in spread(times).items() if k != "times_ms"})
+    median = out["median_ms"]
     out["samples_per_s"] = float(len(batch[0]) / (median / 1e3))
     out["samples_per_s_per_gpu"] = out["samples_per_s"] / dist.get_world_size()
     if device.type == "cuda":
@@ -427,13 +392,11 @@ def _rank0_measure(name: str, base: nn.Module, args, device: torch.device) -> di
     loss, grads = loss_and_grads(model, step_fn, numerics_batch, device, args.amp)
     out["numerics"] = n = compare(loss, grads, ref, "bf16" if args.amp else "fp32")
     out["numerics_reference"] = "eager, one GPU, global batch"
-    log(f"  [{name}] global batch {len(batch[0])} | compile + {args.warmup} warm-up: {compile_s:.1f} s | median "
-        f"{median:.2f} ms (p10 {p10:.2f}, p90 {p90:.2f}) | {out['samples_per_s']:.1f} samples/s"
+    log(f"  [{name}] global batch {len(batch[0])} | compile + {args.warmup} warm-up: {compile_s:.1f} s | "
+        f"{common.spread_text(out)} | {out['samples_per_s']:.1f} samples/s"
         + (f" | peak per GPU {', '.join(f'{m:.2f}' for m in out['peak_alloc_gib_per_gpu'])} GiB"
            if "peak_alloc_gib_per_gpu" in out else ""))
-    log(f"  [{name}] numerics vs eager one GPU {verdict(n)}: |dloss| {n['loss_abs_diff']:.2e}, max grad rel err "
-        f"{n['grad_rel_err_max']:.2e} ({n['grad_rel_err_worst_param']})"
-        + "".join(f"\n    {p}" for p in n["problems"] + n["params_over_tol"][:10]))
+    log(f"  [{name}] numerics vs eager one GPU {verdict(n)}: {numerics_text(n)}")
     return out
 
 
@@ -464,15 +427,7 @@ def _align_shapes(grads: dict, ref: dict) -> dict:
 
 
 def run_variant_guarded(name: str, *args_) -> dict:
-    try:
-        return run_variant(name, *args_)
-    except Exception as exc:  # noqa: BLE001  (one variant's failure must not lose the run)
-        tb = traceback.format_exc()
-        status = "OOM" if is_oom(exc) else "FAILED"
-        log(f"  [{name}] {status}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            all_ranks=True)
-        log(tb, all_ranks=True)
-        return {"variant": name, "status": status, "error": f"{type(exc).__name__}: {exc}", "traceback": tb}
+    return common.guarded(lambda: run_variant(name, *args_), name, say=lambda *a: log(*a, all_ranks=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,54 +435,40 @@ def run_variant_guarded(name: str, *args_) -> dict:
 
 
 def environment(device: torch.device, args) -> dict:
-    world = dist.get_world_size()
-    names = gather(torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu")
-    env = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda,
-        "world_size": world, "backend": dist.get_backend(), "device": device.type, "device_names": names,
-        "config": args.config, "amp": "bf16 autocast" if args.amp else "fp32", "steps": args.steps,
-        "warmup": args.warmup, "optimizer_step": False, "bucket_cap_mb": args.bucket_cap_mb,
-        "gradient_as_bucket_view": args.gradient_as_bucket_view,
-        "apollo_options": args.apollo_options,
-    }
-    if device.type == "cuda":
-        env["sm_count"] = torch.cuda.get_device_properties(device).multi_processor_count
+    env = common.environment(
+        device, world_size=dist.get_world_size(), backend=dist.get_backend(),
+        device_names=gather(common.device_name(device)), config=args.config,
+        amp="bf16 autocast" if args.amp else "fp32", steps=args.steps, warmup=args.warmup, optimizer_step=False,
+        bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view,
+        apollo_options=args.apollo_options)
+    env["device"] = device.type  # every rank's own index differs
     return env
 
 
-def fmt(value: Any, spec: str, suffix: str = "") -> str:
-    return "-" if value is None else format(value, spec) + suffix
+HEADER = ["B/GPU", "variant", "median ms", "p10", "p90", "samples/s", "samples/s/GPU", f"vs {BASELINE}",
+          f"scaling vs {SINGLE}", "peak GiB/GPU", "reserved GiB/GPU", "compile s", "apollo graphs", "numerics"]
 
 
 def markdown_table(results: list[dict]) -> str:
-    header = ["B/GPU", "variant", "median ms", "p10", "p90", "samples/s", "samples/s/GPU", f"vs {BASELINE}",
-              f"scaling vs {SINGLE}", "peak GiB/GPU", "reserved GiB/GPU", "compile s", "apollo graphs", "numerics"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for entry in results:
-        rows = entry["variants"]
-        ok = {r["variant"]: r for r in rows if r["status"] == "ok"}
+        ok = {r["variant"]: r for r in entry["variants"] if r["status"] == "ok"}
         base, single = ok.get(BASELINE), ok.get(SINGLE)
-        for r in rows:
+        for r in entry["variants"]:
             if r["status"] != "ok":
-                error = r.get("error", "").splitlines()[0][:80].replace("|", "/") if r.get("error") else ""
-                cells = [str(entry["batch"]), r["variant"], r["status"]] + [""] * (len(header) - 4) + [error]
-            else:
-                n = r["numerics"]
-                speed = base["median_ms"] / r["median_ms"] if base else None
-                scaling = r["samples_per_s"] / single["samples_per_s"] if single else None
-                graphs = (f"{r['apollo_graphs']} ({len(r['apollo_fallbacks'])} fell back)"
-                          if "apollo_graphs" in r else "-")
-                cells = [
-                    str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}",
-                    f"{r['p90_ms']:.2f}", f"{r['samples_per_s']:.1f}", f"{r['samples_per_s_per_gpu']:.1f}",
-                    fmt(speed, ".2f", "x"), fmt(scaling, ".2f"), fmt(r.get("peak_alloc_gib"), ".2f"),
-                    fmt(r.get("peak_reserved_gib"), ".2f"), f"{r['compile_s']:.1f}", graphs,
-                    f"{verdict(n)} (dloss {n['loss_abs_diff']:.1e}, grad {n['grad_rel_err_max']:.1e})"
-                    + (" vs 1-GPU eager" if "numerics_reference" in r else ""),
-                ]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+                rows.append(common.failed_cells(entry["batch"], r, len(HEADER)))
+                continue
+            speed = base["median_ms"] / r["median_ms"] if base else None
+            scaling = r["samples_per_s"] / single["samples_per_s"] if single else None
+            graphs = f"{r['apollo_graphs']} ({len(r['apollo_fallbacks'])} fell back)" if "apollo_graphs" in r else "-"
+            rows.append([
+                str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}",
+                f"{r['p90_ms']:.2f}", f"{r['samples_per_s']:.1f}", f"{r['samples_per_s_per_gpu']:.1f}",
+                fmt(speed, ".2f", "x"), fmt(scaling, ".2f"), fmt(r.get("peak_alloc_gib"), ".2f"),
+                fmt(r.get("peak_reserved_gib"), ".2f"), f"{r['compile_s']:.1f}", graphs,
+                numerics_cell(r["numerics"]) + (" vs 1-GPU eager" if "numerics_reference" in r else ""),
+            ])
+    return markdown(HEADER, rows)
 
 
 def report(env: dict, results: list[dict]) -> str:
@@ -541,14 +482,9 @@ def report(env: dict, results: list[dict]) -> str:
         f"apollo options {env['apollo_options'] or '{}'}",
         f"{env['warmup']} warm-up + {env['steps']} timed steps of zero_grad + forward + backward (gradient "
         f"communication included, no optimizer step); median of the slowest rank's step; samples/s over all "
-        f"GPUs; numerics vs eager DDP: PASS if max per-param relative grad error <= {GRAD_RTOL[precision]:g} "
-        f"and |dloss| <= {LOSS_RTOL[precision]:g} * max(1, |loss|) (PASS*: within bf16 noise, see bench_step.py).",
+        f"GPUs; numerics vs eager DDP: {tolerance_text(precision)}.",
+        *common.noise_floor_lines(results, "B/GPU", "eager DDP bf16 vs fp32"),
     ]
-    for entry in results:
-        floor = entry.get("bf16_noise_floor")
-        if floor:
-            head.append(f"- B/GPU {entry['batch']}: bf16 noise floor (eager DDP bf16 vs fp32): "
-                        f"dloss {floor['loss_abs_diff']:.1e}, grad {floor['grad_rel_err_max']:.1e}")
     return "\n".join(head) + "\n\n" + markdown_table(results) + "\n"
 
 
@@ -580,7 +516,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    p.add_argument("--out", default=common.default_out())
     p.add_argument("--no-amp", dest="amp", action="store_false", help="fp32, no bf16 autocast")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (DDP's default 25)")
     p.add_argument("--gradient-as-bucket-view", action="store_true",
@@ -621,19 +557,11 @@ def main(argv=None) -> int:
         results.append(entry)
         batch = clip.make_batch(batch_size, device, args.config, seed=args.seed + 1000 * r)
         numerics_batch = clip.make_batch(batch_size, device, args.config, seed=args.seed + 1 + 1000 * r)
-        try:
-            ref = reference(base, numerics_batch, device, args)
-        except Exception as exc:  # noqa: BLE001
-            log(f"  eager DDP reference failed ({type(exc).__name__}); skipping batch {batch_size}", all_ranks=True)
-            log(traceback.format_exc(), all_ranks=True)
-            entry["error"] = f"reference: {type(exc).__name__}: {exc}"
+        ref = common.batch_reference(entry, functools.partial(reference, base, numerics_batch, device, args), "eager DDP",
+                                     say=lambda *a: log(*a, all_ranks=True))
+        if ref is None:
             free_device_memory(device)
             continue
-        entry["loss_ref"] = ref["loss"]
-        entry["bf16_noise_floor"] = f = ref["noise_summary"]
-        if f:
-            log(f"  bf16 noise floor (eager DDP bf16 vs fp32): |dloss| {f['loss_abs_diff']:.2e}, "
-                f"max grad rel err {f['grad_rel_err_max']:.2e} ({f['grad_rel_err_worst_param']})")
         for name in args.variants:
             log(f"--- per-GPU batch {batch_size}, {name}")
             entry["variants"].append(run_variant_guarded(name, base, batch, numerics_batch, ref, args, device))

@@ -101,11 +101,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
+import functools
 import json
 import math
-import os
-import platform
 import re
 import sys
 import time
@@ -122,14 +120,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # bench_step.py, clip.py (already first when run as a script)
+sys.path.insert(0, str(HERE))  # common.py, clip.py (already first when run as a script)
 sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 
-import bench_step as bs  # noqa: E402
 import clip  # noqa: E402
-
-log = bs.log
-GiB = bs.GiB
+import common  # noqa: E402  (the method every benchmark here shares)
+from common import GiB, fmt, log  # noqa: E402
 COMPILE_S_ESTIMATE = 40  # one compile of the base model on the H200 (RESULTS.md: 38-53 s)
 REFERENCE = "eager-fp32"  # the memory ratio's denominator and the numerics reference
 
@@ -193,7 +189,7 @@ class Variant:
         """Active around the variant's compile and every call (compilation is lazy: first call)."""
         with contextlib.ExitStack() as stack:
             if not self.tf32:
-                stack.enter_context(bs.no_tf32())
+                stack.enter_context(common.no_tf32())
             if self.functorch_budget is not None:
                 stack.enter_context(functorch_config.patch(activation_memory_budget=self.functorch_budget))
             if not self.memory_bound_first:
@@ -201,6 +197,7 @@ class Variant:
 
                 stack.enter_context(unittest.mock.patch.object(checkpoint, "MEMORY_BOUND_FIRST", False))
             if self.forward_measured or self.lanes_measured or self.backward_follows:
+                # PRIVATE RUNNER PATCH (to become CudaGraphRunner(strategy=...)):
                 # the memory-first rule off for these graphs (-bw-follows: the forward's, as -fw-measured)
                 from apollo_compile.runtime.cudagraph import CudaGraphRunner
 
@@ -245,6 +242,7 @@ def follow_the_forward():
     measured."""
     from apollo_compile.runtime.cudagraph import CudaGraphRunner
 
+    # PRIVATE RUNNER PATCH (to become CudaGraphRunner(strategy=...)): the backward's choice
     choose = CudaGraphRunner._choose_candidate
 
     def follow(runner):
@@ -354,66 +352,27 @@ def wrap_blocks_in_checkpoint(model: nn.Module) -> int:
 # measurement helpers
 
 
-def is_cuda(device: torch.device) -> bool:
-    return device.type == "cuda"
-
-
-def rss_gib() -> float | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GiB
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
-
-
-def loss_and_grads(model: nn.Module, step_fn: Callable, batch: tuple, device: torch.device, amp: bool,
-                   names: dict[int, str]):
-    """One step; the loss as a float and every parameter's gradient on the CPU in fp32, keyed by
-    the parameter's name in the unwrapped model (`names`)."""
-    loss = bs.train_step(model, step_fn, batch, device, amp)
-    loss_value = float(loss.detach().float().cpu())
-    grads = {names[id(p)]: None if p.grad is None else p.grad.detach().float().cpu().clone()
-             for p in model.parameters()}
-    model.zero_grad(set_to_none=True)
-    return loss_value, grads
 
 
 def reference(base: nn.Module, batch_cpu: tuple, device: torch.device) -> dict:
     """Eager fp32 (TF32 off) loss and gradients on the numerics batch — the reference — and eager
     bf16 autocast's per-parameter distance from them (the bf16 noise floor), in the layout
-    bench_step.compare reads ("grads" = "grads_fp32" = the fp32 gradients)."""
+    common.compare reads ("grads" = "grads_fp32" = the fp32 gradients)."""
     model = copy.deepcopy(base).to(device)
-    names = param_names(model)
     batch = tuple(t.to(device) for t in batch_cpu)
-    with bs.no_tf32():
-        loss32, grads32 = loss_and_grads(model, model, batch, device, False, names)
-    loss16, grads16 = loss_and_grads(model, model, batch, device, True, names)
-    floor = {n: bs.rel_err(g, grads32[n]) for n, g in grads16.items() if g is not None and grads32[n] is not None}
-    worst = max(floor, key=floor.get)
+    with common.no_tf32():
+        loss32, grads32 = common.loss_and_grads(model, model, batch, device, False)
+    loss16, grads16 = common.loss_and_grads(model, model, batch, device, True)
+    floor, worst = common.noise_floor(grads16, grads32)
     del model, batch, grads16
-    bs.free_device_memory(device)
+    common.free_device_memory(device)
     return {
         "loss": loss32, "grads": grads32, "grads_fp32": grads32, "noise_floor": floor,
         "noise_summary": {"loss_fp32": loss32, "loss_bf16": loss16, "loss_abs_diff": abs(loss16 - loss32),
                           "grad_rel_err_max": floor[worst], "grad_rel_err_worst_param": worst},
     }
-
-
-def read_peaks(device: torch.device) -> tuple[float | None, float | None]:
-    if not is_cuda(device):
-        return None, None
-    return torch.cuda.max_memory_allocated(device) / GiB, torch.cuda.max_memory_reserved(device) / GiB
-
-
-def error_row(exc: BaseException, **fields_) -> dict:
-    tb = traceback.format_exc()
-    status = "OOM" if bs.is_oom(exc) else "FAILED"
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    return {**fields_, "status": status, "error": f"{type(exc).__name__}: {first}", "traceback": tb}
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,67 +382,53 @@ def error_row(exc: BaseException, **fields_) -> dict:
 def run_variant(spec: Variant, base: nn.Module, batch: tuple, numerics_cpu: tuple, ref: dict, args,
                 device: torch.device) -> dict:
     row: dict[str, Any] = {"variant": spec.name, "status": "ok", "setup": spec.describe()}
-    with bs.apollo_diagnostics(row, spec.name) if spec.compiler == "apollo" else contextlib.nullcontext([]) as keep:
+    with common.diagnostics_for(row, spec.name, spec.compiler == "apollo") as keep:
         return _run_variant(row, spec, base, batch, numerics_cpu, ref, args, device, keep)
 
 
 def _run_variant(row: dict, spec: Variant, base: nn.Module, batch: tuple, numerics_cpu: tuple, ref: dict, args,
                  device: torch.device, keep: list) -> dict:
-    if is_cuda(device):
-        torch.cuda.reset_peak_memory_stats(device)
+    common.reset_peaks(device)
     with spec.context():
         model = copy.deepcopy(base).to(device)
         names = param_names(model)  # before prepare() wraps blocks
         step_fn = spec.prepare(model)
-        keep.append(step_fn)  # see bench_step.apollo_diagnostics
+        keep.append(step_fn)  # see common.apollo_diagnostics
 
         def run_step() -> None:
-            bs.train_step(model, step_fn, batch, device, spec.autocast)
+            common.train_step(model, step_fn, batch, device, spec.autocast)
 
-        bs.synchronize(device)
-        t0 = time.perf_counter()
         row["warmup_peaks_gib"] = []  # the whole-run peak after each warm-up step: which one set it
-        for _ in range(args.warmup):
-            run_step()
-            row["warmup_peaks_gib"].append(read_peaks(device)[0])
-        bs.synchronize(device)
-        row["compile_s"] = time.perf_counter() - t0
-        warm_alloc, warm_reserved = read_peaks(device)
+        row.update(common.warm_up(run_step, args.warmup, device,
+                                  after_each=lambda: row["warmup_peaks_gib"].append(common.read_peaks(device)[0])))
+        warm_alloc, warm_reserved = common.read_peaks(device)
         log(f"  [{spec.name}] compile + {args.warmup} warm-up steps: {row['compile_s']:.1f} s"
             + (f", peak so far {warm_alloc:.2f} GiB allocated / {warm_reserved:.2f} reserved (after each "
                f"step: {', '.join(f'{p:.2f}' for p in row['warmup_peaks_gib'])})" if warm_alloc else ""))
 
-        if is_cuda(device):
-            torch.cuda.reset_peak_memory_stats(device)
-        times = bs.time_steps(run_step, args.steps, device)
-        row["peak_alloc_gib"], row["peak_reserved_gib"] = read_peaks(device)
-        if is_cuda(device):
+        common.reset_peaks(device)
+        times = common.time_steps(run_step, args.steps, device)
+        row["peak_alloc_gib"], row["peak_reserved_gib"] = common.read_peaks(device)
+        if row["peak_alloc_gib"] is not None:
             row["peak_alloc_all_gib"] = max(warm_alloc, row["peak_alloc_gib"])
             row["peak_reserved_all_gib"] = max(warm_reserved, row["peak_reserved_gib"])
         else:
-            row["rss_gib"] = rss_gib()
-        p10, median, p90 = np.percentile(times, [10, 50, 90])
-        row.update(times_ms=times, median_ms=float(median), p10_ms=float(p10), p90_ms=float(p90))
-        log(f"  [{spec.name}] {args.steps} steps: median {median:.2f} ms (p10 {p10:.2f}, p90 {p90:.2f})"
-            + (f", peak {row['peak_alloc_gib']:.2f} GiB allocated / {row['peak_reserved_gib']:.2f} reserved"
-               if row["peak_alloc_gib"] is not None else f", RSS {fmt(row.get('rss_gib'), '.2f')} GiB"))
+            row["rss_gib"] = common.rss_gib()
+        row.update(common.spread(times))
+        log(f"  [{spec.name}] {args.steps} steps: {common.spread_text(row)}, "
+            + (common.peaks_text(row["peak_alloc_gib"], row["peak_reserved_gib"])
+               if row["peak_alloc_gib"] is not None else f"RSS {fmt(row.get('rss_gib'), '.2f')} GiB"))
 
         numerics_batch = tuple(t.to(device) for t in numerics_cpu)
-        loss, grads = loss_and_grads(model, step_fn, numerics_batch, device, spec.autocast, names)
+        loss, grads = common.loss_and_grads(model, step_fn, numerics_batch, device, spec.autocast, names)
     check_ref = ref if spec.tolerance == "bf16" else dict(ref, noise_floor=None)  # fp32: no bf16 excuse
-    row["numerics"] = n = bs.compare(loss, grads, check_ref, spec.tolerance)
-    log(f"  [{spec.name}] numerics vs eager fp32 {bs.verdict(n)}: {bs.numerics_text(n)}")
+    row["numerics"] = n = common.compare(loss, grads, check_ref, spec.tolerance)
+    log(f"  [{spec.name}] numerics vs eager fp32 {common.verdict(n)}: {common.numerics_text(n)}")
     return row
 
 
 def run_variant_guarded(spec: Variant, *args_) -> dict:
-    try:
-        return run_variant(spec, *args_)
-    except Exception as exc:  # noqa: BLE001  (one variant's failure must not lose the run)
-        row = error_row(exc, variant=spec.name, setup=spec.describe())
-    log(f"  [{spec.name}] {row['status']}: {row['error']}")
-    log(row["traceback"])
-    return row
+    return common.guarded(lambda: run_variant(spec, *args_), spec.name, setup=spec.describe())
 
 
 # --------------------------------------------------------------------------------------------
@@ -514,44 +459,41 @@ def probe(spec: Variant, base: nn.Module, batch_size: int, args, device: torch.d
     run whose graphs fell back to running without their CUDA graphs is no pass ("un-graphed")."""
     limit = args.max_batch_search
     rec: dict[str, Any] = {"batch": batch_size, "source": "probe"}
-    bs.free_device_memory(device)
-    total = torch.cuda.get_device_properties(device).total_memory
+    common.free_device_memory(device)
     rec["baseline_alloc_gib"] = torch.cuda.memory_allocated(device) / GiB
     rec["baseline_reserved_gib"] = torch.cuda.memory_reserved(device) / GiB
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit * GiB / total), device)
-    torch.cuda.reset_peak_memory_stats(device)
     model = step_fn = batch = None
     t0 = time.perf_counter()
     if spec.compiler == "apollo":
         import apollo_compile
 
         apollo_compile.clear_plans()
-    try:
-        with spec.context():
-            batch = tuple(t.to(device) for t in clip.make_batch(batch_size, "cpu", args.config, seed=args.seed))
-            model = copy.deepcopy(base).to(device)
-            step_fn = spec.prepare(model)
-            for _ in range(args.warmup + args.search_steps):
-                bs.train_step(model, step_fn, batch, device, spec.autocast)
-            bs.synchronize(device)
-        rec["peak_alloc_gib"], rec["peak_reserved_gib"] = read_peaks(device)
-        rec["status"] = "ok" if rec["peak_alloc_gib"] <= limit else "over limit"
-        if spec.compiler == "apollo" and (ungraphed := ungraphed_runners()):
-            rec["status"], rec["ungraphed"] = "un-graphed", ungraphed
-            log(f"  [{spec.name}] batch {batch_size} ran without its CUDA graphs: " + "; ".join(ungraphed)[:400])
-        elif spec.compiler == "apollo" and (refused := ungraphed_runners(by_design=True)):
-            rec["ungraphed_by_design"] = refused  # trains, as designed: a pass, marked in the table
-            log(f"  [{spec.name}] batch {batch_size} trained un-graphed by design: " + "; ".join(refused)[:400])
-    except Exception as exc:  # noqa: BLE001
-        rec.update(error_row(exc, **rec))
-        rec["peak_alloc_gib"], rec["peak_reserved_gib"] = read_peaks(device)
-        if rec["status"] == "FAILED":  # not recognisably an OOM: show why
-            log(rec["traceback"])
-        del rec["traceback"]
-    finally:
-        model = step_fn = batch = None
-        bs.free_device_memory(device)
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    with common.memory_cap(device, limit):
+        try:
+            with spec.context():
+                batch = tuple(t.to(device) for t in clip.make_batch(batch_size, "cpu", args.config, seed=args.seed))
+                model = copy.deepcopy(base).to(device)
+                step_fn = spec.prepare(model)
+                for _ in range(args.warmup + args.search_steps):
+                    common.train_step(model, step_fn, batch, device, spec.autocast)
+                common.synchronize(device)
+            rec["peak_alloc_gib"], rec["peak_reserved_gib"] = common.read_peaks(device)
+            rec["status"] = "ok" if rec["peak_alloc_gib"] <= limit else "over limit"
+            if spec.compiler == "apollo" and (ungraphed := ungraphed_runners()):
+                rec["status"], rec["ungraphed"] = "un-graphed", ungraphed
+                log(f"  [{spec.name}] batch {batch_size} ran without its CUDA graphs: " + "; ".join(ungraphed)[:400])
+            elif spec.compiler == "apollo" and (refused := ungraphed_runners(by_design=True)):
+                rec["ungraphed_by_design"] = refused  # trains, as designed: a pass, marked in the table
+                log(f"  [{spec.name}] batch {batch_size} trained un-graphed by design: " + "; ".join(refused)[:400])
+        except Exception as exc:  # noqa: BLE001
+            rec.update(common.error_row(exc, **rec))
+            rec["peak_alloc_gib"], rec["peak_reserved_gib"] = common.read_peaks(device)
+            if rec["status"] == "FAILED":  # not recognisably an OOM: show why
+                log(rec["traceback"])
+            del rec["traceback"]
+        finally:
+            model = step_fn = batch = None
+            common.free_device_memory(device)
     rec["wall_s"] = time.perf_counter() - t0
     rec["pass"] = rec["status"] == "ok"
     return rec
@@ -669,65 +611,41 @@ def search_variant(spec: Variant, base: nn.Module, args, device: torch.device, m
 # reporting
 
 
-def fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def environment(device: torch.device, args) -> dict:
-    env = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if is_cuda(device) else platform.processor() or "cpu",
-        "cuda": torch.version.cuda,
-        "config": args.config,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "optimizer_step": False,
-        "variants": {name: VARIANTS[name].describe() for name in args.variants},
-        "search": None if args.skip_search else {
+    return common.environment(
+        device, config=args.config, steps=args.steps, warmup=args.warmup, optimizer_step=False,
+        variants={name: VARIANTS[name].describe() for name in args.variants},
+        search=None if args.skip_search else {
             "limit_gib": args.max_batch_search, "probes_per_variant": args.search_probes,
-            "steps_per_probe": f"{args.warmup} warm-up + {args.search_steps}", "listed_batches": args.search_at},
-    }
-    if is_cuda(device):
-        props = torch.cuda.get_device_properties(device)
-        env["sm_count"] = props.multi_processor_count
-        env["total_memory_gib"] = props.total_memory / GiB
-    return env
+            "steps_per_probe": f"{args.warmup} warm-up + {args.search_steps}", "listed_batches": args.search_at})
+
+
+MAIN_HEADER = ["batch", "variant", "median ms", "peak GiB", "whole-run peak GiB", "reserved GiB",
+               f"vs {REFERENCE} peak (whole run)", "vs fastest apollo time", "numerics"]
 
 
 def main_table(results: list[dict], cuda: bool) -> str:
-    header = ["batch", "variant", "median ms", "peak GiB", "whole-run peak GiB", "reserved GiB",
-              f"vs {REFERENCE} peak (whole run)", "vs fastest apollo time", "numerics"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     na = "-" if cuda else "n/a"
+    rows = []
     for entry in results:
-        rows = entry["variants"]
-        ok = [r for r in rows if r["status"] == "ok"]
+        ok = [r for r in entry["variants"] if r["status"] == "ok"]
         ref = next((r for r in ok if r["variant"] == REFERENCE and r.get("peak_alloc_all_gib")), None)
         apollo = [r["median_ms"] for r in ok if r["variant"].startswith("apollo")]
         fastest = min(apollo) if apollo else None
-        for r in rows:
+        for r in entry["variants"]:
             if r["status"] != "ok":
-                error = r.get("error", "").splitlines()[0][:80].replace("|", "/") if r.get("error") else ""
-                cells = [str(entry["batch"]), r["variant"], r["status"], "", "", "", "", "", error]
-            else:
-                n = r["numerics"]
-                peak, reserved = r.get("peak_alloc_gib"), r.get("peak_reserved_gib")
-                whole = r.get("peak_alloc_all_gib")
-                mem_ratio = whole / ref["peak_alloc_all_gib"] if ref and whole is not None else None
-                time_ratio = r["median_ms"] / fastest if fastest else None
-                check = f"{bs.verdict(n)} (dloss {n['loss_abs_diff']:.1e}, grad {n['grad_rel_err_max']:.1e})"
-                cells = [
-                    str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}",
-                    na if peak is None else f"{peak:.2f}", na if whole is None else f"{whole:.2f}",
-                    na if reserved is None else f"{reserved:.2f}",
-                    fmt(mem_ratio, ".2f") + ("x" if mem_ratio is not None else ""),
-                    fmt(time_ratio, ".2f") + ("x" if time_ratio is not None else ""), check,
-                ]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+                rows.append(common.failed_cells(entry["batch"], r, len(MAIN_HEADER)))
+                continue
+            peak, reserved, whole = r.get("peak_alloc_gib"), r.get("peak_reserved_gib"), r.get("peak_alloc_all_gib")
+            mem_ratio = whole / ref["peak_alloc_all_gib"] if ref and whole is not None else None
+            time_ratio = r["median_ms"] / fastest if fastest else None
+            rows.append([
+                str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}",
+                na if peak is None else f"{peak:.2f}", na if whole is None else f"{whole:.2f}",
+                na if reserved is None else f"{reserved:.2f}", fmt(mem_ratio, ".2f", "x"),
+                fmt(time_ratio, ".2f", "x"), common.numerics_cell(r["numerics"]),
+            ])
+    return common.markdown(MAIN_HEADER, rows)
 
 
 def runtime_notes(results: list[dict]) -> str:
@@ -801,8 +719,7 @@ def report(env: dict, results: list[dict], searches: list[dict], out_dir: Path, 
     head = [
         f"# apollo memory benchmark: CLIP-style ({env['config']})",
         "",
-        f"{env['date']} | torch {env['torch']} | python {env['python']} | {env['device_name']}"
-        + (f" ({env['sm_count']} SMs, {env['total_memory_gib']:.0f} GiB)" if "sm_count" in env else ""),
+        common.header_line(env),
         f"{env['warmup']} warm-up + {env['steps']} timed steps of zero_grad + forward + backward (no optimizer "
         f"step). peak / reserved GiB = max_memory_allocated / max_memory_reserved over the timed steps"
         + ("" if cuda else " (not measured on the CPU: n/a; RSS is in the JSON)")
@@ -811,9 +728,9 @@ def report(env: dict, results: list[dict], searches: list[dict], out_dir: Path, 
            "or by the un-graphed first step, and in the reserved column" if cuda else "")
         + f". vs {REFERENCE} peak = variant peak / {REFERENCE} peak (<1: less memory); vs fastest apollo time "
         f"= variant median / the fastest apollo variant's median at that batch (>1: slower). Numerics vs eager "
-        f"fp32 (TF32 off): PASS if every param's relative grad error <= {bs.GRAD_RTOL['bf16']:g} "
-        f"({bs.GRAD_RTOL['fp32']:g} for eager-fp32) and |dloss| <= {bs.LOSS_RTOL['bf16']:g} * max(1, |loss|); "
-        f"PASS*: some params over it but no further from fp32 than {bs.NOISE_MULTIPLIER:g}x eager bf16 is.",
+        f"fp32 (TF32 off): PASS if every param's relative grad error <= {common.GRAD_RTOL['bf16']:g} "
+        f"({common.GRAD_RTOL['fp32']:g} for eager-fp32) and |dloss| <= {common.LOSS_RTOL['bf16']:g} * max(1, |loss|); "
+        f"PASS*: some params over it but no further from fp32 than {common.NOISE_MULTIPLIER:g}x eager bf16 is.",
         "",
         "Variants: " + "; ".join(f"`{k}`: {v}" for k, v in env["variants"].items()) + ".",
     ]
@@ -854,7 +771,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps (compile, CUDA-graph capture)")
     p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    p.add_argument("--out", default=common.default_out())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch-search", type=float, default=20.0, metavar="LIMIT_GIB",
                    help="find each variant's largest batch within this peak allocated memory (default 20)")
@@ -915,12 +832,12 @@ def announce_plan(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if (setup := bs.device_and_out_dir(args)) is None:
+    if (setup := common.device_and_out_dir(args)) is None:
         return 2
     device, out_dir = setup
 
     env = environment(device, args)
-    log(f"date {env['date']} | torch {env['torch']} | python {env['python']} | device {env['device_name']}")
+    log(common.header_line(env))
     log(f"config {args.config} | batches {args.batch} | variants {args.variants} | out {out_dir}")
     announce_plan(args)
 
@@ -936,27 +853,20 @@ def main(argv=None) -> int:
         results.append(entry)
         batch = clip.make_batch(batch_size, device, args.config, seed=args.seed)
         numerics_cpu = clip.make_batch(batch_size, "cpu", args.config, seed=args.seed + 1)
-        try:
-            ref = reference(base, numerics_cpu, device)
-        except Exception as exc:  # noqa: BLE001
-            log(f"  eager fp32 reference failed ({type(exc).__name__}); skipping batch {batch_size}")
-            log(traceback.format_exc())
-            entry["error"] = f"reference: {type(exc).__name__}: {exc}"
+        ref = common.batch_reference(entry, functools.partial(reference, base, numerics_cpu, device))
+        if ref is None:
             del batch
-            bs.free_device_memory(device)
+            common.free_device_memory(device)
             continue
         entry["loss_ref_fp32"] = ref["loss"]
-        entry["bf16_noise_floor"] = f = ref["noise_summary"]
-        log(f"  reference: loss fp32 {f['loss_fp32']:.5f}, bf16 {f['loss_bf16']:.5f}; bf16 noise floor: "
-            f"|dloss| {f['loss_abs_diff']:.2e}, max grad rel err {f['grad_rel_err_max']:.2e} "
-            f"({f['grad_rel_err_worst_param']})")
+        log(f"  reference: loss fp32 {ref['loss']:.5f}, bf16 {ref['noise_summary']['loss_bf16']:.5f}")
         for name in args.variants:
             log(f"--- batch {batch_size}, {name}")
             entry["variants"].append(run_variant_guarded(VARIANTS[name], base, batch, numerics_cpu, ref, args, device))
-            bs.free_device_memory(device)
+            common.free_device_memory(device)
             report(env, results, searches, out_dir, args)  # after every variant: a crash keeps what was measured
         del batch, ref
-        bs.free_device_memory(device)
+        common.free_device_memory(device)
 
     if not args.skip_search:
         log(f"\n=== largest batch within {args.max_batch_search:g} GiB ===")
@@ -974,7 +884,7 @@ def main(argv=None) -> int:
                 log(traceback.format_exc())
                 res["stop"] = f"search error: {type(exc).__name__}"
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-            bs.free_device_memory(device)
+            common.free_device_memory(device)
             report(env, results, searches, out_dir, args)
 
     text = report(env, results, searches, out_dir, args)

@@ -1,6 +1,6 @@
 """CLIP-style two-tower model for benchmarks, in plain ``torch.nn`` (no transformers).
 
-The "base" configuration is the benchmark model of shared/DESIGN.md:
+The "base" configuration is the benchmark model of docs/DESIGN.md:
 
 * ``vision``: ViT-B/16 — 224px images, 16x16 patch conv, 12 pre-norm blocks of width 768 with
   12 heads and a 4x MLP. Pooling: a learnable **class token** (CLIP style: ``ln_pre`` after the

@@ -36,8 +36,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))
 
-import bench_step  # noqa: E402  (its train step: zero_grad, forward under bf16 autocast, backward)
+import bench_step  # noqa: E402  (its variants)
 import clip  # noqa: E402
+import common  # noqa: E402  (the train step: zero_grad, forward under bf16 autocast, backward)
 
 import apollo_compile  # noqa: E402
 
@@ -98,7 +99,7 @@ def compare_variant(name: str, batch: int, args) -> dict:
     torch._dynamo.reset()
     device = torch.device(args.device)
     model = clip.build(args.config, device=device)
-    step = functools.partial(bench_step.train_step, model, bench_step.compile_variant(name, model),
+    step = functools.partial(common.train_step, model, bench_step.compile_variant(name, model),
                              clip.make_batch(batch, device, args.config, seed=0), device, device.type == "cuda")
     for _ in range(args.warmup):
         step()
@@ -111,7 +112,7 @@ def profile_batch(batch: int, args) -> dict:
     model = clip.build(args.config, device=device)
     compiled = torch.compile(model, backend="apollo", options=dict(args.option))
     data = clip.make_batch(batch, device, args.config, seed=0)
-    step = functools.partial(bench_step.train_step, model, compiled, data, device, device.type == "cuda")
+    step = functools.partial(common.train_step, model, compiled, data, device, device.type == "cuda")
     for _ in range(args.warmup):  # compile, warm up, capture (and measure the runtime candidates)
         step()
     torch.cuda.synchronize()
@@ -160,6 +161,7 @@ def main(argv=None) -> int:
         print("profile_step.py measures CUDA streams: it needs a CUDA device")
         return 2
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    print(common.header_line(common.environment(torch.device(args.device))), flush=True)
     rows = []
     for batch in args.batch:
         torch._dynamo.reset()

@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bench_step  # noqa: E402
+sys.path.insert(1, str(Path(__file__).parent.parent))  # the repo root, for apollo_compile
 import clip  # noqa: E402
+import common  # noqa: E402
 
 import apollo_compile  # noqa: E402,F401  (registers backend="apollo")
 
@@ -56,10 +57,7 @@ VARYING = (0, -1, -1, -1, 0, -1, 0)  # added to --batch, step by step ("batch va
 
 
 def max_rel_err(model, ref) -> float:
-    worst = 0.0
-    for p, q in zip(model.parameters(), ref.parameters()):
-        worst = max(worst, float((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12)))
-    return worst
+    return max(common.rel_err(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
 
 
 def run(mode: str, device: str, steps: int = 4, config: str = "tiny", batch_size: int = 4) -> dict:
@@ -105,10 +103,11 @@ def main() -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("smoke_gpu.py needs CUDA (or --cpu)")
         return 2
+    print(common.header_line(common.environment(torch.device(device))), flush=True)
     results = []
     for mode in args.mode or MODES:
         try:
-            with bench_step.no_tf32():
+            with common.no_tf32():
                 results.append(run(mode, device, args.steps, args.config, args.batch))
         except Exception as exc:  # noqa: BLE001  (report it and go on to the next mode)
             results.append({"mode": mode, "ok": False, "error": f"{type(exc).__name__}: {exc}"})

@@ -11,7 +11,7 @@ import pytest
 import torch._functorch.config
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, BENCHMARKS)
+sys.path[:0] = [BENCHMARKS, os.path.join(BENCHMARKS, "probes")]  # the benchmarks, and the probes of probes/
 
 import bench_distributed  # noqa: E402
 import bench_memory  # noqa: E402
@@ -308,7 +308,7 @@ def test_distributed_rank0_variants_run_on_the_cpu(tmp_path):
 
 
 def test_capture_recovery_runs_its_loop_on_the_cpu(tmp_path, capsys):
-    """benchmarks/capture_recovery.py (a device diagnostic) runs end to end on the CPU, so a slip in
+    """benchmarks/probes/capture_recovery.py (a device diagnostic) runs end to end on the CPU, so a slip in
     it does not cost a device call: every step trains, each graph's state is reported."""
     import json
 
@@ -327,11 +327,12 @@ def test_host_split_profiles_the_host_in_steps_queued_back_to_back(monkeypatch):
     import torch
 
     import clip
+    import common
     import host_split
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    train_step = bench_step.train_step
-    monkeypatch.setattr(bench_step, "train_step",
+    train_step = common.train_step
+    monkeypatch.setattr(common, "train_step",
                         lambda model, f, batch, device, amp: train_step(model, f, batch, torch.device("cpu"), False))
     model = clip.build("tiny")
     text = host_split.b2b_profile(model, model, clip.make_batch(2, "cpu", "tiny"), steps=2, top=5)
@@ -340,7 +341,7 @@ def test_host_split_profiles_the_host_in_steps_queued_back_to_back(monkeypatch):
 
 
 def test_offload_memory_itemises_the_peak_of_a_trace():
-    """benchmarks/offload_memory.py (a device diagnostic): the live set at a trace's peak, from
+    """benchmarks/probes/offload_memory.py (a device diagnostic): the live set at a trace's peak, from
     allocations and completed frees as the CUDA allocator records them."""
     import offload_memory
 
@@ -371,3 +372,33 @@ def test_offload_memory_keeps_whole_wrappers_that_copy_to_the_host(tmp_path):
     (cache / "plain.py").write_text("def call(args):\n    return args\n")
     assert offload_memory.host_copy_wrappers(str(cache), 0, out) == ["copies.py"]
     assert (out / "copies.py").read_text().splitlines()[3] == "    buf0.copy_(cpu_offload_x, True)"
+
+
+def test_common_judges_gradients_against_eager_and_bf16_noise():
+    """benchmarks/common.py, the numerics every table's PASS / PASS* / FAIL comes from, and the row a
+    failing variant becomes."""
+    import torch
+
+    import common
+
+    ones = {"w": torch.ones(4), "b": torch.ones(2)}
+    off = {"w": torch.full((4,), 1.05), "b": torch.ones(2)}  # 5% off: over GRAD_RTOL's 2e-2
+    plain = common.reference(1.0, ones)  # no fp32 step: no noise floor to excuse anything
+    assert common.verdict(common.compare(1.0, ones, plain, "bf16")) == "PASS"
+    assert common.verdict(common.compare(1.0, off, plain, "bf16")) == "FAIL"
+    # eager bf16 is 3.8% from eager fp32 on w: 1.05 is within 2x that of fp32's 1.04, so w is excused
+    noisy = common.reference(1.0, ones, fp32=(1.0, {"w": torch.full((4,), 1.04), "b": torch.ones(2)}))
+    n = common.compare(1.0, off, noisy, "bf16")
+    assert common.verdict(n) == "PASS*" and n["params_within_bf16_noise"] == ["w"]
+    assert noisy["noise_summary"]["grad_rel_err_worst_param"] == "w"
+    assert common.verdict(common.compare(1.2, ones, noisy, "bf16")) == "FAIL"  # the loss 20% off
+    assert common.numerics_cell(n) == "PASS* (dloss 0.0e+00, grad 5.0e-02)"
+
+    assert common.spread([3.0, 1.0, 2.0])["median_ms"] == 2.0
+
+    def runs_out():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    row = common.guarded(runs_out, "apollo", say=lambda *a: None, setup="x")
+    assert (row["variant"], row["status"], row["setup"]) == ("apollo", "OOM", "x") and "Traceback" in row["traceback"]
+    assert common.failed_cells(8, row, 5) == ["8", "apollo", "OOM", "", "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"]

@@ -9,7 +9,7 @@ catches an out-of-memory error as a trainer that skips a batch would (dropping i
 the step), and prints per step: ok or OOM, allocated / reserved GiB, and each graph's CUDA-graph
 state.
 
-    PYTHONPATH=. python benchmarks/capture_recovery.py --batch 1152 --budget 0.05 --limit-gib 20 --steps 5
+    PYTHONPATH=. python benchmarks/probes/capture_recovery.py --batch 1152 --budget 0.05 --limit-gib 20 --steps 5
 """
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent),  # benchmarks/: common.py, clip.py, ...
+                str(pathlib.Path(__file__).resolve().parent.parent.parent)]  # the repo root, for apollo_compile
 import apollo_compile  # noqa: E402  (registers the backend without an install)
-import bench_step  # noqa: E402
 import clip  # noqa: E402
+import common  # noqa: E402
 
-GiB = 2**30
+GiB = common.GiB
 
 
 def graph_states() -> dict[str, dict]:
@@ -70,8 +71,8 @@ def main(argv=None) -> int:
     for step in range(1, args.steps + 1):
         rec = {"step": step}
         try:  # the precision option casts, so no autocast
-            bench_step.train_step(model, step_fn, batch, device, amp=False)
-            bench_step.synchronize(device)
+            common.train_step(model, step_fn, batch, device, amp=False)
+            common.synchronize(device)
             rec["status"] = "ok"
         except torch.OutOfMemoryError as e:
             rec["status"] = "OOM"

@@ -4,8 +4,8 @@ Records the CUDA allocator's history over the first steps of a compiled CLIP (st
 un-graphed, step 2 measures the candidates and captures, step 3 replays) and prints, per phase,
 the peak above the phase's start and what is alive at that peak, grouped by the allocating line.
 
-    PYTHONPATH=. python benchmarks/diag_memory.py --batch 64 --budget 0.05 --out $OUT/diag
-    PYTHONPATH=. python benchmarks/diag_memory.py --batch 1152 --limit-gib 20 --out $OUT/diag   # where it OOMs
+    PYTHONPATH=. python benchmarks/probes/diag_memory.py --batch 64 --budget 0.05 --out $OUT/diag
+    PYTHONPATH=. python benchmarks/probes/diag_memory.py --batch 1152 --limit-gib 20 --out $OUT/diag   # where it OOMs
 
 With ``--limit-gib`` the allocator is capped as bench_memory.py's search caps it; an out-of-memory
 error ends the run, and the trace up to it is summarized (the failing phase is named).
@@ -27,7 +27,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent),  # benchmarks/: common.py, clip.py, ...
+                str(pathlib.Path(__file__).resolve().parent.parent.parent)]  # the repo root, for apollo_compile
 import apollo_compile  # noqa: E402,F401  (registers the backend without an install)
 import clip  # noqa: E402
 

@@ -10,7 +10,7 @@ transformer block with elementwise stand-ins for attention and GELU):
   towers          vision and text on two streams (what apollo's lanes do today)
   towers+dw       as towers, each tower's weight gradients on a stream of its own, one event per layer
 
-    python benchmarks/dw_lane_probe.py --batch 8 32
+    python benchmarks/probes/dw_lane_probe.py --batch 8 32
 """
 
 from __future__ import annotations

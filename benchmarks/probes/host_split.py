@@ -29,8 +29,8 @@ the pace there in session 10, above apollo's 5.1 ms of GPU work): the host ms pe
 garbage collections in them (count, ms), then the same steps under cProfile, its top functions
 by own time. cProfile slows Python calls, so read the shares, not the absolute times.
 
-    PYTHONPATH=. python benchmarks/host_split.py --batch 8 --variants inductor-ro apollo-1lane apollo
-    PYTHONPATH=. python benchmarks/host_split.py --batch 8 --variants apollo --sync-debug
+    PYTHONPATH=. python benchmarks/probes/host_split.py --batch 8 --variants inductor-ro apollo-1lane apollo
+    PYTHONPATH=. python benchmarks/probes/host_split.py --batch 8 --variants apollo --sync-debug
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import bench_step  # noqa: E402
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent),  # benchmarks/: common.py, clip.py, ...
+                str(Path(__file__).resolve().parent.parent.parent)]  # the repo root, for apollo_compile
+import bench_step  # noqa: E402  (its variants)
 import clip  # noqa: E402
+import common  # noqa: E402  (the train step, the back-to-back timing)
 
 import apollo_compile  # noqa: E402
 
@@ -55,7 +57,7 @@ COLUMNS = ("fw host", "bw host", "latency", "fw idle", "bw idle", "bw host idle"
 
 
 def forward(f, model, batch) -> torch.Tensor:
-    """The step's first half, as bench_step.train_step runs it: zero_grad, forward under bf16 autocast."""
+    """The step's first half, as common.train_step runs it: zero_grad, forward under bf16 autocast."""
     model.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         return f(*batch)
@@ -165,7 +167,7 @@ def report_syncs(f, model, batch) -> int:
         warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            bench_step.train_step(model, f, batch, torch.device("cuda"), True)
+            common.train_step(model, f, batch, torch.device("cuda"), True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -191,11 +193,11 @@ def b2b_profile(f, model, batch, steps: int, top: int = 25) -> str:
     device = batch[0].device
 
     def step():
-        bench_step.train_step(model, f, batch, device, True)
+        common.train_step(model, f, batch, device, True)
 
     gc.callbacks.append(on_gc)
     try:
-        host_ms = bench_step.time_back_to_back(step, steps, device, rounds=1)["host_ms"]
+        host_ms = common.time_back_to_back(step, steps, device, rounds=1)["host_ms"]
     finally:
         gc.callbacks.remove(on_gc)
     profiler = cProfile.Profile()
@@ -203,7 +205,7 @@ def b2b_profile(f, model, batch, steps: int, top: int = 25) -> str:
     for _ in range(steps):
         step()
     profiler.disable()
-    bench_step.synchronize(device)
+    common.synchronize(device)
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
     return (f"host {host_ms:.2f} ms per step back to back; {len(collections)} garbage collections in "
@@ -248,7 +250,7 @@ def main(argv=None) -> int:
         batch = clip.make_batch(args.batch, "cuda", "base", seed=1)
         f = bench_step.compile_variant(name, model)
         for _ in range(args.warmup):
-            bench_step.train_step(model, f, batch, torch.device("cuda"), True)
+            common.train_step(model, f, batch, torch.device("cuda"), True)
         row = split(f, model, batch, args.steps)
         if args.sync_debug:
             print(f"{name}: {report_syncs(f, model, batch)} synchronizing call(s) in one step", flush=True)

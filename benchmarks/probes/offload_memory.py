@@ -11,7 +11,7 @@ each copy among the kernels. ``--snapshot VARIANT ...`` records the
 measured step's allocations (``torch.cuda.memory._record_memory_history``) and lists the largest
 ones live at the step's peak, each with the wrapper line that made it: what the backward holds.
 
-    PYTHONPATH=. python benchmarks/offload_memory.py --batch 512 --code-dir "$OUT/code" \\
+    PYTHONPATH=. python benchmarks/probes/offload_memory.py --batch 512 --code-dir "$OUT/code" \\
         --snapshot eager-bf16-ckpt-offload apollo-bf16-budget-0.05-offload
 """
 from __future__ import annotations
@@ -28,13 +28,14 @@ import time
 import torch
 import torch._inductor.config
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent.parent),  # benchmarks/: common.py, clip.py, ...
+                str(pathlib.Path(__file__).resolve().parent.parent.parent)]  # the repo root, for apollo_compile
 import apollo_compile  # noqa: E402,F401  (registers the backend without an install)
 import bench_memory  # noqa: E402
-import bench_step  # noqa: E402
 import clip  # noqa: E402
+import common  # noqa: E402
 
-GiB = 2**30
+GiB = common.GiB
 VARIANTS = ["eager-bf16-ckpt-offload", "apollo-bf16-budget-0.05", "apollo-bf16-budget-0.05-offload"]
 
 
@@ -47,20 +48,20 @@ def phases(spec, base, batch, device, snapshot: bool = False) -> dict:
     model = copy.deepcopy(base).to(device)
     with spec.context():
         step_fn = spec.prepare(model)
-        bench_step.train_step(model, step_fn, batch, device, spec.autocast)
-        bench_step.synchronize(device)
+        common.train_step(model, step_fn, batch, device, spec.autocast)
+        common.synchronize(device)
         model.zero_grad(set_to_none=True)
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
         if snapshot:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-        with bench_step.autocast(device, spec.autocast):
+        with common.autocast(device, spec.autocast):
             loss = step_fn(*batch)
-        bench_step.synchronize(device)
+        common.synchronize(device)
         fw_peak, after_fw = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         loss.backward()
-        bench_step.synchronize(device)
+        common.synchronize(device)
         bw_peak = torch.cuda.max_memory_allocated()
         record = {}
         if snapshot:

@@ -1,0 +1,582 @@
+"""What every benchmark here does the same way: the environment line, the training step, step
+times, peak memory, and numerics against eager. bench_step.py, bench_memory.py,
+bench_distributed.py, smoke_gpu.py, profile_step.py and the probes (probes/) import it, so a
+change of method (how a step is timed, which memory counter is read, what tolerance a gradient
+meets) is made once and holds for every table in RESULTS.md.
+
+Environment
+    ``environment(device, **fields)``: date, torch, python, CUDA, device name, SMs, memory (a
+    dict every results file stores); ``header_line(env)``: that as the one line each report opens
+    with; ``device_and_out_dir(args)``: the device and output folder from the shared flags
+    (``--device``, ``--out``, ``--no-compile-cache``).
+
+The step
+    ``train_step(model, step_fn, batch, device, amp)``: ``zero_grad(set_to_none=True)``, the
+    forward under bf16 autocast (``amp``), ``backward()``; no optimizer step, so weights never
+    change and every numerics check runs at the reference weights. A ``step_fn`` with a
+    ``backward_context()`` (bench_step.CompiledAutogradStep) runs the backward inside it.
+
+Timing (milliseconds)
+    ``warm_up(run_step, steps, device)``: the warm-up steps (compilation, CUDA-graph capture),
+    synchronised, their wall time and the first step's; ``time_steps``: each step from an idle GPU
+    (``synchronize()``, then a CUDA event pair around the step; ``perf_counter`` on the CPU);
+    ``time_back_to_back``: steps queued without a synchronize, the median of several rounds, and
+    the host's own time per step; ``spread(times)``: median, p10, p90.
+
+Memory (GiB)
+    ``reset_peaks`` / ``read_peaks``: ``max_memory_allocated`` and ``max_memory_reserved`` (None on
+    the CPU). A CUDA-graph replay allocates nothing the allocator counts: read the reserved figure,
+    or a peak over the whole run (capture included), for graphed variants. ``memory_cap``: the
+    allocator capped at a limit (``set_per_process_memory_fraction``), reset afterwards;
+    ``free_device_memory``: Dynamo reset, gc, cuBLAS workspaces and the allocator's cache emptied
+    between variants; ``rss_gib``: the process's resident memory (CPU runs).
+
+Numerics
+    ``loss_and_grads``: one step, the loss as a float and every gradient as an fp32 CPU copy;
+    ``noise_floor``: eager bf16's per-parameter distance from eager fp32; ``compare``: the loss
+    and the worst per-parameter relative gradient error against a reference, with a verdict
+    (``GRAD_RTOL`` / ``LOSS_RTOL``: the comment at the constants says why these values; ``PASS*``:
+    within bf16's noise, ``NOISE_MULTIPLIER``); ``verdict``, ``numerics_text`` (the log line),
+    ``numerics_cell`` (the table cell).
+
+Failures and tables
+    ``guarded``: a variant run so that its exception becomes a FAILED / OOM row (``error_row``)
+    and the run goes on; ``batch_reference``: a batch's reference, the batch skipped when it fails;
+    ``fmt``: a value or "-"; ``markdown(header, rows)``: a table; ``apollo_diagnostics``: what
+    apollo decided for a variant (runtime chosen, candidate times, un-graphed calls, warnings).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import json
+import os
+import platform
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+GiB = 1024**3
+BACK_TO_BACK_ROUNDS = 5  # rounds of queued steps; their median is the back-to-back figure
+
+# Inductor repeats this one for every attention softmax it splits; it drowns the log.
+warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled")
+
+
+def log(*args: Any) -> None:
+    print(*args, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# environment
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def environment(device: torch.device, **fields: Any) -> dict[str, Any]:
+    """Where and when a run ran, and `fields` (the run's own settings), for its results file."""
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "device_name": device_name(device),
+        "cuda": torch.version.cuda,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["sm_count"] = props.multi_processor_count
+        env["total_memory_gib"] = props.total_memory / GiB
+    env.update(fields)
+    return env
+
+
+def header_line(env: dict[str, Any]) -> str:
+    """``date | torch | python | device (SMs, memory)``: the line each report opens with."""
+    where = env.get("device_name", env.get("device", "?"))
+    if "sm_count" in env:
+        where += f" ({env['sm_count']} SMs, {env['total_memory_gib']:.0f} GiB)"
+    return f"{env['date']} | torch {env['torch']} | python {env['python']} | {where}"
+
+
+def device_and_out_dir(args) -> tuple[torch.device, Path] | None:
+    """The device and the output folder (created) from the flags the benchmarks share
+    (--device, --out, --no-compile-cache); None, said in the log, when CUDA is asked for and absent."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        log("CUDA is not available; use --device cpu")
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    if getattr(args, "no_compile_cache", False):
+        torch._inductor.config.force_disable_caches = True
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return device, out_dir
+
+
+def default_out() -> str:
+    """--out's default: the device tool's $OUT when set."""
+    return os.environ.get("OUT") or "bench_out"
+
+
+# --------------------------------------------------------------------------------------------
+# the training step
+
+
+def autocast(device: torch.device, amp: bool) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
+
+
+def train_step(model: nn.Module, step_fn: Callable, batch: tuple, device: torch.device, amp: bool) -> torch.Tensor:
+    """zero_grad + forward (under autocast) + backward; no optimizer step."""
+    model.zero_grad(set_to_none=True)
+    with autocast(device, amp):
+        loss = step_fn(*batch)
+    with getattr(step_fn, "backward_context", contextlib.nullcontext)():
+        loss.backward()
+    return loss
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def warm_up(run_step: Callable[[], Any], steps: int, device: torch.device,
+            after_each: Callable[[], Any] | None = None) -> dict[str, float]:
+    """`steps` steps (compilation and CUDA-graph capture happen here), synchronised: their wall
+    time in seconds ("compile s": Inductor's on-disk caches shorten it for graphs compiled
+    before) and the first step's. `after_each` runs after every step (bench_memory reads the
+    peak there)."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    first = None
+    for i in range(steps):
+        run_step()
+        if i == 0:
+            synchronize(device)
+            first = time.perf_counter() - t0
+        if after_each is not None:
+            after_each()
+    synchronize(device)
+    return {"compile_s": time.perf_counter() - t0, "first_step_s": first}
+
+
+def time_steps(run_step: Callable[[], Any], steps: int, device: torch.device,
+               before_step: Callable[[], Any] | None = None) -> list[float]:
+    """Per-step milliseconds, each step from an idle GPU (host launch overhead included): CUDA
+    events after a synchronize on CUDA, perf_counter on the CPU. `before_step` runs after the
+    synchronize, untimed (bench_distributed.py lines ranks up there)."""
+    times = []
+    for _ in range(steps):
+        synchronize(device)
+        if before_step is not None:
+            before_step()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run_step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run_step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def time_back_to_back(run_step: Callable[[], Any], steps: int, device: torch.device,
+                      rounds: int = BACK_TO_BACK_ROUNDS) -> dict[str, Any]:
+    """Milliseconds per step with `steps` steps queued back to back, one synchronize before and
+    after, as a training loop that never reads a value from the GPU runs: the host prepares the
+    next step while the GPU still runs the last one, so a step costs max(host, GPU) rather than
+    the idle-GPU latency `time_steps` reports. Neither replaces the other: a loop that logs the
+    loss every step synchronizes every step.
+
+    One round is one sample, and a single host hiccup in it moves the whole round (session 10:
+    11.19 ms back to back against a 10.13 ms idle-GPU median), so the median of `rounds` rounds
+    is reported, with the host's own time per step (the loop's wall time before the final
+    synchronize): host ms close to the round's ms means the host, not the GPU, sets the pace."""
+    per_step, host = [], []
+    for _ in range(rounds):
+        synchronize(device)
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        for _ in range(steps):
+            run_step()
+        host.append((time.perf_counter() - t0) * 1e3 / steps)
+        if device.type == "cuda":
+            end.record()
+            end.synchronize()
+            per_step.append(start.elapsed_time(end) / steps)
+        else:
+            per_step.append(host[-1])
+    return {"ms": float(np.median(per_step)), "rounds_ms": per_step, "host_ms": float(np.median(host))}
+
+
+def spread(times: Sequence[float]) -> dict[str, Any]:
+    """The timed steps (ms) and their median, p10 and p90, as the result rows store them."""
+    p10, median, p90 = np.percentile(times, [10, 50, 90])
+    return {"times_ms": list(times), "median_ms": float(median), "p10_ms": float(p10), "p90_ms": float(p90)}
+
+
+def spread_text(row: dict) -> str:
+    return f"median {row['median_ms']:.2f} ms (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})"
+
+
+# --------------------------------------------------------------------------------------------
+# memory
+
+
+def reset_peaks(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def read_peaks(device: torch.device) -> tuple[float | None, float | None]:
+    """(max_memory_allocated, max_memory_reserved) in GiB since the last reset; (None, None) on the CPU."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(device) / GiB, torch.cuda.max_memory_reserved(device) / GiB
+
+
+def peaks_text(alloc: float | None, reserved: float | None) -> str:
+    return "" if alloc is None else f"peak {alloc:.2f} GiB allocated / {reserved:.2f} reserved"
+
+
+@contextlib.contextmanager
+def memory_cap(device: torch.device, limit_gib: float | None):
+    """The caching allocator capped at `limit_gib` (``set_per_process_memory_fraction``: an
+    allocation past it raises an out-of-memory error as a GPU of that size would), peak stats
+    reset; the cap is lifted afterwards. No cap without a limit or off CUDA."""
+    if device.type != "cuda" or not limit_gib:
+        yield
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gib * GiB / total), device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Between variants: Dynamo's caches (and CUDA-graph trees) dropped, garbage collected, each
+    stream's cuBLAS workspace (~32 MiB) and the allocator's cache released."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_cublas is not None:
+            clear_cublas()
+        torch.cuda.empty_cache()
+
+
+def rss_gib() -> float | None:
+    """The process's resident memory now (Linux), for CPU runs, where no allocator counts peaks."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GiB
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# numerics
+
+# Tolerances of the numerics check against eager (same weights, same batch, same autocast).
+# bf16 autocast: bf16 keeps 8 significand bits (relative rounding ~2e-3 to 4e-3 per op). A compiled
+# step is *allowed* to differ from eager by that much at every op: Inductor fuses ops and keeps
+# fused intermediates in fp32 where eager rounds each op's output to bf16, and it reorders
+# reductions. Over 24 transformer blocks, forward and backward, these per-op differences compound
+# to the 1e-3..1e-2 range for a parameter's relative gradient error. A real scheduling bug — a
+# missing stream dependency, a buffer reused too early, a stale input — gives errors of order 1.
+# GRAD_RTOL = 2e-2 separates the two.
+# Small parameters whose gradient is a sum with heavy cancellation (late biases, logit_scale;
+# worst at small batches) can exceed 2e-2 from rounding alone: eager bf16 is then just as far from
+# eager fp32. So a parameter over GRAD_RTOL is still accepted when its gradient is no further from
+# the fp32 gradient than NOISE_MULTIPLIER x eager bf16's own distance from it — the compiled step
+# is as accurate as eager bf16, only elsewhere in the rounding noise. (PyTorch's own compiler
+# accuracy check, torch._dynamo.utils.same with fp64_ref, uses the same rule with multiplier 2-3.)
+# Such parameters are counted in the report ("PASS*").
+# fp32 (--no-amp): compiled fp32 differs from eager only by reduction order, far below 1e-3.
+GRAD_RTOL = {"bf16": 2e-2, "fp32": 1e-3}
+LOSS_RTOL = {"bf16": 1e-2, "fp32": 1e-4}  # on |loss - loss_ref| / max(1, |loss_ref|)
+NOISE_MULTIPLIER = 2.0
+
+
+@contextlib.contextmanager
+def no_tf32():
+    """True fp32 matmuls and convolutions (cuDNN allows TF32 for convolutions by default)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def cpu_fp32(g: torch.Tensor) -> torch.Tensor:
+    """An fp32 CPU copy of a gradient; an FSDP2 DTensor is gathered to its full tensor first (a
+    collective: every rank must call it)."""
+    if hasattr(g, "full_tensor"):
+        g = g.full_tensor()
+    return g.detach().float().cpu().clone()
+
+
+def loss_and_grads(model: nn.Module, step_fn: Callable, batch: tuple, device: torch.device, amp: bool,
+                   names: dict[int, str] | None = None,
+                   grad: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, dict]:
+    """One `train_step`; the loss as a float and every parameter's gradient as an fp32 CPU copy
+    (None where it has none), keyed by parameter name, or by ``names[id(p)]`` when given (the names
+    before a wrapper renamed them). `grad` transforms each gradient first (bench_distributed
+    averages it over ranks). Gradients are cleared afterwards."""
+    loss = train_step(model, step_fn, batch, device, amp)
+    loss_value = float(loss.detach().float().cpu())
+    named = ((names[id(p)], p) for p in model.parameters()) if names is not None else model.named_parameters()
+    grads = {}
+    for name, p in named:
+        g = p.grad
+        if g is not None and grad is not None:
+            g = grad(g)
+        grads[name] = None if g is None else cpu_fp32(g)
+    model.zero_grad(set_to_none=True)
+    return loss_value, grads
+
+
+def rel_err(g: torch.Tensor, g_ref: torch.Tensor) -> float:
+    """||g - g_ref|| / ||g_ref||, in float64."""
+    ref_norm = g_ref.double().norm().item()
+    return (g.double() - g_ref.double()).norm().item() / max(ref_norm, 1e-30)
+
+
+def noise_floor(grads_bf16: dict, grads_fp32: dict) -> tuple[dict[str, float], str]:
+    """Eager bf16's per-parameter relative distance from eager fp32 (bf16's noise floor), and the
+    parameter where it is largest."""
+    floor = {n: rel_err(g, grads_fp32[n]) for n, g in grads_bf16.items() if g is not None and grads_fp32[n] is not None}
+    return floor, max(floor, key=floor.get)
+
+
+def reference(loss: float, grads: dict, fp32: tuple[float, dict] | None = None) -> dict:
+    """The reference `compare` reads: eager's loss and gradients and, from an eager fp32 step
+    (`fp32` = its loss and gradients) where the variants run under bf16 autocast, the fp32
+    gradients and bf16's noise floor ("noise_summary" for the report)."""
+    ref = {"loss": loss, "grads": grads, "grads_fp32": None, "noise_floor": None, "noise_summary": None}
+    if fp32 is not None:
+        loss32, grads32 = fp32
+        floor, worst = noise_floor(grads, grads32)
+        ref.update(grads_fp32=grads32, noise_floor=floor, noise_summary={
+            "loss_abs_diff": abs(loss - loss32), "grad_rel_err_max": floor[worst], "grad_rel_err_worst_param": worst})
+    return ref
+
+
+def compare(loss: float, grads: dict, ref: dict, precision: str) -> dict:
+    """Loss difference and the worst per-parameter relative gradient error against eager, with a
+    verdict. `ref` holds eager's loss and grads and, with AMP, the fp32 grads and eager bf16's
+    per-parameter distance from them (the noise floor); see GRAD_RTOL."""
+    worst_name, worst = None, 0.0
+    problems, over_tol, excused = [], [], []
+    for name, g_ref in ref["grads"].items():
+        g = grads.get(name)
+        if g_ref is None and g is None:
+            continue
+        if g is None or g_ref is None:
+            problems.append(f"{name}: grad is {'missing' if g is None else 'unexpected'}")
+            continue
+        if not torch.isfinite(g).all():
+            problems.append(f"{name}: non-finite grad")
+            continue
+        err = rel_err(g, g_ref)
+        if worst_name is None or err > worst:
+            worst_name, worst = name, err
+        if err > GRAD_RTOL[precision]:
+            floor = ref["noise_floor"].get(name) if ref.get("noise_floor") else None
+            if floor is not None and rel_err(g, ref["grads_fp32"][name]) <= NOISE_MULTIPLIER * floor:
+                excused.append(name)
+            else:
+                over_tol.append(name)
+    loss_diff = abs(loss - ref["loss"])
+    loss_ok = bool(np.isfinite(loss)) and loss_diff <= LOSS_RTOL[precision] * max(1.0, abs(ref["loss"]))
+    ok = loss_ok and not problems and not over_tol
+    return {
+        "pass": bool(ok),
+        "loss": loss,
+        "loss_ref": ref["loss"],
+        "loss_abs_diff": loss_diff,
+        "grad_rel_err_max": worst,
+        "grad_rel_err_worst_param": worst_name,
+        "params_over_tol": over_tol,
+        "params_within_bf16_noise": excused,
+        "problems": problems,
+        "tolerance": {"grad_rel": GRAD_RTOL[precision], "loss_rel": LOSS_RTOL[precision],
+                      "noise_multiplier": NOISE_MULTIPLIER},
+    }
+
+
+def verdict(n: dict) -> str:
+    if not n["pass"]:
+        return "FAIL"
+    return "PASS*" if n["params_within_bf16_noise"] else "PASS"
+
+
+def numerics_text(n: dict) -> str:
+    """The log line of a `compare` result after its verdict: worst errors, then the parameters over."""
+    return (f"|dloss| {n['loss_abs_diff']:.2e}, max grad rel err {n['grad_rel_err_max']:.2e} "
+            f"({n['grad_rel_err_worst_param']}); {len(n['params_over_tol'])} params over "
+            f"{n['tolerance']['grad_rel']:g}, {len(n['params_within_bf16_noise'])} more within bf16 noise"
+            + "".join(f"\n    {p}" for p in n["problems"] + n["params_over_tol"][:10]))
+
+
+def numerics_cell(n: dict) -> str:
+    """A table's numerics cell: ``PASS* (dloss 1.8e-03, grad 7.7e-02)``."""
+    return f"{verdict(n)} (dloss {n['loss_abs_diff']:.1e}, grad {n['grad_rel_err_max']:.1e})"
+
+
+def tolerance_text(precision: str) -> str:
+    """The rule `compare` applies, for a report's header."""
+    return (f"PASS if max per-param relative grad error <= {GRAD_RTOL[precision]:g} and |dloss| <= "
+            f"{LOSS_RTOL[precision]:g} * max(1, |loss|); PASS*: some params over it, but no further from the "
+            f"fp32 gradient than {NOISE_MULTIPLIER:g}x eager bf16 is")
+
+
+# --------------------------------------------------------------------------------------------
+# failures and tables
+
+
+def is_oom(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def error_row(exc: BaseException, **fields: Any) -> dict:
+    """A variant's exception (call inside the ``except``) as a row: status OOM or FAILED, the
+    error's first line and the traceback."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return {**fields, "status": "OOM" if is_oom(exc) else "FAILED", "error": f"{type(exc).__name__}: {first}",
+            "traceback": traceback.format_exc()}
+
+
+def guarded(run: Callable[[], dict], name: str, say: Callable[..., None] = log, **fields: Any) -> dict:
+    """``run()``, the result row of one variant; an exception (an out-of-memory error included)
+    becomes a FAILED / OOM row with its traceback (`error_row`), said in the log, and the run goes
+    on. A CUDA error that corrupts the context cannot be contained in-process: later variants fail
+    too, which is why the benchmarks run apollo's variants last."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001  (one variant's failure must not lose the run)
+        row = error_row(exc, variant=name, **fields)
+    say(f"  [{name}] {row['status']}: {row['error']}")
+    say(row["traceback"])
+    return row
+
+
+def batch_reference(entry: dict, make_reference: Callable[[], dict], what: str = "eager",
+                    say: Callable[..., None] = log) -> dict | None:
+    """A batch's numerics reference (`make_reference()`, a `reference` dict), its loss and bf16
+    noise floor recorded in `entry` and logged; None when it fails, the reason in `entry` (the
+    batch is then skipped)."""
+    try:
+        ref = make_reference()
+    except Exception as exc:  # noqa: BLE001
+        say(f"  {what} reference failed ({type(exc).__name__}); skipping batch {entry['batch']}")
+        say(traceback.format_exc())
+        entry["error"] = f"reference: {type(exc).__name__}: {exc}"
+        return None
+    entry["loss_ref"] = ref["loss"]
+    entry["bf16_noise_floor"] = f = ref["noise_summary"]
+    if f:
+        say(f"  bf16 noise floor ({what} bf16 vs fp32): |dloss| {f['loss_abs_diff']:.2e}, "
+            f"max grad rel err {f['grad_rel_err_max']:.2e} ({f['grad_rel_err_worst_param']})")
+    return ref
+
+
+def noise_floor_lines(results: list[dict], label: str = "batch", what: str = "eager bf16 vs eager fp32") -> list[str]:
+    """A report header's line per batch: the bf16 noise floor `batch_reference` recorded."""
+    return [f"- {label} {entry['batch']}: bf16 noise floor ({what}): dloss {f['loss_abs_diff']:.1e}, "
+            f"grad {f['grad_rel_err_max']:.1e}" for entry in results if (f := entry.get("bf16_noise_floor"))]
+
+
+def fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
+
+
+def markdown(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
+def failed_cells(batch: Any, row: dict, width: int, status_at: int = 2) -> list[str]:
+    """The cells of a row that did not run: batch, variant, status, blanks, the error (a table cell)."""
+    error = (row.get("error") or "").splitlines()[0][:80].replace("|", "/") if row.get("error") else ""
+    return [str(batch), row["variant"], row["status"]] + [""] * (width - status_at - 2) + [error]
+
+
+# --------------------------------------------------------------------------------------------
+# what apollo decided
+
+
+@contextlib.contextmanager
+def apollo_diagnostics(row: dict, name: str):
+    """Record in `row` what apollo decided and how its CUDA-graph runners ran (runtime chosen, candidate
+    times, graph-less calls, memory held by captures), the checkpoint pass's predicted activation bytes,
+    and every warning the variant raised (an ApolloFallbackWarning explains a slow or large row).
+
+    Yields a list in which the variant keeps its compiled step until the plans are read here: the
+    plans hold the CUDA-graph runners only weakly, and the compiled step owns them."""
+    import apollo_compile
+
+    apollo_compile.clear_plans()
+    keep: list = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield keep
+        finally:
+            row["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in caught})
+            row["apollo"] = []
+            for plan in apollo_compile.plans():
+                entry: dict[str, Any] = {"plan": plan.name}
+                ckpt = plan.joint.get("checkpoint")
+                if ckpt is not None:
+                    entry["checkpoint"] = ckpt.summary()  # predicted peaks and bytes, per_block, relaxed, met
+                summaries = {k: g.summary() for k, g in plan.graphs.items()}
+                entry["graphs"] = {k: {key: summary.get(key) for key in ("lanes", "cuda_graph", "fallback", "offload")}
+                                   for k, summary in summaries.items()}
+                row["apollo"].append(entry)
+            for w in row["warnings"]:
+                log(f"  [{name}] warning: {w.splitlines()[0][:300]}")
+            for entry in row["apollo"]:
+                for kind, g in entry["graphs"].items():
+                    if g.get("cuda_graph"):
+                        log(f"  [{name}] {entry['plan']} {kind}: {json.dumps(g['cuda_graph'])}")
+                    else:  # un-graphed (compiled autograd's graph in session 15): say so, and why if known
+                        why = g.get("fallback") or "no CUDA-graph runner (CPU, or not a CUDA graph's device)"
+                        log(f"  [{name}] {entry['plan']} {kind}: without a CUDA graph: {why}")
+
+
+def diagnostics_for(row: dict, name: str, apollo: bool) -> contextlib.AbstractContextManager:
+    """`apollo_diagnostics` for an apollo variant; for any other, a context yielding a list to
+    keep its step in (unused)."""
+    return apollo_diagnostics(row, name) if apollo else contextlib.nullcontext([])
