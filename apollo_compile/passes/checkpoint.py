@@ -150,7 +150,7 @@ from ..annotations import info
 from ..nodes import (deterministic_attention, is_library_kernel, is_random, is_view, nbytes, node_tensors,
                      storage_node)
 from ..tracing import fw_metadata
-from . import modality
+from . import modality, offload
 from .cost import node_cost
 
 log = logging.getLogger("apollo_compile")
@@ -758,8 +758,6 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
     labels = modality.labels_of(gm, ctx) if per_modality else {}
     on_host = None
     if ctx.options.offload_activations:
-        from . import offload  # not at the top: offload imports this module
-
         model_outputs = set(_outputs(gm)[:num_fwd])
         on_host = lambda v: offload.waits_on_host(v, model_outputs)  # noqa: E731
     planner = _Planner(gm, num_fwd, ctx.device, labels, per_modality,
