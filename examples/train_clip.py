@@ -26,9 +26,10 @@ What it shows — an ordinary PyTorch training script, with apollo as its compil
   ``--save-every`` steps and at the end) and ``--resume``: the run continues at the saved step, on
   the same batch order, and reaches the same weights as an uninterrupted run (``--steps`` is the
   total step count, so ``--steps 3`` then ``--steps 6 --resume`` equals ``--steps 6``);
-* a progress bar with loss, samples/s and peak memory (CUDA: ``torch.cuda.max_memory_allocated``;
-  CPU: the process's peak RSS from ``resource.getrusage``) when tqdm is installed
-  (``pip install tqdm``), else a line every ``--log-every`` steps; ``--metrics FILE`` gets one JSON
+* a line before the first step saying that it compiles and about how long that takes, then a
+  progress bar with loss, samples/s, peak memory (CUDA: ``torch.cuda.max_memory_allocated``; CPU:
+  the process's peak RSS from ``resource.getrusage``) and the time left: redrawn in place on a
+  terminal, a line every ``--log-every`` steps otherwise (a log file); ``--metrics FILE`` gets one JSON
   line per step (a resumed run appends);
 * the summary at the end: median step time after warm-up, samples/s, final loss, peak memory and,
   for apollo, its plan (lanes and subgraphs of the forward and backward graphs).
@@ -45,9 +46,10 @@ Run from anywhere (the repo root is put on ``sys.path`` relative to this file):
     python examples/train_clip.py --config base --device cuda --memory-budget 0.05 --offload-activations \
         --batch 1024    # apollo's memory passes: recompute all but each block's input, keep that on the host
 
-On a CPU, ``python examples/train_clip.py`` finishes within about a minute: it writes the
-synthetic dataset (``./data/clip_synthetic``), plans the batch-8 probe, compiles the chosen
-bucket (batch 32; most of the time) and trains one epoch (2048 examples, 64 steps).
+On a 2-core CPU, ``python examples/train_clip.py`` takes about a minute: it writes the synthetic
+dataset (``./data/clip_synthetic``), plans the batch-8 probe (seconds), compiles the chosen bucket
+(batch 32, in the first step: about 40 s, said before it starts; 27-54 s measured, the longer on a
+busy machine with a cold Inductor cache) and trains one epoch (2048 examples, 64 steps).
 """
 
 from __future__ import annotations
@@ -71,11 +73,6 @@ sys.path.insert(2, str(ROOT))  # the repo root, for apollo_compile when running 
 
 import clip  # noqa: E402  (benchmarks/clip.py)
 import data  # noqa: E402  (examples/data.py)
-
-try:
-    from tqdm import tqdm
-except ImportError:  # optional: plain log lines instead of a progress bar
-    tqdm = None
 
 BUCKETS = {"cpu": (8, 16, 32), "cuda": (32, 64, 128, 256)}
 SYNTHETIC_N = {"tiny": 2048, "base": 4096}
@@ -125,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dump-dir", default=None,
                    help="apollo only: write its annotated graphs, runtime source and plans here")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
-    p.add_argument("--log-every", type=int, default=10, help="without tqdm: print a line every N steps")
+    p.add_argument("--log-every", type=int, default=10, help="off a terminal: print the progress line every N steps")
     p.add_argument("--metrics", default=None,
                    help="write one JSON line per step (step, loss, ms, ...) here; a resumed run appends")
     args = p.parse_args(argv)
@@ -423,28 +420,73 @@ def print_apollo_plan() -> None:
               "each step")
 
 
-class Progress:
-    """tqdm bar when tqdm is importable, else a plain line every ``every`` steps."""
+def compile_notice(args: argparse.Namespace, batch: int, compiled: bool) -> str | None:
+    """What the first step does before it trains, and about how long it takes here, so that the
+    silence of a compile is expected (None: nothing to compile)."""
+    if args.backend == "eager":
+        return None
+    if compiled:
+        return f"step 0 runs the batch-{batch} graph the memory probe compiled"
+    what = f"step 0 compiles the batch-{batch} training graph with {args.backend}"
+    if args.backend == "apollo" and args.subgraph_compiler == "eager":
+        return f"{what} (seconds: its subgraphs run as ATen ops)"
+    if args.device.type == "cpu":
+        how_long = "about 40 s on a 2-core CPU" if args.config == "tiny" else "minutes on a CPU"
+    else:
+        how_long = "about 40 s on an H200" if args.config == "base" else "under a minute on a GPU"
+    return f"{what} ({how_long}; less once Inductor's on-disk cache holds it) ..."
 
-    def __init__(self, start: int, total: int, every: int) -> None:
-        self.total, self.every = total, every
-        self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) if tqdm else None
+
+class Progress:
+    """The training's progress bar: ``[#####-----] step 12/64 ...`` with loss, speed, peak memory and
+    the time left, redrawn in place on a terminal; off a terminal (a log, a pipe) the same line every
+    ``every`` steps and at the last one, so a log stays readable."""
+
+    WIDTH = 24
+
+    def __init__(self, start: int, total: int, every: int, stream=None) -> None:
+        self.start, self.total, self.every = start, total, every
+        self.stream = stream or sys.stdout
+        self.live = self.stream.isatty()
+        self.first: tuple[float, int] | None = None  # (time, step) after the first step, which may compile
+        self.shown = ""
+
+    def line(self, step: int, epoch: int, loss: float, samples_per_s: float, peak: int, ms: float) -> str:
+        done = step / max(self.total, 1)
+        filled = int(round(self.WIDTH * done))
+        bar = "#" * filled + "-" * (self.WIDTH - filled)
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = (now, step)
+        since, first_step = self.first
+        left = (now - since) / (step - first_step) * (self.total - step) if step > first_step else float("nan")
+        eta = f"{int(left // 60)}:{int(left % 60):02d} left" if math.isfinite(left) else ""
+        return (f"[{bar}] step {step}/{self.total}  epoch {epoch}  loss {loss:.4f}  {ms:.1f} ms  "
+                f"{samples_per_s:.0f} samples/s  peak {peak / GIB:.2f} GiB  {eta}").rstrip()
 
     def update(self, step: int, epoch: int, loss: float, samples_per_s: float, peak: int, ms: float) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:.0f}",
-                                 peak=f"{peak / GIB:.2f}GiB", refresh=False)
-            self.bar.update(1)
+        text = self.line(step, epoch, loss, samples_per_s, peak, ms)
+        if self.live:
+            self.stream.write("\r" + text.ljust(len(self.shown)))
+            self.stream.flush()
+            self.shown = text
         elif step % self.every == 0 or step == self.total:
-            print(f"step {step}/{self.total}  epoch {epoch}  loss {loss:.4f}  {ms:.1f} ms  "
-                  f"{samples_per_s:.0f} samples/s  peak {peak / GIB:.2f} GiB", flush=True)
+            print(text, file=self.stream, flush=True)
 
     def write(self, text: str) -> None:
-        (self.bar.write if self.bar is not None else print)(text)
+        """A line of its own, above the bar."""
+        if self.live and self.shown:
+            self.stream.write("\r" + " " * len(self.shown) + "\r")
+        print(text, file=self.stream, flush=True)
+        if self.live and self.shown:
+            self.stream.write(self.shown)
+            self.stream.flush()
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        if self.live and self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+        self.shown = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,6 +549,8 @@ def main(argv=None) -> int:
     step_ms: list[float] = []
     wall_start = None  # wall clock after the warm-up steps, for samples/s including data loading
     progress = Progress(start_step, total, args.log_every)
+    if step < total and (notice := compile_notice(args, batch, compiled)):
+        progress.write(notice)
     last_end = time.perf_counter()
     while step < total:
         sampler.set_epoch(epoch, start=step - epoch * steps_per_epoch)

@@ -1,8 +1,8 @@
 """examples/train_clip.py and examples/data.py: the README's main command, on CPU with small settings.
 
 The training runs are subprocesses (``python examples/train_clip.py ...``), as a user runs them;
-all but one hide tqdm (``sys.modules["tqdm"] = None``) so the plain log lines can be read back
-whether or not tqdm is installed. They share one small synthetic dataset (512 examples).
+their stdout is a pipe, so the script's progress bar prints plain lines (on a terminal it redraws
+one). They share one small synthetic dataset (512 examples).
 """
 
 from __future__ import annotations
@@ -45,10 +45,9 @@ def dataset_dir(tmp_path_factory) -> Path:
     return root
 
 
-def run_example(*args: str, cwd: Path, plain: bool = True, timeout: float = 180) -> str:
+def run_example(*args: str, cwd: Path, timeout: float = 180) -> str:
     """Run train_clip.py with ``args``; return its stdout (fail with stdout+stderr on error)."""
-    block = "import sys; sys.modules['tqdm'] = None; " if plain else "import sys; "
-    code = (block + f"sys.argv = [{str(SCRIPT)!r}, *sys.argv[1:]]; "
+    code = (f"import sys; sys.argv = [{str(SCRIPT)!r}, *sys.argv[1:]]; "
             f"import runpy; runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
     # one intra-op thread: on a small shared CI machine, OpenMP threads waiting for a busy core
     # make steps 100x slower; the data workers still run in parallel
@@ -166,7 +165,7 @@ def test_bucket_choice_and_sampler():
 def test_default_dataset_created_and_eager_run(tmp_path):
     """``--backend eager --steps 6`` from a fresh directory: ./data/clip_synthetic appears."""
     out = run_example("--backend", "eager", "--steps", "6", "--workers", "2", "--synthetic-n", str(N),
-                      cwd=tmp_path, plain=False)
+                      cwd=tmp_path)
     root = tmp_path / "data" / "clip_synthetic"
     ds = data.MemmapImageText(root)
     ds.check_compatible(TINY)
@@ -176,6 +175,8 @@ def test_default_dataset_created_and_eager_run(tmp_path):
     summary = next(l for l in out.splitlines() if l.startswith("summary:"))
     assert re.search(r"final loss \d+\.\d+ \| batch 32 \| median step [\d.]+ ms over 4 steps", summary), summary
     assert "samples/s" in summary and "peak RSS" in summary
+    assert re.search(r"^\[#{24}\] step 6/6  epoch 0  loss \d", out, re.M), out  # the progress bar's last line
+    assert "compiles the batch" not in out  # eager compiles nothing
 
 
 def test_apollo_run_respects_memory_limit(tmp_path, dataset_dir):
@@ -193,6 +194,9 @@ def test_apollo_run_respects_memory_limit(tmp_path, dataset_dir):
     assert f"training: batch {chosen}," in out
     assert len(losses(metrics)) == 6
     assert re.search(r"forward : \d lane\(s\)", out) and re.search(r"backward: \d lane\(s\)", out), out
+    # before the first step, what it compiles (or that the probe did); the bar after it
+    notice = out.index(f"step 0 compiles the batch-{chosen}" if chosen != 8 else "step 0 runs the batch-8 graph")
+    assert notice < out.index("step 0: ") < out.index("] step 6/6")
 
     # a limit nothing fits: the smallest bucket, said so
     out = run_example("--backend", "eager", "--steps", "1", "--memory-limit-gib", "0.0001",
