@@ -13,7 +13,7 @@ keeps Dynamo's configuration as it was). What cannot be one graph still trains c
 module-compiled model does (forward and backward graphs, the autograd engine between them), with
 one :class:`ApolloFallbackWarning` saying why: a PyTorch whose Dynamo cannot trace the backward,
 or a graph break inside the step (an ``optimizer.step()`` inside it breaks the graph on
-torch 2.11-2.13: keep the optimizer outside, ``fused=True``).
+torch 2.13: keep the optimizer outside, ``fused=True``).
 """
 
 from __future__ import annotations
@@ -36,44 +36,48 @@ def backward_tracing_supported() -> bool:
     return hasattr(torch._dynamo.config, TRACE_FLAG)
 
 
-def _graph_breaks() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return dict(counters["graph_break"])
-
-
 class CompiledStep:
-    """The compiled step: calls the ``torch.compile``-d function with backward tracing on, and says
-    once, after the first call, if the step did not become one graph."""
+    """The compiled step. It runs as one graph (``fullgraph=True``, backward tracing on) or, once
+    that cannot be, on the module path (backward tracing off: ``loss.backward()`` breaks the graph
+    and the autograd engine runs the backward graphs), with one warning saying why.
 
-    def __init__(self, fn: Callable, compiled: Callable, whole: bool) -> None:
-        self.fn, self.compiled, self.whole = fn, compiled, whole
-        self.calls = 0
-        self.graph_breaks: dict[str, int] = {}  # reason -> count, seen while compiling this step
+    [NOTE] Why a graph break cannot be allowed inside a whole step: Dynamo resumes after a break in
+    a new frame, and there ``loss.backward()`` finds no leaf it knows of (the parameters were the
+    first frame's) and traces it as nothing: on torch 2.13 every ``.grad`` stayed None, with no
+    error. With ``fullgraph=True`` the break raises while the first frame is traced, before any of
+    the step has run, so the module path can run the call from its start."""
+
+    def __init__(self, fn: Callable, torch_compile_kwargs: dict[str, Any], fallback_reason: str | None) -> None:
+        self.fn, self.kwargs = fn, torch_compile_kwargs
+        self.user_fullgraph = bool(torch_compile_kwargs.get("fullgraph", False))
+        self.whole = torch.compile(fn, backend="apollo", **{**torch_compile_kwargs, "fullgraph": True})
+        self.parts: Callable | None = None
+        self.fallback_reason = fallback_reason  # why the step runs on the module path, once it does
+        if fallback_reason is not None:
+            self._fall_back(fallback_reason, stacklevel=4)
         functools.update_wrapper(self, fn)
 
+    def _fall_back(self, reason: str, stacklevel: int = 3) -> None:
+        self.fallback_reason = reason
+        self.parts = torch.compile(self.fn, backend="apollo", **self.kwargs)
+        warnings.warn(f"apollo.compile_step: {getattr(self.fn, '__qualname__', self.fn)} runs as forward and "
+                      f"backward graphs with the autograd engine between them, not as one graph, because {reason}: "
+                      "training stays correct, the step is slower. Keep optimizer.step() and Python-side work "
+                      "(print, .item()) outside the compiled step", ApolloFallbackWarning, stacklevel=stacklevel)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.whole:
-            return self.compiled(*args, **kwargs)
-        before = _graph_breaks()
-        with torch._dynamo.config.patch(**{TRACE_FLAG: True}):
-            out = self.compiled(*args, **kwargs)
-        self.calls += 1
-        after = _graph_breaks()
-        if after != before:
-            fresh = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
-            first = not self.graph_breaks
-            for k, n in fresh.items():
-                self.graph_breaks[k] = self.graph_breaks.get(k, 0) + n
-            if first:
-                reasons = "; ".join(list(fresh)[:3])
-                warnings.warn(
-                    f"apollo.compile_step: {getattr(self.fn, '__qualname__', self.fn)} did not compile as one graph "
-                    f"(graph break: {reasons}); its parts compile separately and the backward of a part runs "
-                    "through autograd, as for a module-compiled model: training stays correct, but the step is "
-                    "not one CUDA graph. Keep optimizer.step() and Python-side work (printing, .item()) outside "
-                    "the compiled step", ApolloFallbackWarning, stacklevel=2)
-        return out
+        if self.parts is None:
+            try:
+                with torch._dynamo.config.patch(**{TRACE_FLAG: True}):
+                    return self.whole(*args, **kwargs)
+            except torch._dynamo.exc.Unsupported as e:
+                if self.user_fullgraph:
+                    raise
+                self._fall_back(f"it does not trace as one graph ({str(e).strip().splitlines()[0]})")
+        if not backward_tracing_supported():
+            return self.parts(*args, **kwargs)
+        with torch._dynamo.config.patch(**{TRACE_FLAG: False}):  # never the resumed frame's empty backward
+            return self.parts(*args, **kwargs)
 
 
 def compile_step(fn: Callable | None = None, **torch_compile_kwargs: Any) -> Callable:
@@ -95,11 +99,7 @@ def compile_step(fn: Callable | None = None, **torch_compile_kwargs: Any) -> Cal
         raise ApolloOptionsError(f"apollo.compile_step compiles with backend='apollo', got backend={backend!r}; "
                                  "use torch.compile for other backends")
     ApolloOptions.from_user(torch_compile_kwargs.get("options"), torch_compile_kwargs.get("mode"))
-    compiled = torch.compile(fn, backend="apollo", **torch_compile_kwargs)
-    whole = backward_tracing_supported()
-    if not whole:
-        warnings.warn("apollo.compile_step: this PyTorch's Dynamo cannot trace loss.backward() into the graph "
-                      f"(torch._dynamo.config.{TRACE_FLAG} is missing); the step compiles as a forward graph "
-                      "and a backward graph with the autograd engine between them: correct, one graph less fast",
-                      ApolloFallbackWarning, stacklevel=2)
-    return CompiledStep(fn, compiled, whole)
+    reason = None if backward_tracing_supported() else (
+        f"this PyTorch's Dynamo cannot trace loss.backward() into the graph (torch._dynamo.config.{TRACE_FLAG} "
+        "is missing)")
+    return CompiledStep(fn, torch_compile_kwargs, reason)

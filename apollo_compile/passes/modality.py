@@ -21,7 +21,8 @@ module, a wrapper around it, a function that calls a global model, or the whole 
    output's tower is its parameter's: by position in a backward or joint graph (output i is the
    gradient of forward input i), else the input it is allocated like (``copy(empty_like(p), g)``,
    a whole step's new ``.grad``) or the input it updates, else the forward activation its last
-   library kernel reads.
+   library kernel reads. Where nothing names them (compiled autograd's graph has no forward),
+   the gradients are grouped by the backward nodes that reach them (:func:`_grouped_gradients`).
 3. In a backward, a value the forward computed (a saved activation, an op recomputed under a
    memory budget) keeps the label the forward gave it, found by node name (the partitioner keeps
    the joint graph's names). Labelling it afresh would see only backward users: with the
@@ -51,7 +52,7 @@ import torch.fx
 
 from ..annotations import FUSION, KEY, info
 from ..nodes import is_library_kernel
-from ..tracing import fw_metadata
+from ..tracing import compiling_autograd_graph, fw_metadata
 from . import casts
 
 _SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
@@ -111,11 +112,11 @@ def _is_tensor(node: torch.fx.Node) -> bool:
 
 
 def backward_nodes(gm: torch.fx.GraphModule, kind: str) -> set[torch.fx.Node]:
-    """The nodes that compute gradients: in a backward graph every op but the recomputed forward
-    ones; in a joint graph what the tangents reach; in a whole-step graph what AOTAutograd marked
+    """The nodes that compute gradients: in a backward graph (and compiled autograd's) every op but
+    the recomputed forward ones; in a joint graph what the tangents reach; in a whole-step graph what AOTAutograd marked
     ``autograd_backward`` and everything downstream of it (``.grad`` copies, an optimizer)."""
     nodes = list(gm.graph.nodes)
-    if kind == "backward":
+    if kind == "backward" or (kind == "inference" and compiling_autograd_graph()):
         return {n for n in nodes if n.op in COMPUTE and n.meta.get("partitioner_tag") != "is_forward"}
     seeds = {n for n in nodes if n.meta.get("autograd_backward")}
     if kind == "joint":
@@ -133,7 +134,7 @@ def data_inputs(gm: torch.fx.GraphModule, kind: str) -> list[torch.fx.Node]:
     """The tensor inputs that are data, not parameters, buffers, tangents or saved values: the
     inputs AOTAutograd does not mark static (Dynamo marks parameters and buffers static) and
     that need no gradient. Outside an AOTAutograd compile, the inputs that need no gradient."""
-    if kind == "backward":
+    if kind == "backward" or compiling_autograd_graph():
         return []
     phs = _placeholders(gm)
     meta = fw_metadata()
@@ -226,14 +227,48 @@ def _tower_of_gradient(out: torch.fx.Node, backward: set[torch.fx.Node]) -> str 
     return None
 
 
+def _grouped_gradients(gm: torch.fx.GraphModule, backward: set[torch.fx.Node], outs: list[torch.fx.Node]
+                       ) -> dict[torch.fx.Node, str]:
+    """Gradient outputs grouped into towers with no label to go by. Each backward node reaches a
+    set of the weights' gradients (those a library kernel computes alone); the largest sets short
+    of all of them, merged where they overlap, are the towers. The other gradients (biases, norms,
+    a logit scale) then follow the towers their producers reach."""
+    bit = {o: 1 << i for i, o in enumerate(dict.fromkeys(outs))}
+    reach: dict[torch.fx.Node, int] = {}
+    for n in reversed(list(gm.graph.nodes)):
+        if n in backward:
+            mask = bit.get(n, 0)
+            for user in n.users:
+                mask |= reach.get(user, 0)
+            if mask:
+                reach[n] = mask
+    # a weight's gradient is a library kernel's alone; biases, norms and scales follow their towers
+    full = 0
+    for n, m in reach.items():
+        if is_library_kernel(n) and m & (m - 1) == 0:
+            full |= m
+    groups: list[int] = []
+    for mask in sorted({m & full for m in reach.values()} - {full, 0}, key=lambda m: -bin(m).count("1")):
+        if any(mask & ~g == 0 for g in groups):
+            continue  # inside a larger group
+        overlapping = [g for g in groups if g & mask]
+        groups = [g for g in groups if not g & mask] + [mask | sum(overlapping)]
+    if len(groups) < 2:
+        return {}
+    return {o: f"tower{i}" for i, g in enumerate(groups) for o, b in bit.items() if b & g}
+
+
 def backward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.Node],
                     forward_inputs: list[str | None] | None) -> dict[torch.fx.Node, str]:
     """Rule 2: each backward node's label from the towers of the parameter gradients it reaches."""
     sinks: dict[torch.fx.Node, set[str]] = {}
-    for out, label in _gradient_outputs(gm, kind, backward, forward_inputs):
+    outputs = _gradient_outputs(gm, kind, backward, forward_inputs)
+    for out, label in outputs:
         label = label if label not in (None, FUSION) else _tower_of_gradient(out, backward)
         if label is not None and label != FUSION:
             sinks.setdefault(out, set()).add(label)
+    if not sinks:  # nothing names a gradient's tower (compiled autograd): group them by the graph
+        sinks = {out: {name} for out, name in _grouped_gradients(gm, backward, [o for o, _ in outputs]).items()}
     reached: dict[torch.fx.Node, set[str]] = {}
     for n in reversed(list(gm.graph.nodes)):
         if n not in backward:

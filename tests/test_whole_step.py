@@ -1,0 +1,316 @@
+"""The whole training step as one graph (compile_step), and lanes found from the dataflow.
+
+Numerics: the eager subgraph compiler runs the same ATen kernels as eager PyTorch, split
+differently (tolerances in helpers.TOLERANCE); AdamW's update divides by sqrt(v), so a gradient
+off by an ulp moves a parameter by ~lr ulps: several steps stay within the same tolerances.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from torch import nn
+
+import apollo_compile
+from apollo_compile import ApolloFallbackWarning, ApolloOptionsError, whole_step
+from apollo_compile.annotations import info
+from helpers import TOLERANCE
+from models import TwoTower, two_tower_inputs
+
+EAGER = {"subgraph_compiler": "eager"}
+
+
+def assert_grads_equal(model, ref, tol, step):
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), f"step {step}: {name}"
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m: f"step {step} grad {name}: {m}")
+
+
+def train_both(model, make_inputs, options, steps=4, accumulate=1, forward=None):
+    """compile_step(step) and eager side by side under AdamW; `accumulate` calls per update."""
+    ref = copy.deepcopy(model)
+    forward = forward or (lambda m, inputs: m(*inputs))
+
+    def step(*inputs):
+        loss = forward(model, inputs)
+        loss.backward()
+        return loss.detach()
+
+    compiled = apollo_compile.compile_step(step, options=options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    tol = TOLERANCE[options.get("subgraph_compiler", "inductor")]
+    for i in range(steps):
+        inputs = make_inputs(i)
+        loss = compiled(*inputs)
+        ref_loss = forward(ref, inputs)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), **tol)
+        assert_grads_equal(model, ref, tol, i)
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+    return compiled
+
+
+def whole_step_plans():
+    return [p for p in apollo_compile.plans() if "inference" in p.graphs]
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_whole_step_trains_like_eager(compiler):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        compiled = train_both(TwoTower(layers=1), lambda i: two_tower_inputs(seed=i), {"subgraph_compiler": compiler})
+    assert compiled.fallback_reason is None
+    plan = whole_step_plans()[-1]
+    assert plan.inference.fallback is None
+    assert len(plan.inference.decisions["lanes"].lanes) >= 2
+    # every new .grad is the gradient itself: no parameter-sized copy per parameter
+    assert plan.inference.decisions["gradients"]["stolen"] == sum(1 for _ in TwoTower(layers=1).parameters())
+
+
+def test_gradient_accumulation_over_two_calls():
+    """The first call assigns .grad, the second (a graph of its own: Dynamo guards on .grad being
+    None) accumulates into it, as eager autograd does."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    train_both(TwoTower(layers=1), lambda i: two_tower_inputs(seed=i), EAGER, steps=4, accumulate=2)
+    kinds = [sorted(p.graphs) for p in apollo_compile.plans()]
+    assert kinds == [["inference"], ["inference"]]  # .grad None and .grad present: one graph each
+    for p in apollo_compile.plans():
+        assert len(p.inference.decisions["lanes"].lanes) >= 2
+
+
+def test_returned_loss_is_safe_to_hold():
+    torch.manual_seed(0)
+    model = TwoTower(layers=1)
+
+    def step(images, tokens):
+        loss = model(images, tokens)
+        loss.backward()
+        return loss.detach()
+
+    compiled = apollo_compile.compile_step(step, options=EAGER)
+    held = [compiled(*two_tower_inputs(seed=i)) for i in range(3)]
+    values = [float(x) for x in held]
+    compiled(*two_tower_inputs(seed=9))
+    assert [float(x) for x in held] == values
+
+
+# ---------------------------------------------------------------------------- lanes, six ways
+
+
+class Wrapper(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images, tokens):
+        return self.model(images, tokens)
+
+
+class NotSelf(nn.Module):
+    """A forward whose first argument is not called ``self``."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision = TwoTower(layers=1).vision
+        self.text = TwoTower(layers=1).text
+        self.vision_proj = nn.Linear(32, 16, bias=False)
+        self.text_proj = nn.Linear(32, 16, bias=False)
+
+    def forward(s, images, tokens):  # noqa: N805 - the point of the test
+        v = F.normalize(s.vision_proj(s.vision(images)), dim=-1)
+        t = F.normalize(s.text_proj(s.text(tokens)), dim=-1)
+        logits = v @ t.t()
+        labels = torch.arange(logits.shape[0])
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+def _towers(plan_graph) -> list[frozenset]:
+    """The lanes of a graph as sets of tower labels, joins left out: what the plan runs side by side."""
+    lanes = plan_graph.decisions["lanes"].lanes
+    return sorted((frozenset(m for m in ms if m != "fusion") for ms in lanes.values()), key=sorted)
+
+
+def _lanes_of(way: str):
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    images, tokens = two_tower_inputs(seed=0)
+    model = NotSelf() if way == "not_self" else TwoTower(layers=1)
+    if way in ("module", "not_self"):
+        torch.compile(model, backend="apollo", options=EAGER)(images, tokens).backward()
+    elif way == "wrapper":
+        torch.compile(Wrapper(model), backend="apollo", options=EAGER)(images, tokens).backward()
+    elif way == "function":
+        global GLOBAL_MODEL
+        GLOBAL_MODEL = model
+        torch.compile(_call_global, backend="apollo", options=EAGER)(images, tokens).backward()
+    elif way == "compiled_autograd":
+        from torch._dynamo import compiled_autograd
+
+        enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+        loss = torch.compile(model, backend="apollo", options=EAGER)(images, tokens)
+        with enable(torch.compile(backend="apollo", options=EAGER)):
+            loss.backward()
+    elif way == "whole_step":
+        def step(images, tokens):
+            loss = model(images, tokens)
+            loss.backward()
+            return loss.detach()
+
+        apollo_compile.compile_step(step, options=EAGER)(images, tokens)
+    return [(kind, len(g.decisions["lanes"].lanes), _towers(g)) for p in apollo_compile.plans()
+            for kind, g in p.graphs.items()]
+
+
+GLOBAL_MODEL = None
+
+
+def _call_global(images, tokens):
+    return GLOBAL_MODEL(images, tokens)
+
+
+@pytest.mark.parametrize("way", ["module", "wrapper", "function", "not_self", "compiled_autograd", "whole_step"])
+def test_lanes_come_from_the_dataflow(way):
+    """Two lanes, one per tower, whichever way the model is compiled: module paths only name them."""
+    graphs = _lanes_of(way)
+    assert graphs, way
+    for kind, lanes, towers in graphs:
+        assert lanes >= 2, (way, kind, towers)
+        assert all(len(t) == 1 for t in towers), (way, kind, towers)  # each lane runs one tower
+    if way != "compiled_autograd":  # its graph has no module paths: towers are numbered
+        for kind, lanes, towers in graphs:
+            assert set().union(*towers) == {"vision", "text"}, (way, kind, towers)
+
+
+def test_whole_step_listing_names_its_lanes():
+    """A golden summary of the whole-step graph: each tower's forward and backward on its lane,
+    the loss and its gradient on the main lane."""
+    torch.manual_seed(0)
+    model = TwoTower(width=16, embed=8, layers=1)
+
+    def step(images, tokens):
+        loss = model(images, tokens)
+        loss.backward()
+        return loss.detach()
+
+    apollo_compile.compile_step(step, options={**EAGER, "device": "H200"})(*two_tower_inputs(batch=2))
+    graph = apollo_compile.last_plan().inference
+    counts = Counter((info(n).lane, info(n).modality, "backward" if info(n).backward else "forward")
+                     for n in graph.gm.graph.nodes if n.op == "call_function")
+    listing = "\n".join(f"lane {lane}  {modality:<8} {part:<8} {k} ops" for (lane, modality, part), k in sorted(counts.items()))
+    assert_expected_inline(listing, """\
+lane 0  fusion   backward 10 ops
+lane 0  fusion   forward  16 ops
+lane 0  vision   backward 107 ops
+lane 0  vision   forward  59 ops
+lane 1  text     backward 98 ops
+lane 1  text     forward  55 ops""")
+
+
+# ---------------------------------------------------------------------------- fallbacks
+
+
+def test_options_are_checked_before_tracing():
+    with pytest.raises(ApolloOptionsError, match="unknown option 'lanes'"):
+        apollo_compile.compile_step(lambda: None, options={"lanes": 2})
+    with pytest.raises(ApolloOptionsError, match="backend='apollo'"):
+        apollo_compile.compile_step(lambda: None, backend="inductor")
+    with pytest.raises(TypeError, match="step function"):
+        apollo_compile.compile_step(3)
+
+
+def test_without_backward_tracing_the_step_runs_on_the_module_path(monkeypatch):
+    monkeypatch.setattr(whole_step, "backward_tracing_supported", lambda: False)
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    with pytest.warns(ApolloFallbackWarning, match="cannot trace loss.backward"):
+        train_both(TwoTower(layers=1), lambda i: two_tower_inputs(seed=i), EAGER, steps=2)
+    assert ["backward", "forward"] in [sorted(p.graphs) for p in apollo_compile.plans()]
+
+
+def test_a_graph_break_inside_the_step_warns_once_and_trains_like_eager():
+    torch.manual_seed(0)
+
+    def forward(model, inputs):
+        loss = model(*inputs)
+        torch._dynamo.graph_break()
+        return loss * 1.0
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = train_both(TwoTower(layers=1), lambda i: two_tower_inputs(seed=i), EAGER, steps=3, forward=forward)
+    mine = [w for w in caught if issubclass(w.category, ApolloFallbackWarning) and "compile_step" in str(w.message)]
+    assert len(mine) == 1, [str(w.message) for w in caught]
+    assert "graph_break()" in str(mine[0].message)
+    assert "does not trace as one graph" in compiled.fallback_reason
+
+
+def test_retain_graph_trains_like_eager():
+    torch.manual_seed(0)
+    model = TwoTower(layers=1)
+    ref = copy.deepcopy(model)
+
+    def step(images, tokens):
+        loss = model(images, tokens)
+        loss.backward(retain_graph=True)
+        return loss.detach()
+
+    compiled = apollo_compile.compile_step(step, options=EAGER)
+    for i in range(2):
+        inputs = two_tower_inputs(seed=i)
+        loss = compiled(*inputs)
+        ref_loss = ref(*inputs)
+        ref_loss.backward(retain_graph=True)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOLERANCE["eager"])
+        assert_grads_equal(model, ref, TOLERANCE["eager"], i)
+
+
+# ---------------------------------------------------------------------------- Hugging Face models
+
+
+def _tiny_hf(kind: str):
+    transformers = pytest.importorskip("transformers")
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                max_position_embeddings=16)
+    vision = dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                  num_attention_heads=4, num_channels=3)
+    torch.manual_seed(0)
+    if kind == "clip":
+        return transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision,
+                                                               projection_dim=16))
+    return transformers.SiglipModel(transformers.SiglipConfig(text_config=text, vision_config=vision))
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_hugging_face_whole_step_trains_like_eager(kind):
+    """Called as HF models are, by keyword, with the loss from the model's output object."""
+    model = _tiny_hf(kind)
+
+    def forward(m, inputs):
+        input_ids, pixel_values = inputs
+        return m(input_ids=input_ids, pixel_values=pixel_values, return_loss=True).loss
+
+    def make_inputs(i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randint(1, 99, (4, 16), generator=g), torch.randn(4, 3, 16, 16, generator=g)
+
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        train_both(model, make_inputs, EAGER, steps=3, forward=forward)
+    for plan in apollo_compile.plans():
+        assert plan.inference.fallback is None
+        assert len(plan.inference.decisions["lanes"].lanes) >= 2, plan.inference.decisions["lanes"].lanes
