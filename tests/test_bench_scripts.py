@@ -16,15 +16,17 @@ sys.path[:0] = [BENCHMARKS, os.path.join(BENCHMARKS, "probes")]  # the benchmark
 import bench_distributed  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_step  # noqa: E402
+import bench_whole_step  # noqa: E402
 
 
 def phase_commands() -> list[tuple[str, list[str]]]:
-    """(script, argv) of every bench_step / bench_memory / bench_distributed command in h200_session.sh."""
+    """(script, argv) of every bench_step / bench_memory / bench_distributed / bench_whole_step command in
+    h200_session.sh."""
     with open(os.path.join(BENCHMARKS, "h200_session.sh")) as f:
         text = f.read().replace("\\\n", " ")  # continuation lines
     commands = []
     for line in text.splitlines():
-        m = re.search(r"(?:python|torchrun [-\w ]*?) benchmarks/(bench_memory|bench_step|bench_distributed)\.py"
+        m = re.search(r"(?:python|torchrun [-\w ]*?) benchmarks/(bench_memory|bench_step|bench_distributed|bench_whole_step)\.py"
                       r"(.*?)(;;|>|$)", line)
         if m:
             commands.append((m.group(1), shlex.split(m.group(2))))
@@ -40,7 +42,8 @@ def test_the_session_script_has_its_phases():
 
 @pytest.mark.parametrize("script,argv", COMMANDS, ids=[" ".join(a[:4]) for _, a in COMMANDS])
 def test_every_phase_parses(script, argv):
-    module = {"bench_memory": bench_memory, "bench_step": bench_step, "bench_distributed": bench_distributed}[script]
+    module = {"bench_memory": bench_memory, "bench_step": bench_step, "bench_distributed": bench_distributed,
+              "bench_whole_step": bench_whole_step}[script]
     args = module.parse_args(argv)
     if script == "bench_memory":
         assert set(args.search_variants) <= set(bench_memory.VARIANTS)
@@ -402,3 +405,21 @@ def test_common_judges_gradients_against_eager_and_bf16_noise():
     row = common.guarded(runs_out, "apollo", say=lambda *a: None, setup="x")
     assert (row["variant"], row["status"], row["setup"]) == ("apollo", "OOM", "x") and "Traceback" in row["traceback"]
     assert common.failed_cells(8, row, 5) == ["8", "apollo", "OOM", "", "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+
+
+def test_whole_step_benchmark_runs_on_the_cpu(tmp_path):
+    """bench_whole_step.py (the README's table) end to end on the CPU with the tiny HF CLIP (and the
+    tiny timm ViT + BERT where timm is installed): every row trains and matches eager."""
+    import importlib.util
+    import json
+
+    models = ["hf-clip-tiny"] + (["timm-vit-bert-tiny"] if importlib.util.find_spec("timm") else [])
+    argv = ["--device", "cpu", "--models", *models, "--batch", "2", "--steps", "1", "--warmup", "1",
+            "--variants", "eager", "apollo", "--apollo-options", '{"subgraph_compiler": "eager"}', "--out", str(tmp_path)]
+    assert bench_whole_step.main(argv) == 0
+    results = json.loads((tmp_path / "whole_step_results.json").read_text())["results"]
+    rows = [(e["model"], r["variant"], r["status"], r["numerics"]["pass"]) for e in results for r in e["variants"]]
+    assert rows == [(m, v, "ok", True) for m in models for v in ("eager", "apollo")], rows
+    assert "| hf-clip-tiny | 2 | apollo |" in (tmp_path / "whole_step_results.md").read_text()
+    with pytest.raises(SystemExit):
+        bench_whole_step.parse_args(["--models", "hf-bert"])

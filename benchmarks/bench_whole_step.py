@@ -1,0 +1,339 @@
+"""The user's whole training step on Hugging Face and timm two-tower models: apollo against
+Inductor's reduce-overhead, the loss read every step.
+
+The README's first table (issue 24) is this measurement. Models, with random weights from their
+configurations (nothing is downloaded; the step's cost does not depend on the values):
+
+    hf-clip        transformers CLIPModel, ViT-B/16 at 224 px + CLIP's 12-layer text tower (77
+                   tokens), its contrastive loss (``return_loss=True``)
+    hf-siglip      transformers SiglipModel, base: ViT-B/16 at 224 px + a 12-layer text tower (64
+                   tokens), its sigmoid loss
+    timm-vit-bert  timm ``vit_base_patch16_224`` (no head) + transformers BertModel base (64 tokens,
+                   the [CLS] feature), bias-free projections to 512, CLIP's contrastive loss
+    <model>-tiny   the same classes, 2 layers of width 32 at 32 px and 16 tokens, for CPU runs
+
+Each is compiled as the module it is (``torch.compile(model, ...)``): apollo's default modality
+assignment, one modality per top-level submodule, finds the towers (``vision_model`` /
+``text_model``; ``vision`` / ``text``).
+
+Variants, side by side in ONE process (common.py's method; DESIGN.md: times drift between runs):
+
+    eager          the module as is
+    inductor-ro    torch.compile(model, mode="reduce-overhead")
+    apollo         torch.compile(model, backend="apollo", options=--apollo-options)
+
+A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
+its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
+plain one on the CPU), and ``loss.item()``, which waits for the step: a loop that logs its loss
+every step runs this way. The optimizer runs with ``--lr 0`` by default: the fused kernel does
+the same work at any learning rate, and the weights stay the reference's, so the numerics check
+after the timed steps compares with eager at the same weights.
+
+Per model and batch size: ``--warmup`` steps (compile, CUDA-graph capture; "compile s"), then
+``--steps`` steps, each from an idle GPU (``common.time_steps``): median, p10, p90. Memory: the
+peak allocated and reserved over the whole variant, from the model's copy to the device through
+compile, capture and the timed steps (a CUDA graph's pool is allocated while it is captured, so
+this is what training needs). Numerics as bench_step.py's: one step on another batch against
+eager, PASS / PASS* by ``common.compare``.
+
+    PYTHONPATH=. python benchmarks/bench_whole_step.py --models hf-clip --batch 8 32
+    python benchmarks/bench_whole_step.py --device cpu --models hf-clip-tiny --batch 2 --steps 2 --warmup 1 \\
+        --apollo-options '{"subgraph_compiler": "eager"}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # common.py
+sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
+
+import common  # noqa: E402  (the method every benchmark here shares)
+from common import fmt, log  # noqa: E402
+
+VARIANTS = ("eager", "inductor-ro", "apollo")
+BASELINE = "inductor-ro"
+MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert")
+
+
+# --------------------------------------------------------------------------------------------
+# models
+
+
+def _tower(tiny: bool, **base: Any) -> dict:
+    """A tower's config: `base` for the full size, 2 layers of width 32 for "-tiny"."""
+    if not tiny:
+        return base
+    return {**base, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+class TimmBert(nn.Module):
+    """timm's ViT-B/16 and BERT base as the two towers of a CLIP-style model: [CLS] features,
+    bias-free projections, L2 normalisation and CLIP's symmetric contrastive loss."""
+
+    def __init__(self, tiny: bool) -> None:
+        import timm
+        from transformers import BertConfig, BertModel
+
+        super().__init__()
+        if tiny:
+            from timm.models.vision_transformer import VisionTransformer
+
+            self.vision = VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4,
+                                            num_classes=0)
+        else:
+            self.vision = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=0)
+        cfg = BertConfig(**_tower(tiny, vocab_size=128 if tiny else 30522,
+                                  max_position_embeddings=16 if tiny else 512))
+        self.text = BertModel(cfg, add_pooling_layer=False)
+        embed = 16 if tiny else 512
+        self.vision_proj = nn.Linear(self.vision.num_features, embed, bias=False)
+        self.text_proj = nn.Linear(cfg.hidden_size, embed, bias=False)
+        self.logit_scale = nn.Parameter(torch.tensor(2.6593))  # log(1 / 0.07)
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        image = F.normalize(self.vision_proj(self.vision(pixel_values)), dim=-1)
+        text = F.normalize(self.text_proj(self.text(input_ids=input_ids).last_hidden_state[:, 0]), dim=-1)
+        logits = self.logit_scale.exp().clamp(max=100.0) * image @ text.t()
+        labels = torch.arange(logits.shape[0], device=logits.device)
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+def build(name: str, seed: int = 0) -> tuple[nn.Module, dict]:
+    """(model on the CPU in fp32, its inputs' shape: image size, tokens, vocabulary, EOT id)."""
+    base, tiny = name.removesuffix("-tiny"), name.endswith("-tiny")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if base == "hf-clip":
+            from transformers import CLIPConfig, CLIPModel
+
+            vocab, tokens = (128, 16) if tiny else (49408, 77)
+            text = _tower(tiny, vocab_size=vocab, max_position_embeddings=tokens, bos_token_id=vocab - 2,
+                          eos_token_id=vocab - 1, pad_token_id=0)
+            vision = _tower(tiny, image_size=32, patch_size=8) if tiny else {"image_size": 224, "patch_size": 16}
+            model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16 if tiny else 512))
+            image = vision["image_size"]
+        elif base == "hf-siglip":
+            from transformers import SiglipConfig, SiglipModel
+
+            vocab, tokens = (128, 16) if tiny else (32000, 64)
+            text = _tower(tiny, vocab_size=vocab, max_position_embeddings=tokens, bos_token_id=vocab - 2,
+                          eos_token_id=vocab - 1, pad_token_id=0)
+            vision = _tower(tiny, image_size=32, patch_size=8) if tiny else {"image_size": 224, "patch_size": 16}
+            model = SiglipModel(SiglipConfig(text_config=text, vision_config=vision))
+            image = vision["image_size"]
+        elif base == "timm-vit-bert":
+            model = TimmBert(tiny)
+            vocab, tokens, image = (128, 16, 32) if tiny else (30522, 64, 224)
+        else:
+            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)} (each also -tiny)")
+    return model, {"image": image, "tokens": tokens, "vocab": vocab}
+
+
+def make_batch(shape: dict, batch: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values, input_ids), drawn on the CPU from `seed`: standard-normal images, random token
+    ids ending in the EOT id (the vocabulary's last)."""
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(batch, 3, shape["image"], shape["image"], generator=g)
+    ids = torch.randint(1, shape["vocab"] - 2, (batch, shape["tokens"]), generator=g)
+    ids[:, -1] = shape["vocab"] - 1
+    return pixels.to(device), ids.to(device)
+
+
+def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(pixel_values, input_ids) -> the loss, through `step_fn` (the model, compiled or not)."""
+    if name.startswith("hf-"):
+        return lambda pixels, ids: step_fn(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+    return step_fn
+
+
+def compile_variant(variant: str, model: nn.Module, args) -> Callable:
+    if variant == "eager":
+        return model
+    if variant == "inductor-ro":
+        return torch.compile(model, mode="reduce-overhead")
+    if variant == "apollo":
+        import apollo_compile  # noqa: F401  (importing registers backend="apollo")
+
+        return torch.compile(model, backend="apollo", options=dict(args.apollo_options))
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# one variant, one model and batch size
+
+
+def reference(base: nn.Module, name: str, batch: tuple, device: torch.device, amp: bool) -> dict:
+    model = copy.deepcopy(base).to(device)
+    f = loss_fn(name, model)
+    loss, grads = common.loss_and_grads(model, f, batch, device, amp)
+    fp32 = None
+    if amp:
+        with common.no_tf32():
+            fp32 = common.loss_and_grads(model, f, batch, device, False)
+    del model, f
+    common.free_device_memory(device)
+    return common.reference(loss, grads, fp32)
+
+
+def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args,
+                device: torch.device) -> dict:
+    row: dict[str, Any] = {"variant": variant, "status": "ok"}
+    with common.diagnostics_for(row, variant, variant == "apollo") as keep:
+        common.reset_peaks(device)
+        model = copy.deepcopy(base).to(device)
+        step_fn = compile_variant(variant, model, args)
+        keep.append(step_fn)  # see common.apollo_diagnostics
+        f = loss_fn(name, step_fn)
+        cuda = device.type == "cuda"
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if cuda else None)
+
+        def whole_step() -> float:
+            optimizer.zero_grad(set_to_none=True)
+            with common.autocast(device, args.amp):
+                loss = f(*batch)
+            loss.backward()
+            optimizer.step()
+            return loss.item()  # a loop that logs its loss waits for the step here
+
+        row.update(common.warm_up(whole_step, args.warmup, device))
+        log(f"  [{variant}] compile + {args.warmup} warm-up steps: {row['compile_s']:.1f} s")
+        row.update(common.spread(common.time_steps(whole_step, args.steps, device)))
+        row["peak_alloc_gib"], row["peak_reserved_gib"] = common.read_peaks(device)
+        log(f"  [{variant}] {args.steps} steps: {common.spread_text(row)}"
+            + (f", whole run {common.peaks_text(row['peak_alloc_gib'], row['peak_reserved_gib'])}"
+               if row["peak_alloc_gib"] is not None else ""))
+        loss, grads = common.loss_and_grads(model, f, numerics_batch, device, args.amp)
+        row["numerics"] = n = common.compare(loss, grads, ref, "bf16" if args.amp else "fp32")
+        log(f"  [{variant}] numerics {common.verdict(n)}: {common.numerics_text(n)}")
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# reporting
+
+
+HEADER = ["model", "batch", "variant", "median ms", "p10", "p90", f"vs {BASELINE}", "whole-run peak GiB",
+          f"peak vs {BASELINE}", "reserved GiB", "compile s", "numerics"]
+
+
+def markdown_table(results: list[dict]) -> str:
+    rows = []
+    for entry in results:
+        ok = {r["variant"]: r for r in entry["variants"] if r["status"] == "ok"}
+        base = ok.get(BASELINE)
+        for r in entry["variants"]:
+            if r["status"] != "ok":
+                rows.append([entry["model"]] + common.failed_cells(entry["batch"], r, len(HEADER) - 1))
+                continue
+            speed = base["median_ms"] / r["median_ms"] if base else None
+            peak = r.get("peak_alloc_gib")
+            mem = peak / base["peak_alloc_gib"] if base and peak is not None and base.get("peak_alloc_gib") else None
+            rows.append([
+                entry["model"], str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}",
+                f"{r['p90_ms']:.2f}", fmt(speed, ".2f", "x"), fmt(peak, ".2f"), fmt(mem, ".2f", "x"),
+                fmt(r.get("peak_reserved_gib"), ".2f"), f"{r['compile_s']:.1f}", common.numerics_cell(r["numerics"]),
+            ])
+    return common.markdown(HEADER, rows)
+
+
+def report(env: dict, results: list[dict], out_dir: Path) -> str:
+    precision = "bf16" if env["amp"] != "fp32" else "fp32"
+    head = [
+        f"# apollo whole-step benchmark: {', '.join(env['models'])}, {env['amp']}",
+        "",
+        common.header_line(env),
+        f"{env['warmup']} warm-up + {env['steps']} timed steps of zero_grad + forward + backward + AdamW "
+        f"(lr {env['lr']:g}) + loss.item(), each from an idle GPU; ratio = {BASELINE} median / variant median "
+        f"(>1: faster); peak over the whole variant, compile and capture included; numerics vs eager, "
+        f"{common.tolerance_text(precision)}.",
+        *(f"- {e['model']}, batch {e['batch']}: bf16 noise floor: dloss {f['loss_abs_diff']:.1e}, grad "
+          f"{f['grad_rel_err_max']:.1e}" for e in results if (f := e.get("bf16_noise_floor"))),
+    ]
+    text = "\n".join(head) + "\n\n" + markdown_table(results) + "\n"
+    (out_dir / "whole_step_results.md").write_text(text)
+    (out_dir / "whole_step_results.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def model_name(name: str) -> str:
+    if name.removesuffix("-tiny") not in MODELS:
+        raise argparse.ArgumentTypeError(f"unknown model {name!r}; choose from {', '.join(MODELS)} (each also -tiny)")
+    return name
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(MODELS), type=model_name, metavar="MODEL",
+                   help=f"{', '.join(MODELS)}, each also -tiny (default: the three full-size ones)")
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="warm-up steps (>= 3 lets CUDA-graph trees record)")
+    p.add_argument("--lr", type=float, default=0.0, help="AdamW's learning rate (0: the weights stay the reference's)")
+    p.add_argument("--apollo-options", type=json.loads, default={},
+                   help='JSON options for backend="apollo", e.g. \'{"subgraph_compiler": "eager"}\'')
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--out", default=common.default_out())
+    p.add_argument("--no-amp", dest="amp", action="store_false", help="fp32, no bf16 autocast")
+    p.add_argument("--no-compile-cache", action="store_true", help="disable Inductor's on-disk caches")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if (setup := common.device_and_out_dir(args)) is None:
+        return 2
+    device, out_dir = setup
+    env = common.environment(device, models=args.models, amp="bf16 autocast" if args.amp else "fp32",
+                             steps=args.steps, warmup=args.warmup, lr=args.lr, optimizer="AdamW"
+                             + (" (fused)" if device.type == "cuda" else ""), apollo_options=args.apollo_options)
+    log(common.header_line(env))
+    log(f"models {args.models} | {env['amp']} | batches {args.batch} | variants {args.variants} | out {out_dir}")
+    results: list[dict] = []
+    for name in args.models:
+        base, shape = build(name, args.seed)  # stays on the CPU; copies go to the device
+        log(f"\n##### {name}: {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters")
+        for batch_size in args.batch:
+            log(f"\n=== {name}, batch {batch_size} ===")
+            entry: dict[str, Any] = {"model": name, "batch": batch_size, "variants": []}
+            results.append(entry)
+            batch = make_batch(shape, batch_size, device, args.seed)
+            numerics_batch = make_batch(shape, batch_size, device, args.seed + 1)
+            ref = common.batch_reference(entry, functools.partial(reference, base, name, numerics_batch, device,
+                                                                  args.amp))
+            if ref is not None:
+                for variant in args.variants:
+                    log(f"--- {name}, batch {batch_size}, {variant}")
+                    entry["variants"].append(common.guarded(functools.partial(
+                        run_variant, variant, name, base, batch, numerics_batch, ref, args, device), variant))
+                    common.free_device_memory(device)
+                    report(env, results, out_dir)  # after every variant: a cut run keeps what was measured
+            del batch, numerics_batch, ref
+            common.free_device_memory(device)
+    text = report(env, results, out_dir)
+    log(f"\nwrote {out_dir / 'whole_step_results.json'} and {out_dir / 'whole_step_results.md'}\n")
+    log(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
