@@ -19,7 +19,7 @@ from apollo_compile import ApolloFallbackWarning, pipeline
 from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.nodes import is_library_kernel
 from apollo_compile.options import ApolloOptions
-from apollo_compile.passes import checkpoint
+from apollo_compile.passes import checkpoint, recompute_planner
 from helpers import assert_trains_like_eager
 from models import TwoTower, two_tower_inputs
 
@@ -173,7 +173,8 @@ def test_per_modality_budget_recomputes_only_vision():
     assert after["text"] == before["text"]
     assert plan.forward.decisions["saved"]["bytes"] == decision.bytes_after
     rows = recomputed_rows(plan.backward.listing)
-    assert {rows[name] for name in decision.added} == {"vision*"}
+    # vision's values only; one the text tower's gradient reads too runs as a join (fusion*)
+    assert "vision*" in {rows[name] for name in decision.added} <= {"vision*", "fusion*"}
 
 
 def test_memory_budget_none_changes_nothing(monkeypatch):
@@ -374,8 +375,8 @@ def test_fused_recompute_holds_memory_only_where_a_library_kernel_reads_it(monke
     joint = capture_joint(TwoTower(), monkeypatch)
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
     num_fwd = checkpoint._num_fwd_outputs(gm)
-    fused = checkpoint._Planner(gm, num_fwd, DEVICE_SPECS["H200"], {}, False, fuses_pointwise=True)
-    eager = checkpoint._Planner(gm, num_fwd, DEVICE_SPECS["H200"], {}, False)
+    fused = recompute_planner.Planner(gm, num_fwd, DEVICE_SPECS["H200"], {}, False, fuses_pointwise=True)
+    eager = recompute_planner.Planner(gm, num_fwd, DEVICE_SPECS["H200"], {}, False)
     assert all(eager.held[o] == checkpoint.nbytes(o) for o in eager.cost)
     by_name = {o.name: o for o in fused.cost}
     assert fused.held[by_name["addmm"]] > 0  # a matmul writes its output
@@ -383,7 +384,7 @@ def test_fused_recompute_holds_memory_only_where_a_library_kernel_reads_it(monke
     assert fused.held[gelu] > 0  # read by the next matmul
     # layer norm's output feeds the qkv matmul; the residual add feeds only the next layer norm and add
     pointwise_only = [o for o in fused.cost if o.target is torch.ops.aten.add.Tensor
-                      and not checkpoint._materialized(o)]
+                      and not recompute_planner._materialized(o)]
     assert pointwise_only and all(fused.held[o] == 0 for o in pointwise_only)
 
 
@@ -395,7 +396,7 @@ def test_on_gpu_the_peak_counts_offloaded_values_from_their_first_reader(monkeyp
     torch.manual_seed(0)
     joint = capture_joint(TwoTower(), monkeypatch)
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
-    planner = checkpoint._Planner(gm, checkpoint._num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False)
+    planner = recompute_planner.Planner(gm, checkpoint._num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False)
     saved, rerun = planner.close(set())
     _, everything = planner.peaks(saved, rerun)
     assert planner.peaks(saved, rerun, on_gpu=True)[1] == everything  # no on_host: nothing offloaded
@@ -417,14 +418,15 @@ def test_a_fused_recompute_chain_is_rerun_whole_at_its_first_use(monkeypatch):
     torch.manual_seed(0)
     joint = capture_joint(TwoTower(layers=4), monkeypatch)
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
-    planner = checkpoint._Planner(gm, checkpoint._num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False,
-                                  fuses_pointwise=True)
-    pointwise = {o for o in planner.cost if checkpoint._recomputable(o) and not is_library_kernel(o)}
+    planner = recompute_planner.Planner(gm, checkpoint._num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False,
+                                        fuses_pointwise=True)
+    pointwise = {o for o in planner.cost if recompute_planner._recomputable(o) and not is_library_kernel(o)}
     saved, rerun = planner.close(pointwise)
     group = planner.fused(rerun)
-    residual = [o for o in rerun if o.target is torch.ops.aten.add.Tensor and checkpoint._block_of(o) is not None
-                and checkpoint._block_of(o).startswith("vision.blocks.")]
-    assert {checkpoint._block_of(o) for o in residual} == {f"vision.blocks.{i}" for i in range(4)}
+    residual = [o for o in rerun if o.target is torch.ops.aten.add.Tensor
+                and recompute_planner._block_of(o) is not None
+                and recompute_planner._block_of(o).startswith("vision.blocks.")]
+    assert {recompute_planner._block_of(o) for o in residual} == {f"vision.blocks.{i}" for i in range(4)}
     assert all(group[o] is group[residual[0]] for o in residual)  # one chain through every block
     _, whole = planner.peaks(saved, rerun)
     monkeypatch.setattr(planner, "fused", lambda rerun: {})

@@ -233,11 +233,14 @@ def test_dynamic_true_runs_apollo_when_no_symbolic_float_appears():
 
 
 class BlockLoss(Block):
-    """A Block trained on its own: its submodules (ln1, qkv, proj, ...) are the modalities, so its
-    backward is cut into several subgraphs."""
+    """A Block trained on its own. One input, one tower: BLOCK_MODALITIES names its submodules
+    (ln1, qkv, proj, ...) as modalities, so that its backward is cut into several subgraphs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x).square().mean()
+
+
+BLOCK_MODALITIES = {name: name for name in ("ln1", "qkv", "proj", "ln2", "fc1", "fc2")}
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
@@ -253,7 +256,8 @@ def test_subgraphs_bind_the_symbols_of_a_symbolic_head_count(dynamic):
     with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
         for width, heads in [(32, 4), (24, 3)]:
             batches = [(torch.randn(2, 5, width, generator=torch.Generator().manual_seed(i)),) for i in range(3)]
-            messages = train_like_eager(BlockLoss(width, heads), batches, {"subgraph_compiler": "inductor"},
+            messages = train_like_eager(BlockLoss(width, heads), batches,
+                                        {"subgraph_compiler": "inductor", "modalities": BLOCK_MODALITIES},
                                         dynamic=dynamic)
             assert messages == [], (width, heads, messages)
             assert_apollo_ran(apollo_compile.last_plan())

@@ -136,15 +136,20 @@ def data_inputs(gm: torch.fx.GraphModule, kind: str) -> list[torch.fx.Node]:
     that need no gradient. Outside an AOTAutograd compile, the inputs that need no gradient."""
     if kind == "backward" or compiling_autograd_graph():
         return []
-    phs = _placeholders(gm)
+    phs = [n for n in _placeholders(gm) if not n.name.startswith("tangents")]
     meta = fw_metadata()
     static = set(meta.static_input_indices or ()) if meta is not None else set()
     infos = list(meta.input_info) if meta is not None else []
+    if kind == "joint":  # the last outputs are the primals' gradients: None where none is needed
+        outs = _outputs(gm)
+        needs_grad = [isinstance(o, torch.fx.Node) for o in outs[len(outs) - len(phs):]]
+    else:
+        needs_grad = [info.requires_grad for info in infos]
     found = []
     for i, ph in enumerate(phs):
-        if not _is_tensor(ph) or i in static or ph.name.startswith("tangents"):
+        if not _is_tensor(ph) or i in static:
             continue
-        requires_grad = infos[i].requires_grad if i < len(infos) else ph.meta["val"].requires_grad
+        requires_grad = needs_grad[i] if i < len(needs_grad) else ph.meta["val"].requires_grad
         if not requires_grad:
             found.append(ph)
     return found
@@ -337,6 +342,13 @@ def _by_dataflow(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.Nod
         for n in backward:
             if n in labelled and not info(n).recomputed:
                 info(n).modality = labelled[n]
+        for n in gm.graph.nodes:
+            # a forward value the backward recomputes and several towers' gradients read (one
+            # tower's normalized features, for the logits' gradient) is a join: on its own tower's
+            # lane the other tower would wait for that whole lane's subgraph
+            if info(n).recomputed and len({info(u).modality for u in n.users if u.op != "output"} - {FUSION}
+                                          | {info(n).modality} - {FUSION}) > 1:
+                info(n).modality = FUSION
 
 
 def _fill(gm: torch.fx.GraphModule, skip: set[torch.fx.Node] = frozenset()) -> None:
