@@ -512,23 +512,15 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[32], help="per-GPU batch sizes")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--out", default=common.default_out())
-    p.add_argument("--no-amp", dest="amp", action="store_false", help="fp32, no bf16 autocast")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (DDP's default 25)")
     p.add_argument("--gradient-as-bucket-view", action="store_true",
                    help="DDP(gradient_as_bucket_view=True): .grad views the buckets, no copy into them")
     p.add_argument("--apollo-options", type=json.loads, default={},
                    help='JSON options for backend="apollo", e.g. \'{"subgraph_compiler": "eager"}\'')
     p.add_argument("--pg-timeout-s", type=float, default=900.0, help="process-group (collective) timeout")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1:
-        p.error("--steps and --warmup must be >= 1")
-    return args
+    common.add_run_args(p, steps=20, warmup=5, compile_cache=False)
+    return common.parse_run_args(p, argv)
 
 
 def main(argv=None) -> int:

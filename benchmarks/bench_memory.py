@@ -767,12 +767,7 @@ def parse_args(argv=None):
                    help="main-phase batch sizes (none: only the batch search)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name, metavar="VARIANT",
                    help="variants to run (default: all listed above; any apollo-bf16-budget-<fraction> too)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3, help="warm-up steps (compile, CUDA-graph capture)")
     p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--out", default=common.default_out())
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch-search", type=float, default=20.0, metavar="LIMIT_GIB",
                    help="find each variant's largest batch within this peak allocated memory (default 20)")
     p.add_argument("--skip-search", action="store_true", help="no largest-batch search")
@@ -786,12 +781,11 @@ def parse_args(argv=None):
                         "--search-start")
     p.add_argument("--search-variants", nargs="+", type=variant_name, metavar="VARIANT",
                    help="the variants to search, in this order (default: --variants)")
-    p.add_argument("--no-compile-cache", action="store_true", help="disable Inductor's on-disk caches")
-    args = p.parse_args(argv)
+    common.add_run_args(p, steps=20, warmup=3, warmup_help="warm-up steps (default 3: compile, CUDA-graph capture)",
+                        amp=False)
+    args = common.parse_run_args(p, argv)
     args.variants = [v for v in VARIANTS if v in args.variants]  # eager first, apollo last
     args.search_variants = args.search_variants or args.variants
-    if args.steps < 1 or args.warmup < 1:
-        p.error("--steps and --warmup must be >= 1")
     if args.max_batch_search <= 0 or args.search_probes < 0 or args.search_steps < 1 or args.search_start < 1:
         p.error("--max-batch-search must be > 0, --search-probes >= 0, --search-steps and --search-start >= 1")
     if args.search_at and min(args.search_at) < 1:

@@ -78,10 +78,10 @@ sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 
 import clip  # noqa: E402  (benchmarks/clip.py)
 from common import (  # noqa: E402  (the method every benchmark here shares)
-    batch_reference, compare, default_out, device_and_out_dir, diagnostics_for, environment, failed_cells, fmt,
+    add_run_args, batch_reference, compare, device_and_out_dir, diagnostics_for, environment, failed_cells, fmt,
     free_device_memory, guarded, header_line, log, loss_and_grads, markdown, no_tf32, noise_floor_lines,
     numerics_cell, numerics_text,
-    read_peaks, reference as reference_from, reset_peaks, spread, spread_text, time_back_to_back, time_steps,
+    parse_run_args, read_peaks, reference as reference_from, reset_peaks, spread, spread_text, time_back_to_back, time_steps,
     tolerance_text, train_step, verdict, warm_up,
 )
 
@@ -257,18 +257,9 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + COMPILED_AUTOGRAD_VARIANTS,
                    help="default: the five of issue 3's table; -ca: the backward under compiled autograd")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5, help="warm-up steps (>= 3 lets CUDA-graph trees record)")
     p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--out", default=default_out())
-    p.add_argument("--no-amp", dest="amp", action="store_false", help="fp32, no bf16 autocast")
-    p.add_argument("--no-compile-cache", action="store_true", help="disable Inductor's on-disk caches")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1:
-        p.error("--steps and --warmup must be >= 1")
-    return args
+    add_run_args(p, steps=20, warmup=5)
+    return parse_run_args(p, argv)
 
 
 def main(argv=None) -> int:

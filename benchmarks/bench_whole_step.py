@@ -282,20 +282,11 @@ def parse_args(argv=None):
                    help=f"{', '.join(MODELS)}, each also -tiny (default: the three full-size ones)")
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5, help="warm-up steps (>= 3 lets CUDA-graph trees record)")
     p.add_argument("--lr", type=float, default=0.0, help="AdamW's learning rate (0: the weights stay the reference's)")
     p.add_argument("--apollo-options", type=json.loads, default={},
                    help='JSON options for backend="apollo", e.g. \'{"subgraph_compiler": "eager"}\'')
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--out", default=common.default_out())
-    p.add_argument("--no-amp", dest="amp", action="store_false", help="fp32, no bf16 autocast")
-    p.add_argument("--no-compile-cache", action="store_true", help="disable Inductor's on-disk caches")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1:
-        p.error("--steps and --warmup must be >= 1")
-    return args
+    common.add_run_args(p, steps=30, warmup=5)
+    return common.parse_run_args(p, argv)
 
 
 def main(argv=None) -> int:

@@ -7,8 +7,9 @@ meets) is made once and holds for every table in RESULTS.md.
 Environment
     ``environment(device, **fields)``: date, torch, python, CUDA, device name, SMs, memory (a
     dict every results file stores); ``header_line(env)``: that as the one line each report opens
-    with; ``device_and_out_dir(args)``: the device and output folder from the shared flags
-    (``--device``, ``--out``, ``--no-compile-cache``).
+    with; ``add_run_args`` / ``parse_run_args``: the flags every benchmark takes (``--steps``,
+    ``--warmup``, ``--device``, ``--out``, ``--seed``, ``--no-amp``, ``--no-compile-cache``);
+    ``device_and_out_dir(args)``: the device and output folder they name.
 
 The step
     ``train_step(model, step_fn, batch, device, amp)``: ``zero_grad(set_to_none=True)``, the
@@ -126,6 +127,30 @@ def device_and_out_dir(args) -> tuple[torch.device, Path] | None:
 def default_out() -> str:
     """--out's default: the device tool's $OUT when set."""
     return os.environ.get("OUT") or "bench_out"
+
+
+def add_run_args(p, *, steps: int = 20, warmup: int = 5, warmup_help: str | None = None, amp: bool = True,
+                 compile_cache: bool = True) -> None:
+    """The flags every benchmark here takes: --steps, --warmup, --device, --out, --seed, and
+    --no-amp (bf16 autocast off) and --no-compile-cache where the benchmark has them."""
+    p.add_argument("--steps", type=int, default=steps, help=f"timed steps (default {steps})")
+    p.add_argument("--warmup", type=int, default=warmup,
+                   help=warmup_help or f"warm-up steps (default {warmup}; >= 3 lets CUDA-graph trees record)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--out", default=default_out(), help="results folder (default: $OUT, else bench_out)")
+    p.add_argument("--seed", type=int, default=0)
+    if amp:
+        p.add_argument("--no-amp", dest="amp", action="store_false", help="fp32, no bf16 autocast")
+    if compile_cache:
+        p.add_argument("--no-compile-cache", action="store_true", help="disable Inductor's on-disk caches")
+
+
+def parse_run_args(p, argv=None):
+    """`p.parse_args(argv)`, with the checks `add_run_args`'s flags need."""
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1")
+    return args
 
 
 # --------------------------------------------------------------------------------------------
