@@ -21,6 +21,10 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
     eager          the module as is
     inductor-ro    torch.compile(model, mode="reduce-overhead")
     apollo         torch.compile(model, backend="apollo", options=--apollo-options)
+    apollo-step    apollo_compile.compile_step(step): the forward, its loss and ``loss.backward()``
+                   in one compiled function (one graph where this torch's Dynamo traces the backward;
+                   else the module path, with the ApolloFallbackWarning the row records); the
+                   optimizer stays outside it
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
@@ -62,7 +66,7 @@ sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 import common  # noqa: E402  (the method every benchmark here shares)
 from common import fmt, log  # noqa: E402
 
-VARIANTS = ("eager", "inductor-ro", "apollo")
+VARIANTS = ("eager", "inductor-ro", "apollo", "apollo-step")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert")
 
@@ -158,6 +162,41 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
     return step_fn
 
 
+class WholeStep:
+    """apollo_compile.compile_step around forward, loss and ``loss.backward()`` under autocast
+    (the apollo-step variant): calling it runs the backward too, so `train_step` and the timed
+    step skip their own."""
+
+    runs_backward = True
+
+    def __init__(self, name: str, model: nn.Module, device: torch.device, amp: bool, options: dict) -> None:
+        import apollo_compile
+
+        f = loss_fn(name, model)
+
+        def step(pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            with common.autocast(device, amp):
+                loss = f(pixels, ids)
+            loss.backward()
+            return loss.detach()
+
+        self.step = apollo_compile.compile_step(step, options=options)
+
+    def __call__(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.step(pixels, ids)
+
+
+def loss_and_grads(model: nn.Module, f: Callable, batch: tuple, device: torch.device, amp: bool):
+    """common.loss_and_grads; for a WholeStep, which runs its backward itself, the same by hand."""
+    if not getattr(f, "runs_backward", False):
+        return common.loss_and_grads(model, f, batch, device, amp)
+    model.zero_grad(set_to_none=True)
+    loss = float(f(*batch).float().cpu())
+    grads = {n: None if p.grad is None else common.cpu_fp32(p.grad) for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss, grads
+
+
 def compile_variant(variant: str, model: nn.Module, args) -> Callable:
     if variant == "eager":
         return model
@@ -190,20 +229,26 @@ def reference(base: nn.Module, name: str, batch: tuple, device: torch.device, am
 def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args,
                 device: torch.device) -> dict:
     row: dict[str, Any] = {"variant": variant, "status": "ok"}
-    with common.diagnostics_for(row, variant, variant == "apollo") as keep:
+    with common.diagnostics_for(row, variant, variant.startswith("apollo")) as keep:
         common.reset_peaks(device)
         model = copy.deepcopy(base).to(device)
-        step_fn = compile_variant(variant, model, args)
+        if variant == "apollo-step":
+            f = step_fn = WholeStep(name, model, device, args.amp, dict(args.apollo_options))
+        else:
+            step_fn = compile_variant(variant, model, args)
+            f = loss_fn(name, step_fn)
         keep.append(step_fn)  # see common.apollo_diagnostics
-        f = loss_fn(name, step_fn)
         cuda = device.type == "cuda"
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if cuda else None)
 
         def whole_step() -> float:
             optimizer.zero_grad(set_to_none=True)
-            with common.autocast(device, args.amp):
-                loss = f(*batch)
-            loss.backward()
+            if variant == "apollo-step":
+                loss = f(*batch)  # forward and backward, one compiled step
+            else:
+                with common.autocast(device, args.amp):
+                    loss = f(*batch)
+                loss.backward()
             optimizer.step()
             return loss.item()  # a loop that logs its loss waits for the step here
 
@@ -214,7 +259,7 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
         log(f"  [{variant}] {args.steps} steps: {common.spread_text(row)}"
             + (f", whole run {common.peaks_text(row['peak_alloc_gib'], row['peak_reserved_gib'])}"
                if row["peak_alloc_gib"] is not None else ""))
-        loss, grads = common.loss_and_grads(model, f, numerics_batch, device, args.amp)
+        loss, grads = loss_and_grads(model, f, numerics_batch, device, args.amp)
         row["numerics"] = n = common.compare(loss, grads, ref, "bf16" if args.amp else "fp32")
         log(f"  [{variant}] numerics {common.verdict(n)}: {common.numerics_text(n)}")
     return row

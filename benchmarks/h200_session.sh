@@ -44,14 +44,15 @@ case "${1:-}" in
              # to back, numerics against eager; the runners' own replay times give the lanes-in-graphs table
              timeout 540 python benchmarks/bench_step.py --batch 8 32 128 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/step" ;;
-  whole-step-clip)  # the README's table: the whole step (zero_grad, forward, backward, fused AdamW, loss.item())
-             timeout 520 python benchmarks/bench_whole_step.py --models hf-clip --batch 8 32 --steps 30 \
+  whole-step-clip)  # the README's table: the whole step (zero_grad, forward, backward, fused AdamW, loss.item()),
+             # the model compiled as a module and the step by compile_step; ~6 compiles (results kept per row)
+             timeout 520 python benchmarks/bench_whole_step.py --models hf-clip --batch 8 32 --steps 30 --variants inductor-ro apollo apollo-step \
                --out "$OUT/whole-step-clip" ;;
   whole-step-siglip)
-             timeout 520 python benchmarks/bench_whole_step.py --models hf-siglip --batch 8 32 --steps 30 \
+             timeout 520 python benchmarks/bench_whole_step.py --models hf-siglip --batch 8 32 --steps 30 --variants inductor-ro apollo apollo-step \
                --out "$OUT/whole-step-siglip" ;;
   whole-step-timm)
-             timeout 520 python benchmarks/bench_whole_step.py --models timm-vit-bert --batch 8 32 --steps 30 \
+             timeout 520 python benchmarks/bench_whole_step.py --models timm-vit-bert --batch 8 32 --steps 30 --variants inductor-ro apollo apollo-step \
                --out "$OUT/whole-step-timm" ;;
   memory)    # the memory table at batch 64: whole-run peak against eager fp32, time against apollo's fastest
              timeout 520 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
