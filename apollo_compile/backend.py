@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import RestartAnalysis
@@ -137,7 +138,7 @@ def compile_graph(
                                f"failed: {type(e).__name__}: {e}") from e
         graph_plan.runtimes = runtimes
         if family is not None:
-            fn = _cudagraphed(runtimes, graph_name, kind, family, ctx, has_symbolic_sizes(example_inputs))
+            fn = _cudagraphed(gm, runtimes, graph_name, kind, family, ctx, has_symbolic_sizes(example_inputs))
             graph_plan.runner_ref = weakref.ref(fn)
         elif device.type == "cuda":  # un-graphed CUDA: extra streams only add launches
             fn = runtimes.get("one_lane", runtimes["lanes"])
@@ -177,8 +178,8 @@ def _quota_candidates(ctx: GraphContext) -> dict[str, dict[int, int]]:
     return wanted
 
 
-def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, family: GraphFamily,
-                 ctx: GraphContext, symbolic: bool) -> CudaGraphRunner:
+def _cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_name: str, kind: str,
+                 family: GraphFamily, ctx: GraphContext, symbolic: bool) -> CudaGraphRunner:
     """Wrap a CUDA runtime for CUDA-graph replay, telling it which inputs and outputs are whose,
     and whether its sizes may change between calls (`symbolic`)."""
     static_idxs: set[int] = set()
@@ -189,15 +190,24 @@ def _cudagraphed(runtimes: dict[str, Callable], graph_name: str, kind: str, fami
     meta = fw_metadata()
     if meta is not None and kind != "backward":
         static_idxs = set(meta.static_input_indices or ())
+    if meta is not None and kind == "inference":
+        # a whole step's existing .grad (accumulating into it): copied in, not read in place, or
+        # this graph would hold the tensors another step's graph lent and must reclaim
+        static_idxs -= {i for i, x in enumerate(meta.input_info) if x.mutates_data}
     if meta is not None and kind == "forward" and hasattr(meta, "num_forward_returns"):
         user_visible = set(range(meta.num_forward_returns))
     if meta is not None and kind == "backward":
         donated = set(getattr(meta, "bw_donated_idxs", None) or ())
+    # a whole step's gradients (and the .grad values it updates) are lent as a backward's are:
+    # returned in the graph's memory, reclaimed before the next replay, never copied per step
+    outs = pytree.tree_leaves(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
+    lent = {i for i, o in enumerate(outs) if isinstance(o, torch.fx.Node) and info(o).backward} \
+        if kind == "inference" else set()
     return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
                            on_measured=functools.partial(_calibrate, ctx),
                            max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None,
                            donated_idxs=donated, capture_near_limit=ctx.options.cudagraphs is True,
-                           symbolic=symbolic)
+                           symbolic=symbolic, lent_outputs=lent)
 
 
 def _calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:

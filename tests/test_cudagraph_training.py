@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+import apollo_compile
 from apollo_compile import backend
 from apollo_compile.runtime import choice
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
@@ -325,3 +326,40 @@ def test_a_second_model_instance_runs_the_compiled_code_without_its_graph_and_sa
     messages = [str(w.message) for w in caught if "another address" in str(w.message)]
     assert len(messages) == 2 and all("torch._dynamo.reset()" in m for m in messages), messages  # fw, bw
     assert [(r.replays, r.ungraphed_calls) for r in runners] == [(2, 3), (2, 3)]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_whole_step_gradients_are_lent_not_copied(runners, accumulate):
+    """compile_step's one graph replays like a backward: its new .grad tensors are the graph's own
+    memory (no parameter-sized copy per step); with gradient accumulation over two calls the second
+    call's graph reads them in place and its sums are written back into them. The loss, held across
+    steps, is a copy."""
+    torch.manual_seed(0)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+
+    def step(images, tokens):
+        loss = model(images, tokens)
+        loss.backward()
+        return loss.detach()
+
+    compiled = apollo_compile.compile_step(step, options={"subgraph_compiler": "eager"})
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    held = []
+    for i in range(6):
+        inputs = two_tower_inputs(seed=i)
+        loss, ref_loss = compiled(*inputs), ref(*inputs)
+        ref_loss.backward()
+        assert_same_loss_and_grads(loss, ref_loss.detach(), model, ref, TOLERANCE["eager"], i)
+        held.append((loss, float(loss)))
+        if (i + 1) % accumulate == 0:
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad(set_to_none=True)
+    assert all(float(loss) == value for loss, value in held)
+    assert len(runners) == accumulate  # .grad None, and (accumulating) .grad present: a graph each
+    params = sum(1 for _ in model.parameters())
+    for runner in runners:
+        assert runner.kind == "inference" and runner.replays > 0 and runner.ungraphed_calls == 0
+        # every gradient (new, or the sum written back into .grad) is lent; the loss alone is copied
+        assert len(runner.lent_idxs) >= params and len(runner.copied_out_idxs) == 1

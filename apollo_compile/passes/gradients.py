@@ -7,8 +7,8 @@ Dynamo traces ``loss.backward()`` into a whole-step graph as ``torch.autograd.gr
 ``copy(empty_like(p), g)``: a fresh parameter-sized buffer and a copy kernel per parameter (about
 200 for a CLIP), where eager autograd's AccumulateGrad steals ``g`` when nothing else holds it and
 its layout is the parameter's. This pass does the same: where ``g`` is a computed tensor (not an
-input, not returned elsewhere, not a view of a larger buffer) with the dtype, shape and strides
-``empty_like(p)`` would have, the output is ``g`` itself. A gradient in another layout keeps its copy, as eager clones it.
+input, not returned elsewhere, not a view) with the dtype, shape and strides ``empty_like(p)``
+would have, the output is ``g`` itself. A gradient in another layout keeps its copy, as eager clones it.
 Where ``.grad`` exists, ``p.grad + copy(empty_like(p), g)`` becomes ``p.grad + g``.
 """
 
@@ -27,15 +27,10 @@ def _val(node) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
-def _owns_its_storage(node: torch.fx.Node, numel: int) -> bool:
-    """Whether `node`'s value is a computed tensor, or a view of one of the same size (``t`` of a
-    matmul's output): holding it as ``.grad`` then holds no more memory than it shows."""
-    while isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
-        base = node.args[0] if node.args else None
-        if not isinstance(base, torch.fx.Node) or _val(base) is None or _val(base).numel() != numel:
-            return False
-        node = base
-    return node.op == "call_function"
+def _owns_its_storage(node: torch.fx.Node) -> bool:
+    """Whether `node`'s value is a tensor of its own, not a view (``t`` of a matmul's output): a
+    ``.grad`` that is a view would also change what Dynamo guards on between calls (its ``_base``)."""
+    return node.op == "call_function" and not (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
 
 
 def _stealable(copy: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
@@ -53,7 +48,7 @@ def _stealable(copy: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch
     if out is None or g is None or (out.dtype, out.device, out.shape) != (g.dtype, g.device, g.shape):
         return None
     if returned.get(copy, 0):  # a new .grad: it must also own its memory in the parameter's layout
-        return grad if out.stride() == g.stride() and _owns_its_storage(grad, g.numel()) else None
+        return grad if out.stride() == g.stride() and _owns_its_storage(grad) else None
     # the existing .grad plus the new gradient: the sum reads values, whatever their layout
     return grad if copy.users and all(u.target is aten.add.Tensor for u in copy.users) else None
 

@@ -158,7 +158,8 @@ class CudaGraphRunner:
                  static_input_idxs: set[int], user_visible_outputs: set[int] | None,
                  on_measured: Callable[[dict[str, float]], None] | None = None,
                  max_memory_ratio: float | None = None, donated_idxs: set[int] | None = None,
-                 capture_near_limit: bool = False, symbolic: bool = False, strategy: Strategy | None = None) -> None:
+                 capture_near_limit: bool = False, symbolic: bool = False, strategy: Strategy | None = None,
+                 lent_outputs: set[int] | None = None) -> None:
         self.candidates, self.name, self.kind, self.family = candidates, name, kind, family
         self.strategy = strategy  # which candidate replays; None: `choice.in_effect()` at capture
         # sizes that vary between calls (dynamic shapes): replayed only at the captured ones
@@ -187,6 +188,8 @@ class CudaGraphRunner:
         self.chosen: str | None = None
         self.static_input_idxs = static_input_idxs
         self.user_visible_outputs = user_visible_outputs  # None: all outputs
+        # outputs lent in the pool's memory like a backward's (a whole step's gradients); a backward lends all
+        self.lent_outputs = lent_outputs or set()
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.disabled: str | None = None
@@ -292,7 +295,7 @@ class CudaGraphRunner:
         # an input (a static buffer the next call refills, a saved activation still read) is copied;
         # one placed over a donated saved activation is lent: the next forward replay reclaims it
         still_read = inputs - donated
-        lend = [j for j in user_visible if self.kind == "backward"
+        lend = [j for j in user_visible if (self.kind == "backward" or j in self.lent_outputs)
                 and self.static_outputs[j].untyped_storage().data_ptr() not in still_read]
         self.lent_idxs = lend
         lent = set(lend)
@@ -305,6 +308,7 @@ class CudaGraphRunner:
         self.sentinel_idx = saved[0] if saved else None
         if self.kind == "forward":
             self.family.saved_ptrs = {o.data_ptr() for o in self.static_outputs if isinstance(o, torch.Tensor)}
+        if self.kind == "forward" or self.lent_outputs:  # the parameters whose .grad they become
             self.family.grad_owners = [weakref.ref(args[i]) for i in sorted(self.fixed_ptrs)
                                        if i in self.static_input_idxs and args[i].requires_grad]
         self.graph = graph
