@@ -66,7 +66,7 @@ sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 import common  # noqa: E402  (the method every benchmark here shares)
 from common import fmt, log  # noqa: E402
 
-VARIANTS = ("eager", "inductor-ro", "apollo", "apollo-step")
+VARIANTS = ("eager", "inductor-ro", "inductor-ro-step", "apollo", "apollo-step", "apollo-step-1lane")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert")
 
@@ -162,14 +162,19 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
     return step_fn
 
 
+STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane")
+
+
 class WholeStep:
-    """apollo_compile.compile_step around forward, loss and ``loss.backward()`` under autocast
-    (the apollo-step variant): calling it runs the backward too, so `train_step` and the timed
-    step skip their own."""
+    """Forward, loss and ``loss.backward()`` under autocast compiled as one graph (the *-step
+    variants): apollo_compile.compile_step, or reduce-overhead with Dynamo's backward tracing on
+    around its calls (what compile_step does for apollo). Calling it runs the backward too, so
+    `train_step` and the timed step skip their own."""
 
     runs_backward = True
 
-    def __init__(self, name: str, model: nn.Module, device: torch.device, amp: bool, options: dict) -> None:
+    def __init__(self, variant: str, name: str, model: nn.Module, device: torch.device, amp: bool,
+                 options: dict) -> None:
         import apollo_compile
 
         f = loss_fn(name, model)
@@ -180,9 +185,18 @@ class WholeStep:
             loss.backward()
             return loss.detach()
 
-        self.step = apollo_compile.compile_step(step, options=options)
+        if variant == "inductor-ro-step":
+            self.step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+            self.trace_backward = True
+        else:
+            one_lane = {"max_lanes": 1} if variant == "apollo-step-1lane" else {}
+            self.step = apollo_compile.compile_step(step, options={**options, **one_lane})
+            self.trace_backward = False  # compile_step turns it on itself
 
     def __call__(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.trace_backward:
+            with torch._dynamo.config.patch(trace_autograd_ops=True):
+                return self.step(pixels, ids)
         return self.step(pixels, ids)
 
 
@@ -232,8 +246,8 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
     with common.diagnostics_for(row, variant, variant.startswith("apollo")) as keep:
         common.reset_peaks(device)
         model = copy.deepcopy(base).to(device)
-        if variant == "apollo-step":
-            f = step_fn = WholeStep(name, model, device, args.amp, dict(args.apollo_options))
+        if variant in STEP_VARIANTS:
+            f = step_fn = WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options))
         else:
             step_fn = compile_variant(variant, model, args)
             f = loss_fn(name, step_fn)
@@ -243,7 +257,7 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
 
         def whole_step() -> float:
             optimizer.zero_grad(set_to_none=True)
-            if variant == "apollo-step":
+            if variant in STEP_VARIANTS:
                 loss = f(*batch)  # forward and backward, one compiled step
             else:
                 with common.autocast(device, args.amp):
