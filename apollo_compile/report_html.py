@@ -5,12 +5,16 @@ JS and SVG; nothing is fetched). :meth:`Report.to_html` and :meth:`Report.save_h
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import html
 
 from . import dump
 from .plan import GraphPlan
-from .report import (CANDIDATE_NAMES, MEASURED_NOTE, TOP_OPS_RANKING, GraphStats, Report, candidate_rows,
-                     describe_candidate, format_bytes)
+from .report_stats import (CANDIDATE_NAMES, MEASURED_NOTE, TOP_OPS_RANKING, GraphStats, candidate_rows,
+                           describe_candidate, format_bytes)
+if TYPE_CHECKING:
+    from .report import Report
 from .report_svg import GREY, arena_svg, is_drawn, node_svg, slug, subgraph_svg, timeline_svg
 
 __all__ = ["NODE_CAP", "render_page"]

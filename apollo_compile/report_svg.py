@@ -20,7 +20,7 @@ import torch.fx
 from . import dump
 from .annotations import info
 from .plan import GraphPlan
-from .report import dominant_modality, format_bytes, format_flops, largest_ops, op_cost, predicted_timeline
+from .report_stats import dominant_modality, format_bytes, format_flops, largest_ops, op_cost, predicted_timeline
 
 __all__ = ["GREY", "arena_svg", "is_drawn", "node_layout", "node_svg", "slug", "subgraph_svg", "timeline_svg"]
 

@@ -272,7 +272,7 @@ def backward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.
         label = label if label not in (None, FUSION) else _tower_of_gradient(out, backward)
         if label is not None and label != FUSION:
             sinks.setdefault(out, set()).add(label)
-    if not sinks:  # nothing names a gradient's tower (compiled autograd): group them by the graph
+    if not sinks and compiling_autograd_graph():  # no forward names a gradient's tower: group them
         sinks = {out: {name} for out, name in _grouped_gradients(gm, backward, [o for o, _ in outputs]).items()}
     reached: dict[torch.fx.Node, set[str]] = {}
     for n in reversed(list(gm.graph.nodes)):
