@@ -64,7 +64,7 @@ class ApolloOptions:
     Attributes:
         dump_dir: write annotated graphs, runtime source and plans here (env ``APOLLO_DUMP_DIR``).
         modalities: module-path prefix -> modality name, e.g. ``{"vision_model": "vision"}``.
-            Default: each top-level submodule of the compiled model is its own modality.
+            Default: the towers come from the dataflow (passes/modality.py), module paths name them.
         device: device spec to plan for (``"H200"``, ``"H100"``, ``"A100"``, ``"cpu"``);
             default: the device the example inputs live on.
         subgraph_compiler: ``"inductor"`` (default) or ``"eager"`` (ATen ops, no codegen).
