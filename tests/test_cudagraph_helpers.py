@@ -608,7 +608,7 @@ def test_host_values_are_cpu_tensors_with_data_beside_device_ones():
 
 def test_a_graph_reading_a_host_value_is_never_captured(monkeypatch):
     """`loss * t` with t a Python float Dynamo has seen change (a 0-dim CPU tensor): on the H200 a
-    replay kept the captured t (benchmarks/scalar_input_probe.py). The runner runs such a graph
+    replay kept the captured t (benchmarks/probes/scalar_input_probe.py). The runner runs such a graph
     without its CUDA graph from the call that would capture it, with one warning."""
     from apollo_compile.runtime import cudagraph
 

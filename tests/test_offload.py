@@ -3,7 +3,7 @@
 On the CPU "the host" is the same device, so the copies move nothing; what CI checks is that the
 partitioner inserts them where apollo asked, that every pass, the lane runtime and Inductor take
 graphs with them, and that training stays equal to eager. The memory it frees is measured on the
-H200 (benchmarks/offload_memory.py, bench_memory.py, RESULTS.md session 11).
+H200 (benchmarks/probes/offload_memory.py, bench_memory.py, RESULTS.md session 11).
 """
 
 import copy

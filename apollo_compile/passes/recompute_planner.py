@@ -33,7 +33,7 @@ run on two lanes at once can interleave their peaks, which a one-order simulatio
 schedules it before the chain's *first* reader, writing every value of it that is read later. A
 plan that saves the matmul outputs and recomputes a tower's residual stream therefore
 materializes all of the tower's block inputs at the start of its backward. On the H200 (base
-CLIP, batch 64, budget 0.05; benchmarks/diag_memory.py) the vision backward's generated code
+CLIP, batch 64, budget 0.05; benchmarks/probes/diag_memory.py) the vision backward's generated code
 allocated the (64, 197, 768) fp32 residuals one after another at its top, and the first step
 peaked at 2.77 GiB allocated (parameters 0.60; the one-by-one simulation's activations ~0.6).
 So under a fusing compiler the simulation re-runs such a group (:meth:`Planner.fused`) whole at
@@ -56,7 +56,7 @@ save GPU bytes), and one such re-run can bring a saved value back early: on the 
 re-runs the vision stem's norm from its fp32 input, so that input came back for the first block's
 re-run and stayed until the stem's own backward, over the whole first block. At batch 512 the
 H200's backward peaked 0.144 GiB over eager per-block checkpointing with ``save_on_cpu``
-(session 14, benchmarks/offload_memory.py --snapshot: one more block-input-sized buffer live at
+(session 14, benchmarks/probes/offload_memory.py --snapshot: one more block-input-sized buffer live at
 the peak). So once per-block checkpointing is chosen under offloading, the plan also tries it
 without min-cut's re-runs outside the blocks (everything there saved, as the by-hand variant
 does) and takes that where the backward simulates lower on the GPU (:meth:`Planner.peaks` with

@@ -199,7 +199,7 @@ class CudaGraphRunner:
         self._fixed_check: tuple | None = None  # fixed_ptrs laid out for `_inputs_in_place` (per capture's dict)
         self.replays = 0
         # host time of the replayed calls (checks, input copies, launch, handing out outputs) and of
-        # their launches alone: where a small step's time goes (benchmarks/host_split.py)
+        # their launches alone: where a small step's time goes (benchmarks/probes/host_split.py)
         self.replay_host_s = 0.0
         self.launch_host_s = 0.0
 

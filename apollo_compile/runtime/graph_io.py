@@ -71,7 +71,7 @@ def host_values(args: Sequence) -> list[int]:
     data beside device ones. A kernel takes a CPU scalar's value as a launch argument, so a replay
     keeps the captured value whatever the static buffer holds: a Python float that Dynamo has seen
     change becomes such a 0-dim tensor (on the H200 a replayed ``loss * t`` kept the captured
-    ``t``: gradients 44% off; benchmarks/scalar_input_probe.py). Empty CPU tensors (compiled
+    ``t``: gradients 44% off; benchmarks/probes/scalar_input_probe.py). Empty CPU tensors (compiled
     autograd's size carriers) hold no value. All-CPU inputs are the tests' fake graphs."""
     host = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel()]
     on_device = any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in args)

@@ -124,7 +124,7 @@ def donations_safe_on_lanes(donatable: dict[int, list[int]], made_on: dict[int, 
 # and the step is lost. Then, once that step's saved activations are dead, the forward lets its
 # graph go (`CudaGraphRunner._let_go`), so the pool can return to the allocator and later steps
 # run as the first did (measured at 1152 with cudagraphs=True: step 2 lost, steps 3-5 at step
-# 1's peak, session 11; benchmarks/capture_recovery.py). Measured on the H200 (budgeted CLIP in 20 GiB; the first step's
+# 1's peak, session 11; benchmarks/probes/capture_recovery.py). Measured on the H200 (budgeted CLIP in 20 GiB; the first step's
 # peak as a share of it, measured at 1024 and 1152, the others read off the line through them;
 # RESULTS.md, sessions 7 and 10): batches 896 (~69%) and 960 (~74%) captured; 1024 (79%), 1088
 # (~83%) and 1152 (88%) ran out capturing their backward, then in the fallback. The edge moves

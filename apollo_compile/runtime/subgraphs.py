@@ -68,7 +68,7 @@ def inductor_config(host_copies: bool = False, symbolic: bool = False, memory_fi
 # forward use, so that its GPU memory is free for the rest of the forward. Inductor's
 # reorder_for_peak_memory counts a host buffer as memory like a GPU one: moving the copy frees
 # nothing in its estimate, and the order it picked put the copies late. Measured on the H200
-# (offload_memory.py, CLIP base, batch 512, budget 0.05, session 11): the forward peaked at
+# (benchmarks/probes/offload_memory.py, CLIP base, batch 512, budget 0.05, session 11): the forward peaked at
 # 5.85 GiB allocated with the reordering and 2.36 GiB without it (eager per-block checkpointing
 # with save_on_cpu: 3.10), the backward at 5.81 either way.
 
@@ -81,7 +81,7 @@ def inductor_config(host_copies: bool = False, symbolic: bool = False, memory_fi
 # buffer goes back to the caching allocator, which serves the next one from it: the same kernels
 # run, only the wrapper's bookkeeping differs (and a CUDA-graph replay does none of it). So a graph
 # whose user asked for memory (a memory_budget, or offloading) compiles without the reuse.
-# Measured on the H200 (offload_memory.py --inductor-config allow_buffer_reuse=False, CLIP base,
+# Measured on the H200 (benchmarks/probes/offload_memory.py --inductor-config allow_buffer_reuse=False, CLIP base,
 # batch 512, budget 0.05; GiB allocated, forward / backward peak):
 #   with host copies (session 12):  2.36 / 5.22 without the reuse, 2.36 / 5.81 with it
 #                                   (eager checkpointing with save_on_cpu: 3.10 / 5.08)
