@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import RestartAnalysis
@@ -29,6 +28,7 @@ from .annotations import info
 from .devices import DEVICE_SPECS, DeviceSpec, detect_device_spec
 from . import calibration, logs, pipeline
 from .fallback import ApolloFallbackWarning
+from .nodes import graph_outputs
 from .options import ApolloOptions, ApolloOptionsError
 from .passes import checkpoint, offload
 from .passes.quotas import MIN_GAIN
@@ -200,8 +200,7 @@ def _cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_
         donated = set(getattr(meta, "bw_donated_idxs", None) or ())
     # a whole step's gradients (and the .grad values it updates) are lent as a backward's are:
     # returned in the graph's memory, reclaimed before the next replay, never copied per step
-    outs = pytree.tree_leaves(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
-    lent = {i for i, o in enumerate(outs) if isinstance(o, torch.fx.Node) and info(o).backward} \
+    lent = {i for i, o in enumerate(graph_outputs(gm)) if isinstance(o, torch.fx.Node) and info(o).backward} \
         if kind == "inference" else set()
     return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
                            on_measured=functools.partial(_calibrate, ctx),

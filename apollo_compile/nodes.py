@@ -177,3 +177,9 @@ def input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     seen: dict[torch.fx.Node, None] = {}
     torch.fx.node.map_arg((node.args, node.kwargs), lambda n: seen.setdefault(n, None))
     return list(seen)
+
+
+def graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    """The flat outputs of an AOTAutograd graph (None for a gradient that is not there)."""
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]

@@ -96,10 +96,10 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..annotations import info
-from ..nodes import deterministic_attention, is_random, is_view, nbytes, node_tensors, storage_node
+from ..nodes import deterministic_attention, graph_outputs, is_random, is_view, nbytes, node_tensors, storage_node
 from ..tracing import fw_metadata
 from . import modality, offload
-from .recompute_planner import GLOBAL, Planner, graph_outputs
+from .recompute_planner import GLOBAL, Planner
 
 log = logging.getLogger("apollo_compile")
 

@@ -51,7 +51,7 @@ import torch
 import torch.fx
 
 from ..annotations import FUSION, KEY, info
-from ..nodes import is_library_kernel
+from ..nodes import graph_outputs, is_library_kernel
 from ..tracing import compiling_autograd_graph, fw_metadata
 from . import casts
 
@@ -101,12 +101,6 @@ def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _outputs(gm: torch.fx.GraphModule) -> list:
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    args = out.args[0]
-    return list(args) if isinstance(args, (tuple, list)) else [args]
-
-
 def _is_tensor(node: torch.fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
@@ -141,7 +135,7 @@ def data_inputs(gm: torch.fx.GraphModule, kind: str) -> list[torch.fx.Node]:
     static = set(meta.static_input_indices or ()) if meta is not None else set()
     infos = list(meta.input_info) if meta is not None else []
     if kind == "joint":  # the last outputs are the primals' gradients: None where none is needed
-        outs = _outputs(gm)
+        outs = graph_outputs(gm)
         needs_grad = [isinstance(o, torch.fx.Node) for o in outs[len(outs) - len(phs):]]
     else:
         needs_grad = [info.requires_grad for info in infos]
@@ -193,7 +187,7 @@ def forward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.N
 def _gradient_outputs(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.Node],
                       forward_inputs: list[str | None] | None) -> list[tuple[torch.fx.Node, str | None]]:
     """(gradient output, its parameter's tower where the graph says it by position)."""
-    outs = _outputs(gm)
+    outs = graph_outputs(gm)
     if kind == "backward":  # output i is the gradient of the forward's input i
         labels = forward_inputs or []
         return [(o, labels[i] if i < len(labels) else None) for i, o in enumerate(outs)

@@ -70,16 +70,16 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx
 
-from ..nodes import deterministic_attention, is_library_kernel, is_random, is_view, nbytes, node_tensors, storage_node
+from ..nodes import (deterministic_attention, graph_outputs, is_library_kernel, is_random, is_view, nbytes, node_tensors,
+                     storage_node)
 from . import modality
 from .cost import node_cost
 
-__all__ = ["GLOBAL", "Planner", "graph_outputs"]
+__all__ = ["GLOBAL", "Planner"]
 
 GLOBAL = "*"  # the constraint key of a budget over all modalities
 _EXPAND_ROUNDS = 3
@@ -138,12 +138,6 @@ def _block_of(node: torch.fx.Node) -> str | None:
 
 
 # ---------------------------------------------------------------------------- graph facts
-
-
-def graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
-    """The flat outputs of an AOTAutograd graph (None for a gradient that is not there)."""
-    out = next(iter(gm.graph.find_nodes(op="output")))
-    return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
 
 
 def _forward_nodes(gm: torch.fx.GraphModule, num_fwd: int) -> set[torch.fx.Node]:
