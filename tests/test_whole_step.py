@@ -199,6 +199,36 @@ def test_lanes_come_from_the_dataflow(way):
             assert set().union(*towers) == {"vision", "text"}, (way, kind, towers)
 
 
+def unmark_autograd_backward(monkeypatch):
+    """Trace as torch 2.11 does: no node of a whole step is marked ``autograd_backward``."""
+    monkeypatch.setattr(torch.fx.traceback, "_mark_autograd_backward", lambda: None)
+
+
+def test_whole_step_lanes_without_autograd_backward_marks(monkeypatch):
+    """torch 2.11 marks no whole-step node ``autograd_backward`` (on the H200 its graph got no
+    backward nodes, and its gradients were copied out at every replay): the backward is found
+    from the call it was traced from, ``torch.autograd.grad``, and the lanes are the same."""
+    marked = _lanes_of("whole_step")
+    unmark_autograd_backward(monkeypatch)
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    model = TwoTower(layers=1)
+
+    def step(images, tokens):
+        loss = model(images, tokens)
+        loss.backward()
+        return loss.detach()
+
+    compiled = apollo_compile.compile_step(step, options=EAGER)
+    compiled(*two_tower_inputs(seed=0))
+    (plan,) = apollo_compile.plans()
+    graph = plan.graphs["inference"]
+    assert not any(n.meta.get("autograd_backward") for n in graph.gm.graph.nodes)  # the marks are gone
+    assert sum(info(n).backward for n in graph.gm.graph.nodes) > 50
+    assert [("inference", len(graph.decisions["lanes"].lanes), _towers(graph))] == marked
+    assert len(graph.decisions["lanes"].lanes) >= 2 and set().union(*_towers(graph)) == {"vision", "text"}
+
+
 def test_whole_step_listing_names_its_lanes():
     """A golden summary of the whole-step graph: each tower's forward and backward on its lane,
     the loss and its gradient on the main lane."""

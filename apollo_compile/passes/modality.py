@@ -105,14 +105,31 @@ def _is_tensor(node: torch.fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+# What a whole step's ``loss.backward()`` is traced as (Dynamo's trace_autograd_ops): the node
+# AOTAutograd was interpreting when it traced a backward op, as its ``source_fn_stack`` names it.
+_AUTOGRAD_CALLS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward, "backward")
+
+
+def traced_from_autograd(node: torch.fx.Node) -> bool:
+    """Whether AOTAutograd traced `node` while running the autograd engine inside a whole step.
+    torch 2.13 marks such nodes ``autograd_backward``; torch 2.11 does not (its whole-step graph
+    on the H200 got no backward nodes, so its gradients were copied out at every replay), but
+    both record the Dynamo call they came from, ``torch.autograd.grad``, in ``source_fn_stack``."""
+    if node.meta.get("autograd_backward"):
+        return True
+    stack = node.meta.get("source_fn_stack") or ()
+    return bool(stack) and any(stack[-1][1] is c or stack[-1][1] == c for c in _AUTOGRAD_CALLS)
+
+
 def backward_nodes(gm: torch.fx.GraphModule, kind: str) -> set[torch.fx.Node]:
     """The nodes that compute gradients: in a backward graph (and compiled autograd's) every op but
-    the recomputed forward ones; in a joint graph what the tangents reach; in a whole-step graph what AOTAutograd marked
-    ``autograd_backward`` and everything downstream of it (``.grad`` copies, an optimizer)."""
+    the recomputed forward ones; in a joint graph what the tangents reach; in a whole-step graph
+    what AOTAutograd traced from the autograd engine (:func:`traced_from_autograd`) and everything
+    downstream of it (``.grad`` copies, an optimizer)."""
     nodes = list(gm.graph.nodes)
     if kind == "backward" or (kind == "inference" and compiling_autograd_graph()):
         return {n for n in nodes if n.op in COMPUTE and n.meta.get("partitioner_tag") != "is_forward"}
-    seeds = {n for n in nodes if n.meta.get("autograd_backward")}
+    seeds = {n for n in nodes if n.op in COMPUTE and traced_from_autograd(n)}
     if kind == "joint":
         seeds |= {n for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")}
     found: set[torch.fx.Node] = set()
