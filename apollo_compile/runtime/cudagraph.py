@@ -187,6 +187,10 @@ class CudaGraphRunner:
         self.ungraphed_calls = 0  # calls after the first that ran without the CUDA graph
         self.chosen: str | None = None
         self.static_input_idxs = static_input_idxs
+        self.copy_idxs: list[int] = []  # inputs copied into the graph's buffers before each replay
+        self.fixed_ptrs: dict[int, int] = {}  # inputs read in place: their addresses at capture
+        self.lent_idxs: list[int] = []  # outputs lent in the pool's memory
+        self.copied_out_idxs: list[int] = []  # outputs copied out after each replay
         self.user_visible_outputs = user_visible_outputs  # None: all outputs
         # outputs lent in the pool's memory like a backward's (a whole step's gradients); a backward lends all
         self.lent_outputs = lent_outputs or set()
@@ -234,7 +238,10 @@ class CudaGraphRunner:
                 "side_lane_donated_bytes": self.side_lane_donated_bytes, "withheld_bytes": self.withheld_bytes,
                 "ungraphed_calls": self.ungraphed_calls, "disabled": self.disabled,
                 "capture_refused": self.capture_refused,
-                "lent_moved": self.lent.moved if self.lent is not None else 0}
+                "lent_moved": self.lent.moved if self.lent is not None else 0,
+                # per replay: inputs copied into the graph's buffers / read in place, outputs lent / copied
+                "inputs_copied": len(self.copy_idxs), "inputs_in_place": len(self.fixed_ptrs),
+                "outputs_lent": len(self.lent_idxs), "outputs_copied": len(self.copied_out_idxs)}
 
     def _is_user_visible(self, i: int) -> bool:
         return self.user_visible_outputs is None or i in self.user_visible_outputs
