@@ -34,10 +34,12 @@ the same work at any learning rate, and the weights stay the reference's, so the
 after the timed steps compares with eager at the same weights.
 
 Per model and batch size: ``--warmup`` steps (compile, CUDA-graph capture; "compile s"), then
-``--steps`` steps, each from an idle GPU (``common.time_steps``): median, p10, p90. Memory: the
-peak allocated and reserved over the whole variant, from the model's copy to the device through
-compile, capture and the timed steps (a CUDA graph's pool is allocated while it is captured, so
-this is what training needs). Numerics as bench_step.py's: one step on another batch against
+``--steps`` steps, each from an idle GPU (``common.time_steps``): median, p10, p90; then the same
+steps queued back to back without reading the loss (``common.time_back_to_back``: "b2b ms").
+Memory: the peak allocated and reserved over the whole variant, from the model's copy to the
+device through compile, capture and the timed steps (a CUDA graph's pool is allocated while it is
+captured, so this is what training needs); the timed steps' own peak ("steps' peak"); and what
+the allocator holds between steps, pool by pool (``common.memory_held``, in the log and JSON). Numerics as bench_step.py's: one step on another batch against
 eager, PASS / PASS* by ``common.compare``.
 
     PYTHONPATH=. python benchmarks/bench_whole_step.py --models hf-clip --batch 8 32
@@ -255,7 +257,7 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
         cuda = device.type == "cuda"
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if cuda else None)
 
-        def whole_step() -> float:
+        def whole_step(read_loss: bool = True) -> float | torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
             if variant in STEP_VARIANTS:
                 loss = f(*batch)  # forward and backward, one compiled step
@@ -264,15 +266,27 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
                     loss = f(*batch)
                 loss.backward()
             optimizer.step()
-            return loss.item()  # a loop that logs its loss waits for the step here
+            return loss.item() if read_loss else loss  # a loop that logs its loss waits for the step here
 
         row.update(common.warm_up(whole_step, args.warmup, device))
         log(f"  [{variant}] compile + {args.warmup} warm-up steps: {row['compile_s']:.1f} s")
+        row["peak_alloc_gib"], row["peak_reserved_gib"] = common.read_peaks(device)  # compile and capture
+        common.reset_peaks(device)
         row.update(common.spread(common.time_steps(whole_step, args.steps, device)))
-        row["peak_alloc_gib"], row["peak_reserved_gib"] = common.read_peaks(device)
-        log(f"  [{variant}] {args.steps} steps: {common.spread_text(row)}"
-            + (f", whole run {common.peaks_text(row['peak_alloc_gib'], row['peak_reserved_gib'])}"
+        b2b = common.time_back_to_back(functools.partial(whole_step, False), args.steps, device)
+        row.update(back_to_back_ms=b2b["ms"], back_to_back_rounds_ms=b2b["rounds_ms"], back_to_back_host_ms=b2b["host_ms"])
+        row["steady_peak_alloc_gib"], row["steady_peak_reserved_gib"] = common.read_peaks(device)
+        if row["peak_alloc_gib"] is not None:  # the whole run's peak: compile, capture and the timed steps
+            row["peak_alloc_gib"] = max(row["peak_alloc_gib"], row["steady_peak_alloc_gib"])
+            row["peak_reserved_gib"] = max(row["peak_reserved_gib"], row["steady_peak_reserved_gib"])
+        row["held"] = common.memory_held(device)
+        log(f"  [{variant}] {args.steps} steps: {common.spread_text(row)}; back to back {b2b['ms']:.2f} ms "
+            f"(host {b2b['host_ms']:.2f})"
+            + (f"; whole run {common.peaks_text(row['peak_alloc_gib'], row['peak_reserved_gib'])}, timed steps "
+               f"{common.peaks_text(row['steady_peak_alloc_gib'], row['steady_peak_reserved_gib'])}"
                if row["peak_alloc_gib"] is not None else ""))
+        if row["held"] is not None:
+            log(f"  [{variant}] {common.memory_held_text(row['held'])}")
         loss, grads = loss_and_grads(model, f, numerics_batch, device, args.amp)
         row["numerics"] = n = common.compare(loss, grads, ref, "bf16" if args.amp else "fp32")
         log(f"  [{variant}] numerics {common.verdict(n)}: {common.numerics_text(n)}")
@@ -283,8 +297,8 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
 # reporting
 
 
-HEADER = ["model", "batch", "variant", "median ms", "p10", "p90", f"vs {BASELINE}", "whole-run peak GiB",
-          f"peak vs {BASELINE}", "reserved GiB", "compile s", "numerics"]
+HEADER = ["model", "batch", "variant", "median ms", "p10", "p90", f"vs {BASELINE}", "b2b ms", f"b2b vs {BASELINE}",
+          "whole-run peak GiB", f"peak vs {BASELINE}", "steps' peak GiB", "reserved GiB", "compile s", "numerics"]
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -299,9 +313,12 @@ def markdown_table(results: list[dict]) -> str:
             speed = base["median_ms"] / r["median_ms"] if base else None
             peak = r.get("peak_alloc_gib")
             mem = peak / base["peak_alloc_gib"] if base and peak is not None and base.get("peak_alloc_gib") else None
+            b2b = r.get("back_to_back_ms")
+            b2b_ratio = base["back_to_back_ms"] / b2b if base and b2b and base.get("back_to_back_ms") else None
             rows.append([
                 entry["model"], str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}",
-                f"{r['p90_ms']:.2f}", fmt(speed, ".2f", "x"), fmt(peak, ".2f"), fmt(mem, ".2f", "x"),
+                f"{r['p90_ms']:.2f}", fmt(speed, ".2f", "x"), fmt(b2b, ".2f"), fmt(b2b_ratio, ".2f", "x"),
+                fmt(peak, ".2f"), fmt(mem, ".2f", "x"), fmt(r.get("steady_peak_alloc_gib"), ".2f"),
                 fmt(r.get("peak_reserved_gib"), ".2f"), f"{r['compile_s']:.1f}", common.numerics_cell(r["numerics"]),
             ])
     return common.markdown(HEADER, rows)
@@ -314,7 +331,7 @@ def report(env: dict, results: list[dict], out_dir: Path) -> str:
         "",
         common.header_line(env),
         f"{env['warmup']} warm-up + {env['steps']} timed steps of zero_grad + forward + backward + AdamW "
-        f"(lr {env['lr']:g}) + loss.item(), each from an idle GPU; ratio = {BASELINE} median / variant median "
+        f"(lr {env['lr']:g}) + loss.item(), each from an idle GPU, then back to back without loss.item() (b2b); ratio = {BASELINE} median / variant median "
         f"(>1: faster); peak over the whole variant, compile and capture included; numerics vs eager, "
         f"{common.tolerance_text(precision)}.",
         *(f"- {e['model']}, batch {e['batch']}: bf16 noise floor: dloss {f['loss_abs_diff']:.1e}, grad "

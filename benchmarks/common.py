@@ -285,6 +285,33 @@ def peaks_text(alloc: float | None, reserved: float | None) -> str:
     return "" if alloc is None else f"peak {alloc:.2f} GiB allocated / {reserved:.2f} reserved"
 
 
+def memory_held(device: torch.device) -> dict[str, Any] | None:
+    """What the allocator holds now, between steps: allocated GiB, and reserved / allocated GiB per
+    memory pool ("default", or a CUDA graph's private pool by its id), largest first. A variant's
+    surplus over another's shows here as the pool that holds it (issue 24); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    pools: dict[str, list[float]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", device.index or 0) != (device.index or 0):
+            continue
+        pool = tuple(seg.get("segment_pool_id") or (0, 0))
+        key = "default" if pool == (0, 0) else f"graph pool {pool[0]}.{pool[1]}"
+        held = pools.setdefault(key, [0.0, 0.0])
+        held[0] += seg["total_size"] / GiB
+        held[1] += seg["allocated_size"] / GiB
+    ranked = sorted(pools.items(), key=lambda kv: -kv[1][0])
+    return {"allocated_gib": torch.cuda.memory_allocated(device) / GiB,
+            "pools": [{"pool": k, "reserved_gib": r, "allocated_gib": a} for k, (r, a) in ranked]}
+
+
+def memory_held_text(held: dict[str, Any] | None) -> str:
+    if held is None:
+        return ""
+    pools = ", ".join(f"{p['pool']} {p['reserved_gib']:.2f}/{p['allocated_gib']:.2f}" for p in held["pools"][:6])
+    return f"held between steps {held['allocated_gib']:.2f} GiB allocated; pools reserved/allocated GiB: {pools}"
+
+
 @contextlib.contextmanager
 def memory_cap(device: torch.device, limit_gib: float | None):
     """The caching allocator capped at `limit_gib` (``set_per_process_memory_fraction``: an
@@ -346,6 +373,13 @@ def rss_gib() -> float | None:
 GRAD_RTOL = {"bf16": 2e-2, "fp32": 1e-3}
 LOSS_RTOL = {"bf16": 1e-2, "fp32": 1e-4}  # on |loss - loss_ref| / max(1, |loss_ref|)
 NOISE_MULTIPLIER = 2.0
+# A gradient that is zero in exact arithmetic (the key projection's bias of attention: softmax
+# ignores a shift shared by every key) is rounding noise, ~1e-8 of the others, and its relative
+# error is meaningless (1.3 against eager in fp32 on tiny HF CLIP, with every other gradient at
+# 1e-6). A parameter is "vanishing" when its reference gradient's norm is below VANISHING x the
+# largest parameter gradient's norm; it is then judged by its absolute error against that
+# largest norm, with the same tolerance.
+VANISHING = 1e-4
 
 
 @contextlib.contextmanager
@@ -419,6 +453,7 @@ def compare(loss: float, grads: dict, ref: dict, precision: str) -> dict:
     per-parameter distance from them (the noise floor); see GRAD_RTOL."""
     worst_name, worst = None, 0.0
     problems, over_tol, excused = [], [], []
+    largest = max((g.double().norm().item() for g in ref["grads"].values() if g is not None), default=0.0)
     for name, g_ref in ref["grads"].items():
         g = grads.get(name)
         if g_ref is None and g is None:
@@ -430,6 +465,8 @@ def compare(loss: float, grads: dict, ref: dict, precision: str) -> dict:
             problems.append(f"{name}: non-finite grad")
             continue
         err = rel_err(g, g_ref)
+        if g_ref.double().norm().item() < VANISHING * largest:  # zero in exact arithmetic: see VANISHING
+            err = (g.double() - g_ref.double()).norm().item() / largest
         if worst_name is None or err > worst:
             worst_name, worst = name, err
         if err > GRAD_RTOL[precision]:
@@ -479,7 +516,8 @@ def tolerance_text(precision: str) -> str:
     """The rule `compare` applies, for a report's header."""
     return (f"PASS if max per-param relative grad error <= {GRAD_RTOL[precision]:g} and |dloss| <= "
             f"{LOSS_RTOL[precision]:g} * max(1, |loss|); PASS*: some params over it, but no further from the "
-            f"fp32 gradient than {NOISE_MULTIPLIER:g}x eager bf16 is")
+            f"fp32 gradient than {NOISE_MULTIPLIER:g}x eager bf16 is; a gradient under {VANISHING:g}x the "
+            f"largest one's norm is judged by its error relative to that norm")
 
 
 # --------------------------------------------------------------------------------------------

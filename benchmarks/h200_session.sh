@@ -5,9 +5,9 @@
 #
 #   run(command="bash benchmarks/h200_session.sh smoke")                                 # ~5 min: the runner exact in real training; Python floats under CUDA graphs
 #   run(command="bash benchmarks/h200_session.sh step",          carry=[".device_cache"]) # step time vs reduce-overhead, lanes inside the graphs: batch 8, 32, 128
-#   run(command="bash benchmarks/h200_session.sh whole-step-clip",   carry=[".device_cache"]) # the user's whole step (AdamW, loss read) on HF CLIP, batch 8 and 32
-#   run(command="bash benchmarks/h200_session.sh whole-step-siglip", carry=[".device_cache"]) # ... on HF SigLIP base
-#   run(command="bash benchmarks/h200_session.sh whole-step-timm",   carry=[".device_cache"]) # ... on timm ViT-B + BERT
+#   run(command="bash benchmarks/h200_session.sh whole-step hf-clip 8", carry=[".device_cache"]) # the user's whole step
+#       (zero_grad, forward, backward, fused AdamW; loss read, and back to back), module- and step-compiled, at the
+#       batches named (one per call when the cache is cold); models hf-clip, hf-siglip, timm-vit-bert
 #   run(command="bash benchmarks/h200_session.sh memory",        carry=[".device_cache"]) # memory table, batch 64: precision, budgets, eager checkpointing, Inductor's budget
 #   run(command="bash benchmarks/h200_session.sh offload",       carry=[".device_cache"]) # offloading's step time, batch 64, against eager + save_on_cpu
 #   run(command="bash benchmarks/h200_session.sh edge-budget",   carry=[".device_cache"]) # largest batch in 20 GiB: budget 0.05 against eager per-block checkpointing
@@ -44,16 +44,12 @@ case "${1:-}" in
              # to back, numerics against eager; the runners' own replay times give the lanes-in-graphs table
              timeout 540 python benchmarks/bench_step.py --batch 8 32 128 --variants inductor-ro apollo-1lane apollo \
                --steps 30 --out "$OUT/step" ;;
-  whole-step-clip)  # the README's table: the whole step (zero_grad, forward, backward, fused AdamW, loss.item()),
-             # the model compiled as a module and the step by compile_step; ~6 compiles (results kept per row)
-             timeout 520 python benchmarks/bench_whole_step.py --models hf-clip --batch 8 32 --steps 30 --variants inductor-ro apollo apollo-step \
-               --out "$OUT/whole-step-clip" ;;
-  whole-step-siglip)
-             timeout 520 python benchmarks/bench_whole_step.py --models hf-siglip --batch 8 32 --steps 30 --variants inductor-ro apollo apollo-step \
-               --out "$OUT/whole-step-siglip" ;;
-  whole-step-timm)
-             timeout 520 python benchmarks/bench_whole_step.py --models timm-vit-bert --batch 8 32 --steps 30 --variants inductor-ro apollo apollo-step \
-               --out "$OUT/whole-step-timm" ;;
+  whole-step)  # the README's table: the user's whole step, the model compiled as a module (reduce-overhead, apollo)
+             # and the step compiled as one graph (reduce-overhead with backward tracing, compile_step, compile_step
+             # on one lane); 5 compiles per batch, results kept per row
+             model="${2:?whole-step needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
+             timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 30 \
+               --variants inductor-ro inductor-ro-step apollo-step apollo-step-1lane apollo --out "$OUT/whole-step" ;;
   memory)    # the memory table at batch 64: whole-run peak against eager fp32, time against apollo's fastest
              timeout 520 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
                eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.5 \
@@ -94,7 +90,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step-clip|whole-step-siglip|whole-step-timm|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?
