@@ -58,8 +58,9 @@ def test_torch_compile_raises_value_error_before_tracing(monkeypatch):
     traced = []
     monkeypatch.setattr(aot, "aot_module_simplified", lambda *a, **k: traced.append(1))
     compiled = torch.compile(torch.nn.Linear(4, 4), backend="apollo", options={"max_lane": 2})
-    with pytest.raises(ValueError, match="unknown option 'max_lane'"):
+    with pytest.raises(ValueError, match="unknown option 'max_lane'") as raised:
         compiled(torch.randn(2, 4))
+    assert raised.type is ApolloOptionsError  # itself, not wrapped in Dynamo's BackendCompilerFailed
     assert traced == []
     compiled = torch.compile(torch.nn.Linear(4, 4), backend="apollo", mode="max-autotune")
     with pytest.raises(ApolloOptionsError, match="mode='max-autotune'"):
