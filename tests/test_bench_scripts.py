@@ -29,7 +29,9 @@ def phase_commands() -> list[tuple[str, list[str]]]:
         m = re.search(r"(?:python|torchrun [-\w ]*?) benchmarks/(bench_memory|bench_step|bench_distributed|bench_whole_step)\.py"
                       r"(.*?)(;;|>|$)", line)
         if m:
-            commands.append((m.group(1), shlex.split(m.group(2))))
+            # a phase's own arguments, as `whole-step hf-clip 8` passes them (the script's usage line)
+            args = m.group(2).replace('"$model"', "hf-clip").replace('"${@:-8}"', "8")
+            commands.append((m.group(1), shlex.split(args)))
     return commands
 
 
