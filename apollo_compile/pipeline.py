@@ -1,23 +1,78 @@
-"""The pass pipeline, written down in one place. Reading this file tells the whole story.
+"""The pipeline, from Dynamo's graph to the replayed CUDA graph. Reading this file tells the whole
+story; ``backend.py`` only connects it to Dynamo and AOTAutograd.
 
-Every ATen graph AOTAutograd hands us (forward, backward, or inference) goes through
-``GRAPH_PASSES`` in order. Each pass is ``run(gm, ctx) -> decision``: it reads and writes
-``node.meta["apollo"]`` and returns what it decided, which lands in ``ctx.decisions[name]``.
-A failing pass is re-raised as :class:`PassError` naming it.
+Stages, in the order a training step's graphs meet them (:data:`STAGES`):
+
+=================  ===============================  =============================================
+stage              works on                         does
+=================  ===============================  =============================================
+``pre_grad``       Dynamo's FX graph (torch ops)    ``PRE_GRAD_PASSES``: casts (``precision``),
+                                                    traced through autograd afterwards
+(AOTAutograd)      -                                functionalizes and traces the joint graph
+``inductor_joint`` the joint forward+backward graph Inductor's joint-graph passes (its own
+                                                    cleanups, when Inductor compiles subgraphs)
+``joint``          the joint graph                  ``JOINT_PASSES``: recompute tags
+                                                    (``memory_budget``), offload marks
+``partition``      the joint graph                  PyTorch's min-cut partitioner: forward and
+                                                    backward graphs (a whole step or a graph
+                                                    without gradients is one inference graph)
+``graph``          each forward/backward/inference  ``GRAPH_PASSES``: towers, cost, lanes,
+                   ATen graph                       quotas, memory plan, the generated runtime
+``runtime``        that graph and its plan          each lane's subgraphs compiled (Inductor or
+                                                    eager ATen), the lane program built
+``cuda_graph``     the runtime (CUDA only)          a CudaGraphRunner: captures the candidates
+                                                    (lanes, one lane, SM quotas), measures them,
+                                                    replays the fastest (``runtime/``)
+=================  ===============================  =============================================
+
+One undo rule: a stage that rewrites a graph runs on a copy (:func:`working_copy`), which is
+adopted only when every pass of the stage finished (:func:`run_stage`). When a stage fails, the
+graph it was given is untouched, and what happens next is the stage's fallback, with one
+:class:`ApolloFallbackWarning` (``strict=True`` raises instead): ``pre_grad`` and ``joint`` go on
+without their passes, ``inductor_joint`` without Inductor's, and ``graph``, ``runtime`` and
+``cuda_graph`` give that graph alone to Inductor (or eager ATen). The CUDA-graph runner falls
+back per call (``runtime/cudagraph.py``).
+
+In tests (``VERIFY``), :func:`verify.verify` checks the invariants after every pass of every
+stage; with ``TORCH_COMPILE_DEBUG=1`` every stage writes the listing of its graph before and after
+(``<graph>.<stage>.before.txt`` / ``.after.txt``) beside the plans' dumps.
+
+Each pass is ``run(gm, ctx) -> decision``: it reads and writes ``node.meta["apollo"]`` and returns
+what it decided, which lands in ``ctx.decisions[name]``. A failing pass is re-raised as
+:class:`PassError` naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
+import inspect
 import logging
+import os
 import time
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 import torch.fx
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
+from . import calibration, dump, logs
+from .annotations import KEY, info
 from .devices import DeviceSpec
+from .fallback import ApolloFallbackWarning, warn_fallback
+from .nodes import graph_outputs
 from .options import ApolloOptions
 from .passes import casts, checkpoint, codegen, cost, gradients, lanes, memory, modality, offload, quotas
+from .passes.quotas import MIN_GAIN
+from .plan import GraphPlan, ModelPlan
+from .runtime.cudagraph import CudaGraphRunner, GraphFamily
+from .runtime.runner import build_runtime
+from .runtime.subgraphs import has_host_copies, has_symbolic_sizes, inductor_config
+from .tracing import fw_metadata
 
 log = logging.getLogger("apollo_compile")
 
@@ -48,11 +103,18 @@ GRAPH_PASSES: list[tuple[str, Pass]] = [
     ("codegen", codegen.run),    # the readable Python runtime that launches the subgraphs
 ]
 
+# The stages in order (the table in the module docstring says what each works on and does).
+STAGES = ("pre_grad", "inductor_joint", "joint", "partition", "graph", "runtime", "cuda_graph")
+
+# With a memory_budget the user put memory first: a concurrent candidate is replayed only if its
+# CUDA-graph pool stays within this much of the one-stream candidate's (issue 3's bound on lanes).
+MEMORY_FIRST_LANE_RATIO = 1.1
+
 
 @dataclass
 class GraphContext:
     name: str  # e.g. "frame0_0_forward": Dynamo frame/compile id and graph kind
-    kind: str  # "forward" | "backward" | "inference"
+    kind: str  # "dynamo" | "joint" | "forward" | "backward" | "inference"
     options: ApolloOptions
     device: DeviceSpec
     decisions: dict[str, Any] = field(default_factory=dict)
@@ -63,8 +125,8 @@ class GraphContext:
     forward_inputs: list[str | None] | None = None
 
 
-# Tests turn this on: after every pass, verify.verify() checks the invariants and a violation
-# fails the pass that caused it.
+# Tests turn this on: after every pass of every stage, verify.verify() checks the invariants and a
+# violation fails the pass that caused it.
 VERIFY = False
 
 
@@ -72,16 +134,42 @@ class PassError(RuntimeError):
     def __init__(self, pass_name: str, graph: str, cause: BaseException) -> None:
         super().__init__(f"apollo pass '{pass_name}' failed on graph {graph}: {type(cause).__name__}: {cause}")
         self.pass_name = pass_name
+        self.work: torch.fx.GraphModule | None = None  # the copy it failed on (for the dump), set by run_stage
 
 
-def run_passes(gm: torch.fx.GraphModule, ctx: GraphContext, passes: list[tuple[str, Pass]] | None = None
-               ) -> GraphContext:
-    """Run `passes` (default: GRAPH_PASSES) in order, recording each decision in `ctx`."""
-    for name, fn in GRAPH_PASSES if passes is None else passes:
+# --------------------------------------------------------------------------------------------
+# the stage runner
+
+
+def working_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `gm` that passes can rewrite and annotate without touching `gm`: new nodes with
+    copies of their meta dicts (fake values shared) and of their apollo annotations, the other
+    attributes Dynamo gives nodes, the same submodules and attributes."""
+    graph = torch.fx.Graph()
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    result, output = graph.graph_copy(gm.graph, copies, return_output_node=True)
+    graph.output(result).meta.update(output.meta)
+    for old, new in copies.items():  # what Dynamo sets on nodes beside meta (a placeholder's _dynamo_source)
+        for key, value in getattr(old, "__dict__", {}).items():
+            if key not in new.__dict__:
+                setattr(new, key, value)
+    graph._codegen = gm.graph._codegen  # pytree in/out specs, where a graph has them (shared, never changed)
+    for n in graph.nodes:
+        if KEY in n.meta:
+            n.meta[KEY] = copy.copy(n.meta[KEY])
+    work = torch.fx.GraphModule(gm, graph)
+    work.meta.update(gm.meta)
+    return work
+
+
+def run_passes(gm: torch.fx.GraphModule, ctx: GraphContext, passes: list[tuple[str, Pass]]) -> GraphContext:
+    """Run `passes` on `gm` in place and in order, recording each decision in `ctx` (and, under
+    VERIFY, checking the invariants after each)."""
+    for name, fn in passes:
         start = time.perf_counter()
         try:
             ctx.decisions[name] = fn(gm, ctx)
-            if VERIFY and passes is None:
+            if VERIFY:
                 from .verify import verify
 
                 if errors := verify(gm, ctx.decisions):
@@ -94,6 +182,34 @@ def run_passes(gm: torch.fx.GraphModule, ctx: GraphContext, passes: list[tuple[s
     return ctx
 
 
+def run_stage(stage: str, gm: torch.fx.GraphModule, ctx: GraphContext, passes: list[tuple[str, Pass]]
+              ) -> torch.fx.GraphModule:
+    """Run one stage's passes on a working copy of `gm` and return the copy, which the caller
+    adopts. If a pass fails, :class:`PassError` is raised (carrying the copy, for the dump) and
+    `gm` is as it was: the one undo rule."""
+    _dump_stage(gm, ctx, stage, "before")
+    work = working_copy(gm)
+    try:
+        run_passes(work, ctx, passes)
+    except PassError as e:
+        e.work = work
+        raise
+    _dump_stage(work, ctx, stage, "after")
+    return work
+
+
+def _dump_stage(gm: torch.fx.GraphModule, ctx: GraphContext, stage: str, when: str) -> None:
+    directory = logs.debug_dump_dir()
+    if directory is None:
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, f"{ctx.name}.{stage}.{when}.txt"), "w") as f:
+            f.write(dump.listing(gm, f"{ctx.name}: {when} stage {stage}"))
+    except Exception as e:  # a debug aid: never lose a compile to it
+        log.debug("apollo: could not dump %s before/after %s: %s", ctx.name, stage, e)
+
+
 def _describe(decision: Any) -> Any:
     """A one-line view of a pass decision for the log."""
     summary = getattr(decision, "summary", None)
@@ -104,3 +220,227 @@ def _describe(decision: Any) -> Any:
     if hasattr(decision, "text"):
         return f"{len(decision.text.splitlines())} lines of runtime"
     return decision
+
+
+# --------------------------------------------------------------------------------------------
+# stage pre_grad: the Dynamo graph
+
+
+def run_pre_grad_stage(gm: torch.fx.GraphModule, ctx: GraphContext) -> None:
+    """``PRE_GRAD_PASSES`` on Dynamo's graph. A rewritten copy is adopted *into* `gm` (its graph
+    replaced), because AOTAutograd reads what Dynamo left on this very module (its parameters, the
+    placeholders' sources, which the copy keeps); a copy the passes left as it was is dropped, and
+    on failure `gm` keeps its graph (one warning)."""
+    try:
+        work = run_stage("pre_grad", gm, ctx, PRE_GRAD_PASSES)
+    except Exception as e:
+        if ctx.options.strict:
+            raise
+        warn_fallback(ctx.name, "the graph without apollo's pre-autograd passes", e)
+        return
+    if work.code != gm.code or any(KEY in n.meta for n in work.graph.nodes):  # else Dynamo's graph stays as traced
+        gm.graph = work.graph  # recompiles gm's forward
+
+
+# --------------------------------------------------------------------------------------------
+# stages inductor_joint, joint and partition: AOTAutograd's partition_fn
+
+
+def inductor_joint_passes(gm: torch.fx.GraphModule, joint_inputs) -> torch.fx.GraphModule:
+    """Stage ``inductor_joint``: Inductor's joint-graph passes (no-op and pointless-cast removal,
+    pattern rewrites), run as Inductor's own ``partition_fn`` runs them: our subgraphs are compiled
+    by Inductor and should get the graph it would compile. They rewrite in place, so they run on a
+    working copy, adopted only if they finish, under the graph's fake mode (some passes trace), and
+    with random ops left alone (``inductor_config``). The signature moved between torch releases,
+    hence the introspection."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor import compile_fx as cfx
+    from torch._inductor.virtualized import V
+
+    fn = cfx._recursive_joint_graph_passes
+    params = inspect.signature(fn).parameters
+    kwargs: dict = {}
+    if "skip_invoke_subgraph" in params:
+        kwargs["skip_invoke_subgraph"] = True
+    if "input_device" in params and hasattr(cfx, "get_inputs_devices"):
+        kwargs["input_device"] = next(iter(cfx.get_inputs_devices(joint_inputs, gm)), None)
+    work = working_copy(gm)
+    fake_mode = detect_fake_mode(joint_inputs)
+    device_context = getattr(cfx, "get_cuda_device_context", lambda gm: contextlib.nullcontext())
+    with device_context(work), inductor_config(), \
+            (V.set_fake_mode(fake_mode) if fake_mode is not None else contextlib.nullcontext()):
+        out = fn(work, **kwargs)
+    return out if out is not None else work  # older releases rewrite in place and return None
+
+
+def partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext, **kwargs):
+    """AOTAutograd's partition_fn: stage ``inductor_joint`` (when Inductor compiles the
+    subgraphs), stage ``joint`` (our recompute tags and offload marks), then stage ``partition``,
+    PyTorch's min-cut partitioner, reading those tags.
+
+    If a joint stage fails, the graph is partitioned as if it had not run (the model's own
+    activation-checkpoint tags kept), with one warning."""
+    if ctx.options.subgraph_compiler == "inductor":
+        try:
+            joint_module = inductor_joint_passes(joint_module, joint_inputs)
+        except Exception as e:
+            if ctx.options.strict:
+                raise
+            warnings.warn(f"apollo: {ctx.name} is partitioned without Inductor's joint-graph passes because "
+                          f"{type(e).__name__}: {e} (correct, maybe slower)", ApolloFallbackWarning, stacklevel=2)
+    if JOINT_PASSES:
+        try:
+            joint_module = run_stage("joint", joint_module, ctx, JOINT_PASSES)
+        except Exception as e:
+            if ctx.options.strict:
+                raise
+            warn_fallback(ctx.name, "the default partition (no apollo recompute or offload tags)", e)
+    with checkpoint.attention_recomputed_as_is(), offload.partitioner_offloads(ctx.options):
+        return min_cut_rematerialization_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                                   **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# stages graph, runtime and cuda_graph: each ATen graph AOTAutograd compiles
+
+
+def fallback_compile(gm: torch.fx.GraphModule, example_inputs, kind: str, compiler: str,
+                     memory_first: bool = False) -> Callable:
+    """Compile one ATen graph without apollo's planning: Inductor, else eager ATen."""
+    if compiler == "inductor":
+        try:
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            with inductor_config(host_copies=has_host_copies(gm), memory_first=memory_first):
+                return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
+                                        is_inference=kind == "inference")
+        except Exception as e:  # pragma: no cover - Inductor unavailable
+            log.warning("apollo: Inductor fallback failed too (%s); running eager ATen", e)
+    return make_boxed_func(gm.forward)
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs,
+    kind: str,
+    name: str,
+    options: ApolloOptions,
+    spec: DeviceSpec,
+    device: torch.device,
+    model_plan: ModelPlan,
+    family: GraphFamily | None = None,
+) -> Callable:
+    """Stages ``graph``, ``runtime`` and ``cuda_graph`` for one ATen graph (AOTAutograd's fw,
+    bw and inference compiler); if any fails, this graph alone falls back, from the graph as
+    AOTAutograd handed it over."""
+    graph_name = f"{name}_{kind}"
+    ctx = GraphContext(graph_name, kind, options, spec)
+    forward = model_plan.graphs.get("forward")
+    if kind == "backward" and forward is not None:
+        ctx.forward_modalities = {n.name: info(n).modality for n in forward.gm.graph.nodes if n.op != "output"}
+        ctx.forward_inputs = [info(n).modality for n in forward.gm.graph.nodes if n.op == "placeholder"]
+    graph_plan = GraphPlan(graph_name, kind, spec.name, gm, ctx.decisions)
+    if kind == "forward":
+        graph_plan.checkpoint = model_plan.joint.get("checkpoint")
+    model_plan.graphs[kind] = graph_plan
+    try:
+        try:
+            planned = graph_plan.gm = run_stage("graph", gm, ctx, GRAPH_PASSES)
+        except PassError as e:
+            graph_plan.gm = e.work if e.work is not None else gm  # the dump shows how far it got
+            raise
+        try:
+            # quota candidates only pay off, and are only measured, as CUDA graphs
+            quotas = quota_candidates(ctx) if family is not None else None
+            runtimes = build_runtime(planned, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
+                                     options.subgraph_compiler, device, quotas,
+                                     family.side_streams if family is not None else None, options.memory_first)
+        except Exception as e:  # name the stage, as PassError names the pass
+            raise RuntimeError(f"building the runtime (compiling its subgraphs with {options.subgraph_compiler}) "
+                               f"failed: {type(e).__name__}: {e}") from e
+        graph_plan.runtimes = runtimes
+        if family is not None:
+            fn = cudagraphed(planned, runtimes, graph_name, kind, family, ctx, has_symbolic_sizes(example_inputs))
+            graph_plan.runner_ref = weakref.ref(fn)
+        elif device.type == "cuda":  # un-graphed CUDA: extra streams only add launches
+            fn = runtimes.get("one_lane", runtimes["lanes"])
+        else:  # CPU: the lane program itself runs, sequentially, so CI exercises it
+            fn = runtimes["lanes"]
+    except Exception as e:
+        if options.strict:
+            raise
+        fallback = "Inductor" if options.subgraph_compiler == "inductor" else "eager ATen"
+        graph_plan.fallback = f"{type(e).__name__}: {e}"
+        warn_fallback(graph_name, fallback, e)
+        fn = fallback_compile(gm, example_inputs, kind, options.subgraph_compiler, options.memory_first)
+    finally:
+        for directory in {options.dump_dir, logs.debug_dump_dir()} - {None}:
+            graph_plan.write(directory)
+    summary = graph_plan.summary()
+    log.info("apollo: %s planned: %s", graph_name, summary)
+    logs.emit_plan(graph_name, summary)
+    return fn
+
+
+def quota_candidates(ctx: GraphContext) -> dict[str, dict[int, int]]:
+    """The SM-quota candidates the planner proposed (name -> side lane -> SMs), where this torch
+    can make green contexts; without them, one warning and none."""
+    cands = ctx.decisions["quotas"].candidates
+    plain = min((c.predicted_us for c in cands if c.quotas is None), default=None)
+    # only a split predicted to beat plain streams is captured and timed (calibration.py says why)
+    wanted = {c.name: c.quotas for c in cands
+              if c.quotas and (plain is None or c.predicted_us < plain * (1 - MIN_GAIN))}
+    if wanted:
+        from torch.cuda import green_contexts
+
+        if not green_contexts.SUPPORTED:
+            warnings.warn(f"apollo: {ctx.name} is measured without its SM-quota candidates: this PyTorch "
+                          "build has no green-context support", ApolloFallbackWarning, stacklevel=2)
+            return {}
+    return wanted
+
+
+def cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_name: str, kind: str,
+                 family: GraphFamily, ctx: GraphContext, symbolic: bool) -> CudaGraphRunner:
+    """Wrap a CUDA runtime for CUDA-graph replay, telling it which inputs and outputs are whose,
+    and whether its sizes may change between calls (`symbolic`)."""
+    static_idxs: set[int] = set()
+    user_visible: set[int] | None = None  # None: every output is the user's (inference, backward)
+    # a backward's inputs AOTAutograd lets it reuse: saved for the backward only, aliasing no
+    # input or output; none if the first backward retained the graph (NOTE: Donation)
+    donated: set[int] = set()
+    meta = fw_metadata()
+    if meta is not None and kind != "backward":
+        static_idxs = set(meta.static_input_indices or ())
+    if meta is not None and kind == "inference":
+        # a whole step's existing .grad (accumulating into it): copied in, not read in place, or
+        # this graph would hold the tensors another step's graph lent and must reclaim
+        static_idxs -= {i for i, x in enumerate(meta.input_info) if x.mutates_data}
+    if meta is not None and kind == "forward" and hasattr(meta, "num_forward_returns"):
+        user_visible = set(range(meta.num_forward_returns))
+    if meta is not None and kind == "backward":
+        donated = set(getattr(meta, "bw_donated_idxs", None) or ())
+    # a whole step's gradients (and the .grad values it updates) are lent as a backward's are:
+    # returned in the graph's memory, reclaimed before the next replay, never copied per step
+    lent = {i for i, o in enumerate(graph_outputs(gm)) if isinstance(o, torch.fx.Node) and info(o).backward} \
+        if kind == "inference" else set()
+    return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
+                           on_measured=functools.partial(calibrate, ctx),
+                           max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None,
+                           donated_idxs=donated, capture_near_limit=ctx.options.cudagraphs is True,
+                           symbolic=symbolic, lent_outputs=lent)
+
+
+def calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:
+    """The runner measured this graph's candidates: refit the performance model for the device."""
+    quotas = ctx.decisions.get("quotas")
+    try:
+        fitted = calibration.record(ctx.device, ctx.decisions.get("lanes"), quotas.model if quotas else None,
+                                    measured_ms)
+    except Exception as e:  # calibration is advice: never lose a training step to it
+        log.warning("apollo: %s could not calibrate the performance model: %s: %s", ctx.name, type(e).__name__, e)
+        return
+    if quotas is not None and fitted:
+        quotas.calibrated = fitted
+
+

@@ -1,8 +1,9 @@
-"""Invariants every pass keeps; checked after each pass when ``pipeline.VERIFY`` is on (tests).
+"""Invariants every pass keeps; checked after each pass of every stage when ``pipeline.VERIFY`` is on (tests).
 
 :func:`verify` returns the list of violations (empty when the graph is sound), so a test can
 also check that a deliberately broken pass is caught.
 
+- after every pass of every stage: the graph is well formed (``torch.fx.Graph.lint``);
 - after ``modality``: every node has a modality label;
 - after ``cost``: every node has a bound in {"compute", "memory", "-"} and non-negative costs;
 - after ``lanes``: every compute node is in exactly one subgraph, subgraph inputs come from
@@ -23,6 +24,10 @@ from .passes.lanes import COMPUTE_OPS
 
 def verify(gm: torch.fx.GraphModule, decisions: dict[str, Any]) -> list[str]:
     errors: list[str] = []
+    try:
+        gm.graph.lint()
+    except Exception as e:
+        errors.append(f"graph: {type(e).__name__}: {e}")
     nodes = list(gm.graph.nodes)
     if "modality" in decisions:
         errors += [f"{n.name}: no modality" for n in nodes if KEY not in n.meta or info(n).modality is None]

@@ -180,7 +180,7 @@ def test_inductor_subgraphs_get_inductors_joint_graph_passes(monkeypatch):
     passes first (as in torch.compile's default backend): here a pointless bf16->fp32->bf16 cast
     pair disappears. Gradients stay those of eager."""
     import apollo_compile
-    from apollo_compile import backend
+    from apollo_compile import pipeline
 
     class CastPair(torch.nn.Module):
         def __init__(self):
@@ -205,5 +205,5 @@ def test_inductor_subgraphs_get_inductors_joint_graph_passes(monkeypatch):
         return sum("convert_element_type" in str(n.target) for n in gm.graph.nodes)
 
     with_passes = casts_in_forward()
-    monkeypatch.setattr(backend, "_inductor_joint_passes", lambda gm, joint_inputs: gm)
+    monkeypatch.setattr(pipeline, "inductor_joint_passes", lambda gm, joint_inputs: gm)
     assert with_passes < casts_in_forward()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from apollo_compile import calibration
-from apollo_compile.backend import _quota_candidates
+from apollo_compile.pipeline import quota_candidates
 from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.passes import quotas as Q
 from apollo_compile.perf_model import PerfModel, quota_name
@@ -82,22 +82,22 @@ def test_quota_splits_predicted_to_lose_are_not_captured(monkeypatch):
     planned = {c.name: c.predicted_us for c in ctx.decisions["quotas"].candidates}
     lanes = planned["lanes"]
     assert any(name.startswith("quota:") and us >= lanes for name, us in planned.items())  # one predicted to lose
-    assert _quota_candidates(ctx) == {quota_name(split): split}  # ... is not measured; the winner is
+    assert quota_candidates(ctx) == {quota_name(split): split}  # ... is not measured; the winner is
     slow = PerfModel(H200, quota_penalty=1.5)  # what the H200 showed: every split lost by 1.3-1.7x
     calibration.record(H200, plan, PerfModel(H200), measured_by(slow, plan, split))
     ctx.decisions["quotas"] = Q.run(None, ctx)
-    assert _quota_candidates(ctx) == {}
+    assert quota_candidates(ctx) == {}
     names = [c.name for c in ctx.decisions["quotas"].candidates]
     assert "lanes" in names and "one_lane" in names  # still planned and dumped, just not measured
 
 
 def test_record_on_a_real_plan_through_the_backend_hook():
-    """What the runner calls on the GPU (backend._calibrate), on a real two-tower plan made for an
+    """What the runner calls on the GPU (pipeline.calibrate), on a real two-tower plan made for an
     H200 on the CPU: the fits land in the graph's quota decision, its summary and the store."""
     import torch
 
     import apollo_compile
-    from apollo_compile.backend import _calibrate
+    from apollo_compile.pipeline import calibrate
     from models import TwoTower, two_tower_inputs
 
     compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager", "device": "H200"})
@@ -105,10 +105,10 @@ def test_record_on_a_real_plan_through_the_backend_hook():
     gp = apollo_compile.last_plan().forward
     ctx = GraphContext(gp.name, "forward", options=None, device=H200, decisions=gp.decisions)
     one = gp.decisions["quotas"].model.serial_us(gp.lanes) / 1e3
-    _calibrate(ctx, {"lanes": 0.8 * one, "one_lane": one})
+    calibrate(ctx, {"lanes": 0.8 * one, "one_lane": one})
     fitted = gp.decisions["quotas"].calibrated
     assert 0.0 <= fitted["overlap_penalty"] <= 3.0
     assert gp.summary()["quotas"]["calibrated_from_measurement"] == fitted
     assert calibration.defaults(H200)["overlap_penalty"] == pytest.approx(fitted["overlap_penalty"])
-    _calibrate(ctx, {"lanes": 1.0})  # nothing to fit from: no change, no error
+    calibrate(ctx, {"lanes": 1.0})  # nothing to fit from: no change, no error
     assert gp.decisions["quotas"].calibrated == fitted

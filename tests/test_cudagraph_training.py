@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import apollo_compile
-from apollo_compile import backend
+from apollo_compile import backend, pipeline
 from apollo_compile.runtime import choice
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
 from helpers import TOLERANCE, assert_same_loss_and_grads, fake_cuda_graphs
@@ -29,9 +29,9 @@ def runners(monkeypatch):
     replays "lanes" unmeasured (timing needs CUDA events)."""
     made: list[CudaGraphRunner] = []
     fake_cuda_graphs(monkeypatch)
-    monkeypatch.setattr(backend, "_quota_candidates", lambda ctx: {})  # no green contexts on a CPU
+    monkeypatch.setattr(pipeline, "quota_candidates", lambda ctx: {})  # no green contexts on a CPU
     families: dict[int, GraphFamily] = {}
-    original = backend.compile_graph
+    original = pipeline.compile_graph
 
     def compile_graph(gm, example_inputs, kind, name, options, spec, device, model_plan, family=None):
         family = families.setdefault(id(model_plan), GraphFamily())  # forward and backward share one
@@ -40,7 +40,7 @@ def runners(monkeypatch):
         made.append(fn)
         return fn
 
-    monkeypatch.setattr(backend, "compile_graph", compile_graph)
+    monkeypatch.setattr(pipeline, "compile_graph", compile_graph)
     with choice.using(choice.Fixed("lanes")):
         yield made
 
@@ -257,7 +257,7 @@ def test_a_memory_budget_bounds_what_concurrency_may_cost(runners):
     """With a memory_budget the runners replay a concurrent candidate only within 1.1x of the
     one-stream candidate's capture pool; without one, the fastest (the pools are still reported)."""
     torch.manual_seed(0)
-    for options, ratio in (({}, None), ({"memory_budget": 0.5}, backend.MEMORY_FIRST_LANE_RATIO)):
+    for options, ratio in (({}, None), ({"memory_budget": 0.5}, pipeline.MEMORY_FIRST_LANE_RATIO)):
         runners.clear()
         torch._dynamo.reset()
         compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager", **options})

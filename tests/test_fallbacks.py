@@ -20,7 +20,7 @@ from torch import nn
 
 import apollo_compile
 from apollo_compile import pipeline
-from apollo_compile.backend import REPORT_HINT, ApolloFallbackWarning
+from apollo_compile.fallback import REPORT_HINT, ApolloFallbackWarning
 from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
 from helpers import TOLERANCE, assert_same_loss_and_grads, assert_trains_like_eager, replace_pass
@@ -302,6 +302,52 @@ def test_failure_in_the_backward_only_falls_back_for_that_graph(monkeypatch):
     assert plan.backward.fallback and not plan.backward.runtimes
 
 
+def test_a_failed_stage_leaves_its_graph_as_it_was_handed_over(monkeypatch):
+    """The one undo rule: the graph stage's passes run on a working copy, so a pass that rewrote
+    the graph and then failed leaves nothing behind. The fallback compiles the graph AOTAutograd
+    handed over (no node of the half-rewritten copy, no apollo annotation), and training equals
+    eager; the plan's dump shows the copy as far as it got."""
+    def rewrite_then_fail(gm, ctx):
+        for n in list(gm.graph.nodes):
+            if n.op == "call_function":
+                with gm.graph.inserting_after(n):  # a node the original lacks
+                    gm.graph.create_node("call_function", torch.ops.aten.clone.default, (n,), name="inserted_here")
+                break
+        raise RuntimeError("synthetic failure after a rewrite")
+
+    handed_to_fallback = []
+    original = pipeline.fallback_compile
+
+    def spy(gm, *args, **kwargs):
+        handed_to_fallback.append([(n.name, "apollo" in n.meta) for n in gm.graph.nodes])
+        return original(gm, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "fallback_compile", spy)
+    monkeypatch.setattr(pipeline, "GRAPH_PASSES", [("modality", dict(pipeline.GRAPH_PASSES)["modality"]),
+                                                   ("rewrite", rewrite_then_fail)])
+    messages = two_tower_fallbacks(EAGER)
+    assert len(messages) == 2 and all("synthetic failure after a rewrite" in m for m in messages), messages
+    assert len(handed_to_fallback) == 2  # forward and backward
+    for nodes in handed_to_fallback:
+        assert "inserted_here" not in {name for name, _ in nodes}
+        assert not any(annotated for _, annotated in nodes)  # the modality pass ran on the copy only
+    plan = apollo_compile.last_plan()
+    assert "inserted_here" in {n.name for n in plan.forward.gm.graph.nodes}  # the dump: how far it got
+
+
+def test_every_stage_dumps_its_graph_before_and_after_under_torch_compile_debug(monkeypatch, tmp_path):
+    """TORCH_COMPILE_DEBUG=1: each stage that rewrites a graph writes its listing before and after."""
+    from apollo_compile import logs
+
+    monkeypatch.setattr(logs, "debug_dump_dir", lambda: str(tmp_path))
+    assert_trains_like_eager(MLP(), lambda step: (torch.randn(4, 32),), EAGER, steps=1)
+    names = {p.name for p in tmp_path.iterdir()}
+    for graph, stage in (("frame0_0_dynamo", "pre_grad"), ("frame0_0_joint", "joint"),
+                         ("frame0_0_forward", "graph"), ("frame0_0_backward", "graph")):
+        for when in ("before", "after"):
+            assert f"{graph}.{stage}.{when}.txt" in names, sorted(names)
+
+
 def _break_subgraph_compilation(monkeypatch):
     # build_runtime calls the name runner.py imported (`from .subgraphs import compile_subgraph`),
     # so patching apollo_compile.runtime.subgraphs.compile_subgraph would not reach it.
@@ -372,12 +418,11 @@ def test_inductor_failing_too_runs_eager_aten(monkeypatch, caplog):
 def test_dynamo_graph_aotautograd_cannot_handle_runs_eager_pytorch(monkeypatch):
     """A failure outside the per-graph passes (here: the partitioner) drops the whole Dynamo graph
     to eager PyTorch (subgraph_compiler="eager") with one warning naming that graph."""
-    from apollo_compile import backend
 
     def broken_partition(*args, **kwargs):
         raise RuntimeError("synthetic partitioner failure")
 
-    monkeypatch.setattr(backend, "min_cut_rematerialization_partition", broken_partition)
+    monkeypatch.setattr(pipeline, "min_cut_rematerialization_partition", broken_partition)
     messages = two_tower_fallbacks(EAGER)
     assert len(messages) == 1, messages
     assert "eager PyTorch" in messages[0] and "synthetic partitioner failure" in messages[0]
@@ -723,7 +768,7 @@ def test_inductor_joint_passes_failure_partitions_without_them(monkeypatch):
     def broken(gm, joint_inputs):
         raise RuntimeError("synthetic joint-pass failure")
 
-    monkeypatch.setattr(backend, "_inductor_joint_passes", broken)
+    monkeypatch.setattr(pipeline, "inductor_joint_passes", broken)
     messages = two_tower_fallbacks({"subgraph_compiler": "inductor"})
     assert len(messages) == 1, messages
     assert "without Inductor's joint-graph passes" in messages[0] and "synthetic joint-pass failure" in messages[0]

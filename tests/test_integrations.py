@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import apollo_compile
-from apollo_compile.backend import ApolloFallbackWarning
+from apollo_compile.fallback import ApolloFallbackWarning
 from helpers import TOLERANCE, assert_same_loss_and_grads
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need `pip install -e '.[test]'`")
