@@ -31,10 +31,12 @@ Variants, run side by side in ONE process (absolute times drift between runs; DE
                              any other fraction f in (0, 1], named on the command line; -fw-measured: the forward's lane
                              candidates measured and free to win even though its backward reuses the
                              saved activations' memory (the rule before session 7:
-                             CudaGraphRunner._memory_first_one_lane); -lanes-measured: both graphs'
-                             (no memory-first rule; the 1.1x pool bound of `fastest` still applies);
+                             choice.ChooseFastest(memory_first=("backward",))); -lanes-measured: both
+                             graphs' (memory_first=(); the 1.1x pool bound of `fastest` still applies);
                              -bw-follows: the forward's measured, and its donating backward replays
-                             the forward's choice unmeasured (follow_the_forward); -offload-stream:
+                             the forward's choice unmeasured (follow_forward=True; measuring the
+                             backward held each candidate's pool beside every saved activation: 4.18
+                             vs 3.33 GiB at batch 64, budget 0.5, RESULTS.md session 9); -offload-stream:
                              offloading with PyTorch's copies on a stream of their own
                              (offload_stream_settings; on torch 2.11 Inductor fails on its stream op and
                              the forward runs as eager ATen: RESULTS.md, session 15)
@@ -197,17 +199,13 @@ class Variant:
 
                 stack.enter_context(unittest.mock.patch.object(checkpoint, "MEMORY_BOUND_FIRST", False))
             if self.forward_measured or self.lanes_measured or self.backward_follows:
-                # PRIVATE RUNNER PATCH (to become CudaGraphRunner(strategy=...)):
-                # the memory-first rule off for these graphs (-bw-follows: the forward's, as -fw-measured)
-                from apollo_compile.runtime.cudagraph import CudaGraphRunner
+                # the memory-first rule off for the forward (-fw-measured, -bw-follows) or for every graph
+                # (-lanes-measured); -bw-follows: the donating backward replays its forward's choice
+                from apollo_compile.runtime import choice
 
-                rule = CudaGraphRunner._memory_first_one_lane
-                measured = ("forward", "backward", "inference") if self.lanes_measured else ("forward",)
-                stack.enter_context(unittest.mock.patch.object(
-                    CudaGraphRunner, "_memory_first_one_lane",
-                    lambda runner: None if runner.kind in measured else rule(runner)))
-            if self.backward_follows:
-                stack.enter_context(follow_the_forward())
+                stack.enter_context(choice.using(choice.ChooseFastest(
+                    memory_first=() if self.lanes_measured else ("backward",),
+                    follow_forward=self.backward_follows)))
             if self.offload_stream:
                 stack.enter_context(functorch_config.patch(**offload_stream_settings()))
             if self.save_on_cpu:  # packs what the forward saves; the backward unpacks it wherever it runs
@@ -229,31 +227,6 @@ class Variant:
 
             return torch.compile(model, backend="apollo", options=dict(self.options), dynamic=False)
         raise ValueError(self.compiler)
-
-
-@contextlib.contextmanager
-def follow_the_forward():
-    """Under a budget, a backward that reuses its saved activations replays the candidate its
-    forward replays, unmeasured (`Variant.context` lets the forward measure). Measuring the backward held each candidate's pool
-    beside every saved activation: 4.18 vs 3.33 GiB whole-run peak at batch 64, budget 0.5, for a
-    3% faster step (RESULTS.md, session 9). With the forward's lanes and the backward's on the
-    same side streams, the backward's side lane reuses what the forward's made (NOTE: Donation on
-    side lanes), so following the forward should keep most of the gain at one lane's memory: to be
-    measured."""
-    from apollo_compile.runtime.cudagraph import CudaGraphRunner
-
-    # PRIVATE RUNNER PATCH (to become CudaGraphRunner(strategy=...)): the backward's choice
-    choose = CudaGraphRunner._choose_candidate
-
-    def follow(runner):
-        chosen = runner.family.forward_chosen
-        if (runner.kind == "backward" and runner.max_memory_ratio is not None and chosen in runner.candidates
-                and runner._will_donate()):
-            return chosen
-        return choose(runner)
-
-    with unittest.mock.patch.object(CudaGraphRunner, "_choose_candidate", follow):
-        yield
 
 
 VARIANTS: dict[str, Variant] = {

@@ -63,23 +63,27 @@ def test_budget_variants_by_name():
     assert not bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.4-bytes-per-us")].memory_bound_first
     measured = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.5-fw-measured")]
     assert measured.forward_measured and measured.memory_bound_first and not spec.forward_measured
+    from apollo_compile.runtime import choice
     from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+
+    def unmeasured(runner):  # what the strategy in effect replays without measuring, or None
+        return choice.in_effect().unmeasured(runner.facts())
 
     family = GraphFamily()
     family.backward_donates = True
     forward = CudaGraphRunner({"lanes": None, "one_lane": None}, "g_forward", "forward", family, set(), None,
                               max_memory_ratio=1.1)
     with measured.context():  # the rule before session 7: the forward measures its candidates
-        assert forward._memory_first_one_lane() is None
-    assert forward._memory_first_one_lane() is not None
+        assert unmeasured(forward) is None
+    assert unmeasured(forward)[0] == "one_lane"
     both = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.5-lanes-measured")]
     assert both.lanes_measured and not both.forward_measured and not measured.lanes_measured
     backward = CudaGraphRunner({"lanes": None, "one_lane": None}, "g_backward", "backward", family, set(), None,
                                max_memory_ratio=1.1)
     backward._will_donate = lambda: True
-    assert backward._memory_first_one_lane() is not None
+    assert unmeasured(backward)[0] == "one_lane"
     with both.context():  # no memory-first rule in either graph
-        assert forward._memory_first_one_lane() is None and backward._memory_first_one_lane() is None
+        assert unmeasured(forward) is None and unmeasured(backward) is None
     offloading = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.2-offload")]
     assert offloading.options == {"precision": "bf16", "memory_budget": 0.2, "offload_activations": True}
     assert "offload_activations" not in bench_memory.VARIANTS["apollo-bf16-budget-0.05"].options
@@ -93,11 +97,12 @@ def test_budget_variants_by_name():
     follows = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.5-bw-follows")]
     assert follows.backward_follows and not follows.lanes_measured and not both.backward_follows
     with follows.context():  # the forward measures; the donating backward replays its choice, unmeasured
-        assert forward._memory_first_one_lane() is None
+        assert unmeasured(forward) is None
         for chosen in ("lanes", "one_lane"):
             family.forward_chosen = chosen
-            assert backward._choose_candidate() == chosen
-    assert forward._memory_first_one_lane() is not None  # the rule is back after the variant
+            assert unmeasured(backward)[0] == chosen
+            assert backward._choose_candidate() == chosen  # what the runner replays at its capture
+    assert unmeasured(forward)[0] == "one_lane"  # the rule is back after the variant
     for bad in ("apollo-bf16-budget-0", "apollo-bf16-budget-1.5", "eager-fp16"):
         with pytest.raises(Exception, match="unknown variant|must be in"):
             bench_memory.variant_name(bad)
