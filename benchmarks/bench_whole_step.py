@@ -12,9 +12,9 @@ configurations (nothing is downloaded; the step's cost does not depend on the va
                    the [CLS] feature), bias-free projections to 512, CLIP's contrastive loss
     <model>-tiny   the same classes, 2 layers of width 32 at 32 px and 16 tokens, for CPU runs
 
-Each is compiled as the module it is (``torch.compile(model, ...)``): apollo's default modality
-assignment, one modality per top-level submodule, finds the towers (``vision_model`` /
-``text_model``; ``vision`` / ``text``).
+Each is compiled as the module it is (``torch.compile(model, ...)``) or, in the *-step variants,
+as the whole step: apollo finds the towers from the dataflow (pixels and tokens reach their own
+matmuls) and names them by module path (``vision_model`` / ``text_model``; ``vision`` / ``text``).
 
 Variants, side by side in ONE process (common.py's method; DESIGN.md: times drift between runs):
 
