@@ -10,6 +10,14 @@ its layout is the parameter's. This pass does the same: where ``g`` is a compute
 input, not returned elsewhere, not a view) with the dtype, shape and strides ``empty_like(p)``
 would have, the output is ``g`` itself. A gradient in another layout keeps its copy, as eager clones it.
 Where ``.grad`` exists, ``p.grad + copy(empty_like(p), g)`` becomes ``p.grad + g``.
+
+A gradient that is a *view* in the parameter's layout (a weight's ``t(t(mm(...)))``, a bias's
+``view(sum(...), [n])``: half of a two-tower model's gradients) is not handed out as that view:
+a ``.grad`` with a ``_base`` changed what Dynamo guards on and recompiled the step. Where the
+view chain's result is contiguous, starts at offset 0 and covers its whole base, which is
+contiguous and read by that chain alone, it reads the base's memory in the base's own order, so
+``_unsafe_view(base, shape)`` is the same values as a tensor of its own (what functionalization
+emits for a reshape that must not alias), and the copy goes.
 """
 
 from __future__ import annotations
@@ -33,6 +41,32 @@ def _owns_its_storage(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and not (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
 
 
+def _is_view(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def _contiguous_view_base(grad: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
+    """The tensor a chain of views ending at `grad` reads, where the chain reads all of it in its
+    own memory order (see the module docstring) and nothing else reads it or the chain; else None."""
+    chain, base = [grad], grad
+    while _is_view(base):
+        if len(base.users) != 1 or returned.get(base, 0) or not isinstance(base.args[0], torch.fx.Node):
+            return None
+        base = base.args[0]
+        chain.append(base)
+    if base is grad or base.op != "call_function" or len(base.users) != 1 or returned.get(base, 0):
+        return None
+    g, b = _val(grad), _val(base)
+    if g is None or b is None or g.dtype != b.dtype or g.device != b.device:
+        return None
+    try:
+        same_memory = (g.numel() == b.numel() and g.storage_offset() == 0 and b.storage_offset() == 0
+                       and g.is_contiguous() and b.is_contiguous())
+    except Exception:  # a symbolic size that cannot be decided: keep the copy
+        return None
+    return base if same_memory else None
+
+
 def _stealable(copy: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
     """The gradient `copy` copies, if the copy can go (see the module docstring)."""
     if copy.target is not aten.copy.default or len(copy.args) < 2 or copy.kwargs:
@@ -48,7 +82,17 @@ def _stealable(copy: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch
     if out is None or g is None or (out.dtype, out.device, out.shape) != (g.dtype, g.device, g.shape):
         return None
     if returned.get(copy, 0):  # a new .grad: it must also own its memory in the parameter's layout
-        return grad if out.stride() == g.stride() and _owns_its_storage(grad) else None
+        if out.stride() != g.stride():
+            return None
+        if _owns_its_storage(grad):
+            return grad
+        base = _contiguous_view_base(grad, returned)
+        if base is None:
+            return None
+        with copy.graph.inserting_before(copy):  # the same values, as a tensor of its own
+            own = copy.graph.call_function(aten._unsafe_view.default, (base, list(g.shape)))
+        own.meta.update({k: v for k, v in grad.meta.items() if k != "apollo"})
+        return own
     # the existing .grad plus the new gradient: the sum reads values, whatever their layout
     return grad if copy.users and all(u.target is aten.add.Tensor for u in copy.users) else None
 
