@@ -41,19 +41,14 @@ def _owns_its_storage(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and not (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
 
 
-def _is_view(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
-
-
 def _contiguous_view_base(grad: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
     """The tensor a chain of views ending at `grad` reads, where the chain reads all of it in its
     own memory order (see the module docstring) and nothing else reads it or the chain; else None."""
-    chain, base = [grad], grad
-    while _is_view(base):
+    base = grad
+    while not _owns_its_storage(base) and base.op == "call_function":  # up the views
         if len(base.users) != 1 or returned.get(base, 0) or not isinstance(base.args[0], torch.fx.Node):
             return None
         base = base.args[0]
-        chain.append(base)
     if base is grad or base.op != "call_function" or len(base.users) != 1 or returned.get(base, 0):
         return None
     g, b = _val(grad), _val(base)
