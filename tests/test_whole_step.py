@@ -350,3 +350,27 @@ def test_hugging_face_whole_step_trains_like_eager(kind):
     for plan in apollo_compile.plans():
         assert plan.inference.fallback is None
         assert len(plan.inference.decisions["lanes"].lanes) >= 2, plan.inference.decisions["lanes"].lanes
+
+
+def test_an_elementwise_graph_of_many_inputs_is_one_lane():
+    """A compiled optimizer-like update (each parameter's new value from its own gradient and
+    state, elementwise) has a data input per tensor but no matmul anywhere: no towers, one lane,
+    not a lane per parameter (a 60-parameter AdamW update planned 60 lanes). Values as eager's."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    params = [torch.randn(8, 8) for _ in range(6)]
+    grads = [torch.randn(8, 8) for _ in range(6)]
+    state = [torch.zeros(8, 8) for _ in range(6)]
+
+    def update(params, grads, state):
+        out = []
+        for p, g, m in zip(params, grads, state):
+            m = 0.9 * m + g
+            out.append(p - 0.1 * m)
+        return out
+
+    compiled = torch.compile(update, backend="apollo", options=EAGER)
+    for got, want in zip(compiled(params, grads, state), update(params, grads, state)):
+        torch.testing.assert_close(got, want, **TOLERANCE["eager"])
+    (plan,) = apollo_compile.plans()
+    assert len(plan.graphs["inference"].decisions["lanes"].lanes) == 1

@@ -187,12 +187,15 @@ def _reach(nodes: list[torch.fx.Node], seeds: dict[torch.fx.Node, int], skip: se
 def forward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.Node]
                    ) -> tuple[dict[torch.fx.Node, int], list[torch.fx.Node]]:
     """Rule 1: for each forward node, the towers (bitmask over the returned tower inputs) whose
-    data inputs reach it. Inputs whose own region runs no library kernel are absorbed."""
+    data inputs reach it. Inputs whose own region runs no library kernel are absorbed; where no
+    input's does (a compiled optimizer step: one elementwise update per parameter, each from its
+    own gradient and state), there are no towers, and the graph is one join (one lane), not a
+    lane per parameter."""
     nodes = list(gm.graph.nodes)
     inputs = data_inputs(gm, kind)
     reach = _reach(nodes, {x: 1 << i for i, x in enumerate(inputs)}, backward)
     own = {m for n, m in reach.items() if is_library_kernel(n) and m & (m - 1) == 0}
-    heavy = [x for i, x in enumerate(inputs) if (1 << i) in own] or inputs
+    heavy = [x for i, x in enumerate(inputs) if (1 << i) in own]
     if len(heavy) < len(inputs):
         reach = _reach(nodes, {x: 1 << i for i, x in enumerate(heavy)}, backward)
     return reach, heavy
