@@ -208,7 +208,15 @@ def run_variant_guarded(name: str, *args_) -> dict:
 
 
 HEADER = ["batch", "variant", "median ms", "p10", "p90", f"vs {BASELINE}", "back-to-back ms",
-          f"back-to-back vs {BASELINE}", "b2b host ms", "peak GiB", "reserved GiB", "compile s", "numerics"]
+          f"back-to-back vs {BASELINE}", "b2b host ms", "peak GiB", f"peak / {BASELINE}", "reserved GiB",
+          f"reserved / {BASELINE}", "compile s", "numerics"]
+
+
+def memory_ratio(row: dict, base: dict | None, key: str) -> float | None:
+    """`row`'s peak (`key`: allocated or reserved) over the baseline's (issue 24's <= 1.05x)."""
+    if base is None or not base.get(key) or row.get(key) is None:
+        return None
+    return row[key] / base[key]
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -226,7 +234,9 @@ def markdown_table(results: list[dict]) -> str:
                 str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}",
                 f"{r['p90_ms']:.2f}", fmt(ratio, ".2f", "x"), fmt(b2b, ".2f"), fmt(b2b_ratio, ".2f", "x"),
                 fmt(r.get("back_to_back_host_ms"), ".2f"), fmt(r.get("peak_alloc_gib"), ".2f"),
-                fmt(r.get("peak_reserved_gib"), ".2f"), f"{r['compile_s']:.1f}", numerics_cell(r["numerics"]),
+                fmt(memory_ratio(r, base, "peak_alloc_gib"), ".2f", "x"), fmt(r.get("peak_reserved_gib"), ".2f"),
+                fmt(memory_ratio(r, base, "peak_reserved_gib"), ".2f", "x"), f"{r['compile_s']:.1f}",
+                numerics_cell(r["numerics"]),
             ])
     return markdown(HEADER, rows)
 

@@ -298,7 +298,8 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
 
 
 HEADER = ["model", "batch", "variant", "median ms", "p10", "p90", f"vs {BASELINE}", "b2b ms", f"b2b vs {BASELINE}",
-          "whole-run peak GiB", f"peak vs {BASELINE}", "steps' peak GiB", "reserved GiB", "compile s", "numerics"]
+          "whole-run peak GiB", f"peak vs {BASELINE}", "steps' peak GiB", "reserved GiB", f"reserved vs {BASELINE}",
+          "compile s", "numerics"]
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -319,7 +320,10 @@ def markdown_table(results: list[dict]) -> str:
                 entry["model"], str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}",
                 f"{r['p90_ms']:.2f}", fmt(speed, ".2f", "x"), fmt(b2b, ".2f"), fmt(b2b_ratio, ".2f", "x"),
                 fmt(peak, ".2f"), fmt(mem, ".2f", "x"), fmt(r.get("steady_peak_alloc_gib"), ".2f"),
-                fmt(r.get("peak_reserved_gib"), ".2f"), f"{r['compile_s']:.1f}", common.numerics_cell(r["numerics"]),
+                fmt(r.get("peak_reserved_gib"), ".2f"),
+                fmt(r["peak_reserved_gib"] / base["peak_reserved_gib"] if base and base.get("peak_reserved_gib")
+                    and r.get("peak_reserved_gib") is not None else None, ".2f", "x"),
+                f"{r['compile_s']:.1f}", common.numerics_cell(r["numerics"]),
             ])
     return common.markdown(HEADER, rows)
 

@@ -267,6 +267,11 @@ def test_the_step_table_reports_back_to_back_steps_beside_the_idle_gpu_latency()
     width = table[0].count("|")
     assert all(line.count("|") == width for line in table)
     assert "| 8 | apollo | 6.00 | 7.00 | 9.00 | 1.33x | 5.00 | 1.20x | 4.00 |" in table[3]
+    # memory as a ratio to the baseline's (issue 24: <= 1.05x)
+    ok.update(peak_alloc_gib=2.0, peak_reserved_gib=4.0)
+    fast.update(peak_alloc_gib=2.1, peak_reserved_gib=5.0)
+    table = bench_step.markdown_table([{"batch": 8, "variants": [ok, fast]}]).splitlines()
+    assert "| 2.10 | 1.05x | 5.00 | 1.25x |" in table[3]
 
 
 def test_compiled_autograd_variants_hand_the_backward_to_their_compiler():
