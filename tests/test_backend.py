@@ -207,3 +207,25 @@ def test_inductor_subgraphs_get_inductors_joint_graph_passes(monkeypatch):
     with_passes = casts_in_forward()
     monkeypatch.setattr(pipeline, "inductor_joint_passes", lambda gm, joint_inputs: gm)
     assert with_passes < casts_in_forward()
+
+
+class WithConstant(torch.nn.Module):
+    """A tensor built inside forward: AOTAutograd lifts it as a get_attr constant (_tensor_constant0),
+    as in Hugging Face LLaVA's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (self.lin(x) * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum()
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_lifted_constant_is_read_inside_its_subgraph(compiler):
+    """A subgraph reading a get_attr constant holds the constant itself: the runtime passed it as an
+    input it never bound (UnboundLocalError at the first call, on tiny HF LLaVA too)."""
+    torch.manual_seed(0)
+    assert_trains_like_eager(WithConstant(), lambda step: (torch.randn(2, 4),),
+                             {"subgraph_compiler": compiler, "strict": True}, steps=2)
+    assert any(n.op == "get_attr" for n in apollo_compile.last_plan().forward.gm.graph.nodes)

@@ -188,7 +188,7 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
         seen: dict[torch.fx.Node, None] = {}
         for n in sg.nodes:
             for a in n.all_input_nodes:
-                if a not in inside:
+                if a not in inside and a.op != "get_attr":  # a constant: each subgraph reads its own (extract)
                     seen.setdefault(a, None)
         sg.inputs = list(seen)
     bind_symbols(subgraphs, nodes, dag)

@@ -25,6 +25,10 @@ def extract(gm: torch.fx.GraphModule, sg: Subgraph) -> torch.fx.GraphModule:
         ph.meta = dict(n.meta)
         env[n] = ph
     for n in sg.nodes:
+        for a in n.all_input_nodes:
+            if a.op == "get_attr" and a not in env:  # a lifted constant (HF LLaVA's): the subgraph module holds it too
+                env[a] = graph.get_attr(a.target)
+                env[a].meta = dict(a.meta)
         env[n] = graph.node_copy(n, lambda a: env[a])
     out = graph.output(tuple(env[n] for n in sg.outputs))
     out.meta["user_visible_output_idxs"] = list(range(len(sg.outputs)))
