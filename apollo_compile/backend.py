@@ -23,7 +23,7 @@ from torch._dynamo.exc import RestartAnalysis
 from . import pipeline
 from . import plan as plan_store
 from .devices import DEVICE_SPECS, detect_device_spec
-from .fallback import REPORT_HINT, ApolloFallbackWarning, warn_fallback  # noqa: F401  (REPORT_HINT: re-exported)
+from .fallback import ApolloFallbackWarning, warn_fallback
 from .options import ApolloOptions, ApolloOptionsError
 from .pipeline import GraphContext
 from .plan import ModelPlan

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import apollo_compile
-from apollo_compile import backend, pipeline
+from apollo_compile import pipeline
 from apollo_compile.runtime import choice
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
 from helpers import TOLERANCE, assert_same_loss_and_grads, fake_cuda_graphs
