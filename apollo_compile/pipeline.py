@@ -66,7 +66,7 @@ from .devices import DeviceSpec
 from .fallback import ApolloFallbackWarning, warn_fallback
 from .nodes import graph_outputs
 from .options import ApolloOptions
-from .passes import casts, checkpoint, codegen, cost, gradients, lanes, memory, modality, offload, quotas
+from .passes import casts, checkpoint, codegen, cost, gradients, lanes, memory, modality, offload, quotas, sync_free
 from .passes.quotas import MIN_GAIN
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
@@ -92,6 +92,7 @@ JOINT_PASSES: list[tuple[str, Pass]] = [
 
 # On each forward, backward or inference ATen graph.
 GRAPH_PASSES: list[tuple[str, Pass]] = [
+    ("sync_free", sync_free.run),  # ops that report an output size to the host, where it is known: capturable
     ("gradients", gradients.run),  # whole step: a new .grad is the gradient itself, not a copy
     ("modality", modality.run),  # label every node by tower: vision, text, ..., fusion for joins
     ("saved", checkpoint.mark_saved),  # forward values handed to the backward (with a memory_budget)

@@ -229,3 +229,38 @@ def test_a_lifted_constant_is_read_inside_its_subgraph(compiler):
     assert_trains_like_eager(WithConstant(), lambda step: (torch.randn(2, 4),),
                              {"subgraph_compiler": compiler, "strict": True}, steps=2)
     assert any(n.op == "get_attr" for n in apollo_compile.last_plan().forward.gm.graph.nodes)
+
+
+class ScatterMerge(torch.nn.Module):
+    """Image features scattered into text embeddings at the image tokens, as HF LLaVA merges them."""
+
+    def __init__(self):
+        super().__init__()
+        self.image = torch.nn.Linear(6, 8)
+        self.embed = torch.nn.Embedding(20, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, features, ids):
+        text = self.embed(ids)
+        mask = (ids == 19).unsqueeze(-1).expand_as(text)
+        return self.head(text.masked_scatter(mask, self.image(features))).square().mean()
+
+
+def scatter_inputs(step):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 19, (2, 10), generator=g)
+    ids[:, 3:7] = 19  # 8 image tokens for the 8 feature rows
+    return torch.randn(8, 6, generator=g), ids
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_masked_scatter_backward_is_computed_without_a_host_sync(compiler):
+    """masked_scatter's backward (masked_select: its size is counted on the GPU, which a CUDA graph
+    cannot capture) becomes nonzero_static of the known size; the gradients stay eager's."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    assert_trains_like_eager(ScatterMerge(), scatter_inputs, {"subgraph_compiler": compiler, "strict": True}, steps=2)
+    backward = apollo_compile.last_plan().backward
+    assert backward.decisions["sync_free"] == {"rewritten": 1}
+    targets = {str(n.target) for n in backward.gm.graph.nodes}
+    assert "aten.masked_scatter_backward.default" not in targets and "aten.nonzero_static.default" in targets
