@@ -10,6 +10,10 @@ configurations (nothing is downloaded; the step's cost does not depend on the va
                    tokens), its sigmoid loss
     timm-vit-bert  timm ``vit_base_patch16_224`` (no head) + transformers BertModel base (64 tokens,
                    the [CLS] feature), bias-free projections to 512, CLIP's contrastive loss
+    hf-llava       transformers LlavaForConditionalGeneration: a CLIP ViT-B/16 vision tower at 224 px
+                   (196 image tokens), its projector, an 8-layer Llama of width 1024 (vocabulary
+                   32000); 196 image tokens + 64 text tokens, the language-modelling loss on them
+                   (issue 24: Inductor reduce-overhead fails on it, so compare eager, inductor, apollo)
     <model>-tiny   the same classes, 2 layers of width 32 at 32 px and 16 tokens, for CPU runs
 
 Each is compiled as the module it is (``torch.compile(model, ...)``) or, in the *-step variants,
@@ -19,6 +23,7 @@ matmuls) and names them by module path (``vision_model`` / ``text_model``; ``vis
 Variants, side by side in ONE process (common.py's method; DESIGN.md: times drift between runs):
 
     eager          the module as is
+    inductor       torch.compile(model): Inductor's default mode, no CUDA graphs
     inductor-ro    torch.compile(model, mode="reduce-overhead")
     apollo         torch.compile(model, backend="apollo", options=--apollo-options)
     apollo-step    apollo_compile.compile_step(step): the forward, its loss and ``loss.backward()``
@@ -68,9 +73,9 @@ sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 import common  # noqa: E402  (the method every benchmark here shares)
 from common import fmt, log  # noqa: E402
 
-VARIANTS = ("eager", "inductor-ro", "inductor-ro-step", "apollo", "apollo-step", "apollo-step-1lane")
+VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-step", "apollo-step-1lane")
 BASELINE = "inductor-ro"
-MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert")
+MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,9 +147,29 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, dict]:
         elif base == "timm-vit-bert":
             model = TimmBert(tiny)
             vocab, tokens, image = (128, 16, 32) if tiny else (30522, 64, 224)
+        elif base == "hf-llava":
+            model, shape = _llava(tiny)
+            return model, shape
         else:
             raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)} (each also -tiny)")
     return model, {"image": image, "tokens": tokens, "vocab": vocab}
+
+
+def _llava(tiny: bool) -> tuple[nn.Module, dict]:
+    """LLaVA with random weights (module docstring); its image tokens are the vocabulary's last id."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vocab, image, patch = (128, 32, 8) if tiny else (32000, 224, 16)
+    vision = CLIPVisionConfig(**_tower(tiny, image_size=image, patch_size=patch))
+    width = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4} if tiny \
+        else {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16}
+    text = LlamaConfig(vocab_size=vocab, max_position_embeddings=512, num_key_value_heads=width["num_attention_heads"],
+                       **width)
+    image_tokens = (image // patch) ** 2  # the "default" feature strategy drops the CLS token
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text,
+                                                      image_token_index=vocab - 1, image_seq_length=image_tokens))
+    text_tokens = 16 if tiny else 64
+    return model, {"image": image, "tokens": image_tokens + text_tokens, "vocab": vocab, "image_tokens": image_tokens}
 
 
 def make_batch(shape: dict, batch: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,12 +178,17 @@ def make_batch(shape: dict, batch: int, device: torch.device, seed: int) -> tupl
     g = torch.Generator().manual_seed(seed)
     pixels = torch.randn(batch, 3, shape["image"], shape["image"], generator=g)
     ids = torch.randint(1, shape["vocab"] - 2, (batch, shape["tokens"]), generator=g)
-    ids[:, -1] = shape["vocab"] - 1
+    if "image_tokens" in shape:  # LLaVA: the image's tokens after the first, where its features go
+        ids[:, 1:1 + shape["image_tokens"]] = shape["vocab"] - 1
+    else:
+        ids[:, -1] = shape["vocab"] - 1
     return pixels.to(device), ids.to(device)
 
 
 def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """(pixel_values, input_ids) -> the loss, through `step_fn` (the model, compiled or not)."""
+    if name.startswith("hf-llava"):
+        return lambda pixels, ids: step_fn(input_ids=ids, pixel_values=pixels, labels=ids).loss
     if name.startswith("hf-"):
         return lambda pixels, ids: step_fn(input_ids=ids, pixel_values=pixels, return_loss=True).loss
     return step_fn
@@ -216,6 +246,8 @@ def loss_and_grads(model: nn.Module, f: Callable, batch: tuple, device: torch.de
 def compile_variant(variant: str, model: nn.Module, args) -> Callable:
     if variant == "eager":
         return model
+    if variant == "inductor":
+        return torch.compile(model)
     if variant == "inductor-ro":
         return torch.compile(model, mode="reduce-overhead")
     if variant == "apollo":
@@ -358,8 +390,8 @@ def model_name(name: str) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(MODELS), type=model_name, metavar="MODEL",
-                   help=f"{', '.join(MODELS)}, each also -tiny (default: the three full-size ones)")
+    p.add_argument("--models", nargs="+", default=list(MODELS[:3]), type=model_name, metavar="MODEL",
+                   help=f"{', '.join(MODELS)}, each also -tiny (default: the three two-tower ones)")
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--lr", type=float, default=0.0, help="AdamW's learning rate (0: the weights stay the reference's)")

@@ -456,7 +456,9 @@ def compare(loss: float, grads: dict, ref: dict, precision: str) -> dict:
     largest = max((g.double().norm().item() for g in ref["grads"].values() if g is not None), default=0.0)
     for name, g_ref in ref["grads"].items():
         g = grads.get(name)
-        if g_ref is None and g is None:
+        if g_ref is None and (g is None or not g.any()):
+            # a parameter the loss does not reach (LLaVA's last vision layer): eager leaves it None,
+            # AOTAutograd returns zeros (as under backend="aot_eager"); the same update either way
             continue
         if g is None or g_ref is None:
             problems.append(f"{name}: grad is {'missing' if g is None else 'unexpected'}")

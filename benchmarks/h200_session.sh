@@ -8,6 +8,8 @@
 #   run(command="bash benchmarks/h200_session.sh whole-step hf-clip 8", carry=[".device_cache"]) # the user's whole step
 #       (zero_grad, forward, backward, fused AdamW; loss read, and back to back), module- and step-compiled, at the
 #       batches named (one per call when the cache is cold); models hf-clip, hf-siglip, timm-vit-bert
+#   run(command="bash benchmarks/h200_session.sh llava",         carry=[".device_cache"]) # HF LLaVA (ViT-B/16 + 8-layer Llama), batch 8:
+#       eager, Inductor's default mode, apollo as a module and compile_step (reduce-overhead fails on it: issue 24)
 #   run(command="bash benchmarks/h200_session.sh memory",        carry=[".device_cache"]) # memory table, batch 64: precision, budgets, eager checkpointing, Inductor's budget
 #   run(command="bash benchmarks/h200_session.sh offload",       carry=[".device_cache"]) # offloading's step time, batch 64, against eager + save_on_cpu
 #   run(command="bash benchmarks/h200_session.sh edge-budget",   carry=[".device_cache"]) # largest batch in 20 GiB: budget 0.05 against eager per-block checkpointing
@@ -50,6 +52,9 @@ case "${1:-}" in
              model="${2:?whole-step needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 30 \
                --variants inductor-ro inductor-ro-step apollo-step apollo-step-1lane apollo --out "$OUT/whole-step" ;;
+  llava)     # every graph replayed as a CUDA graph? the runners' summaries say (disabled, ungraphed_calls)
+             timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch 8 --steps 20 \
+               --variants eager inductor apollo apollo-step --out "$OUT/llava" ;;
   memory)    # the memory table at batch 64: whole-run peak against eager fp32, time against apollo's fastest
              timeout 520 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
                eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.5 \
@@ -90,7 +95,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?

@@ -403,6 +403,9 @@ def test_common_judges_gradients_against_eager_and_bf16_noise():
     assert common.verdict(common.compare(1.0, off, plain, "bf16")) == "FAIL"
     # a gradient zero in exact arithmetic (rounding noise, 1e-8 of the others) is judged against the
     # largest gradient's norm: twice its reference is no error that matters; 1e-3 of the largest is
+    unused = common.reference(1.0, {"w": torch.ones(4), "b": None})  # a parameter the loss does not reach
+    assert common.verdict(common.compare(1.0, {"w": torch.ones(4), "b": torch.zeros(2)}, unused, "fp32")) == "PASS"
+    assert common.verdict(common.compare(1.0, {"w": torch.ones(4), "b": torch.ones(2)}, unused, "fp32")) == "FAIL"
     tiny = common.reference(1.0, {"w": torch.ones(4), "k_bias": torch.full((2,), 1e-8)})
     assert common.verdict(common.compare(1.0, {"w": torch.ones(4), "k_bias": torch.full((2,), 2e-8)}, tiny, "fp32")) == "PASS"
     assert common.verdict(common.compare(1.0, {"w": torch.ones(4), "k_bias": torch.full((2,), 2e-3)}, tiny, "fp32")) == "FAIL"
@@ -441,3 +444,17 @@ def test_whole_step_benchmark_runs_on_the_cpu(tmp_path):
     assert "| hf-clip-tiny | 2 | apollo |" in (tmp_path / "whole_step_results.md").read_text()
     with pytest.raises(SystemExit):
         bench_whole_step.parse_args(["--models", "hf-bert"])
+
+
+def test_whole_step_benchmark_runs_llava_on_the_cpu(tmp_path):
+    """The LLaVA rows (issue 24: eager, Inductor's default mode, apollo) on the tiny config: its image
+    tokens placed, its language-modelling loss, numerics against eager."""
+    import json
+
+    argv = ["--device", "cpu", "--models", "hf-llava-tiny", "--batch", "2", "--steps", "1", "--warmup", "1",
+            "--variants", "eager", "inductor", "apollo", "--apollo-options", '{"subgraph_compiler": "eager"}',
+            "--out", str(tmp_path)]
+    assert bench_whole_step.main(argv) == 0
+    (entry,) = json.loads((tmp_path / "whole_step_results.json").read_text())["results"]
+    assert [(r["variant"], r["status"], r["numerics"]["pass"]) for r in entry["variants"]] == [
+        ("eager", "ok", True), ("inductor", "ok", True), ("apollo", "ok", True)]
