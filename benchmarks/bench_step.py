@@ -79,7 +79,7 @@ sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 import clip  # noqa: E402  (benchmarks/clip.py)
 from common import (  # noqa: E402  (the method every benchmark here shares)
     add_run_args, batch_reference, compare, device_and_out_dir, diagnostics_for, environment, failed_cells, fmt,
-    free_device_memory, guarded, header_line, log, loss_and_grads, markdown, no_tf32, noise_floor_lines,
+    free_device_memory, guarded, header_line, log, loss_and_grads, markdown, memory_ratio, no_tf32, noise_floor_lines,
     numerics_cell, numerics_text,
     parse_run_args, read_peaks, reference as reference_from, reset_peaks, spread, spread_text, time_back_to_back, time_steps,
     tolerance_text, train_step, verdict, warm_up,
@@ -210,13 +210,6 @@ def run_variant_guarded(name: str, *args_) -> dict:
 HEADER = ["batch", "variant", "median ms", "p10", "p90", f"vs {BASELINE}", "back-to-back ms",
           f"back-to-back vs {BASELINE}", "b2b host ms", "peak GiB", f"peak / {BASELINE}", "reserved GiB",
           f"reserved / {BASELINE}", "compile s", "numerics"]
-
-
-def memory_ratio(row: dict, base: dict | None, key: str) -> float | None:
-    """`row`'s peak (`key`: allocated or reserved) over the baseline's (issue 24's <= 1.05x)."""
-    if base is None or not base.get(key) or row.get(key) is None:
-        return None
-    return row[key] / base[key]
 
 
 def markdown_table(results: list[dict]) -> str:

@@ -344,17 +344,14 @@ def markdown_table(results: list[dict]) -> str:
                 rows.append([entry["model"]] + common.failed_cells(entry["batch"], r, len(HEADER) - 1))
                 continue
             speed = base["median_ms"] / r["median_ms"] if base else None
-            peak = r.get("peak_alloc_gib")
-            mem = peak / base["peak_alloc_gib"] if base and peak is not None and base.get("peak_alloc_gib") else None
             b2b = r.get("back_to_back_ms")
             b2b_ratio = base["back_to_back_ms"] / b2b if base and b2b and base.get("back_to_back_ms") else None
             rows.append([
                 entry["model"], str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}",
                 f"{r['p90_ms']:.2f}", fmt(speed, ".2f", "x"), fmt(b2b, ".2f"), fmt(b2b_ratio, ".2f", "x"),
-                fmt(peak, ".2f"), fmt(mem, ".2f", "x"), fmt(r.get("steady_peak_alloc_gib"), ".2f"),
-                fmt(r.get("peak_reserved_gib"), ".2f"),
-                fmt(r["peak_reserved_gib"] / base["peak_reserved_gib"] if base and base.get("peak_reserved_gib")
-                    and r.get("peak_reserved_gib") is not None else None, ".2f", "x"),
+                fmt(r.get("peak_alloc_gib"), ".2f"), fmt(common.memory_ratio(r, base, "peak_alloc_gib"), ".2f", "x"),
+                fmt(r.get("steady_peak_alloc_gib"), ".2f"), fmt(r.get("peak_reserved_gib"), ".2f"),
+                fmt(common.memory_ratio(r, base, "peak_reserved_gib"), ".2f", "x"),
                 f"{r['compile_s']:.1f}", common.numerics_cell(r["numerics"]),
             ])
     return common.markdown(HEADER, rows)

@@ -285,6 +285,14 @@ def peaks_text(alloc: float | None, reserved: float | None) -> str:
     return "" if alloc is None else f"peak {alloc:.2f} GiB allocated / {reserved:.2f} reserved"
 
 
+def memory_ratio(row: dict, base: dict | None, key: str) -> float | None:
+    """`row`'s peak (`key`: ``peak_alloc_gib`` or ``peak_reserved_gib``) over the baseline row's
+    (issue 24's <= 1.05x); None where either is missing."""
+    if base is None or not base.get(key) or row.get(key) is None:
+        return None
+    return row[key] / base[key]
+
+
 def memory_held(device: torch.device) -> dict[str, Any] | None:
     """What the allocator holds now, between steps: allocated GiB, and reserved / allocated GiB per
     memory pool ("default", or a CUDA graph's private pool by its id), largest first. A variant's
