@@ -62,6 +62,17 @@ def train_both(model, make_inputs, options, steps=4, accumulate=1, forward=None)
     return compiled
 
 
+def backward_step(model):
+    """The step these tests compile whole: the forward, ``loss.backward()``, the loss detached."""
+
+    def step(images, tokens):
+        loss = model(images, tokens)
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
 def whole_step_plans():
     return [p for p in apollo_compile.plans() if "inference" in p.graphs]
 
@@ -101,13 +112,7 @@ def test_gradient_accumulation_over_two_calls():
 def test_returned_loss_is_safe_to_hold():
     torch.manual_seed(0)
     model = TwoTower(layers=1)
-
-    def step(images, tokens):
-        loss = model(images, tokens)
-        loss.backward()
-        return loss.detach()
-
-    compiled = apollo_compile.compile_step(step, options=EAGER)
+    compiled = apollo_compile.compile_step(backward_step(model), options=EAGER)
     held = [compiled(*two_tower_inputs(seed=i)) for i in range(3)]
     values = [float(x) for x in held]
     compiled(*two_tower_inputs(seed=9))
@@ -171,12 +176,7 @@ def _lanes_of(way: str):
         with enable(torch.compile(backend="apollo", options=EAGER)):
             loss.backward()
     elif way == "whole_step":
-        def step(images, tokens):
-            loss = model(images, tokens)
-            loss.backward()
-            return loss.detach()
-
-        apollo_compile.compile_step(step, options=EAGER)(images, tokens)
+        apollo_compile.compile_step(backward_step(model), options=EAGER)(images, tokens)
     return [(kind, len(g.decisions["lanes"].lanes), _towers(g)) for p in apollo_compile.plans()
             for kind, g in p.graphs.items()]
 
@@ -216,7 +216,7 @@ def test_whole_step_lanes_without_autograd_backward_marks(monkeypatch):
     apollo_compile.clear_plans()
     model = TwoTower(layers=1)
 
-    def step(images, tokens):
+    def step(images, tokens):  # a code object of its own: Dynamo would reuse _lanes_of's graph for backward_step's
         loss = model(images, tokens)
         loss.backward()
         return loss.detach()
@@ -236,13 +236,7 @@ def test_whole_step_listing_names_its_lanes():
     the loss and its gradient on the main lane."""
     torch.manual_seed(0)
     model = TwoTower(width=16, embed=8, layers=1)
-
-    def step(images, tokens):
-        loss = model(images, tokens)
-        loss.backward()
-        return loss.detach()
-
-    apollo_compile.compile_step(step, options={**EAGER, "device": "H200"})(*two_tower_inputs(batch=2))
+    apollo_compile.compile_step(backward_step(model), options={**EAGER, "device": "H200"})(*two_tower_inputs(batch=2))
     graph = apollo_compile.last_plan().inference
     counts = Counter((info(n).lane, info(n).modality, "backward" if info(n).backward else "forward")
                      for n in graph.gm.graph.nodes if n.op == "call_function")
