@@ -118,7 +118,7 @@ def traced_from_autograd(node: torch.fx.Node) -> bool:
     if node.meta.get("autograd_backward"):
         return True
     stack = node.meta.get("source_fn_stack") or ()
-    return bool(stack) and any(stack[-1][1] is c or stack[-1][1] == c for c in _AUTOGRAD_CALLS)
+    return bool(stack) and stack[-1][1] in _AUTOGRAD_CALLS
 
 
 def backward_nodes(gm: torch.fx.GraphModule, kind: str) -> set[torch.fx.Node]:

@@ -45,10 +45,8 @@ class _Emitter:
 
 
 def _static_ints(values) -> list[int] | None:
-    try:
-        return [int(v) for v in values] if all(isinstance(v, int) for v in values) else None
-    except TypeError:
-        return None
+    """`values` as ints, or None where one is symbolic (a SymInt is no int)."""
+    return list(values) if all(isinstance(v, int) for v in values) else None
 
 
 def _rewrite_masked_scatter_backward(node: torch.fx.Node, fake_mode) -> bool:
