@@ -98,6 +98,7 @@ def test_budget_variants_by_name():
     assert follows.backward_follows and not follows.lanes_measured and not both.backward_follows
     with follows.context():  # the forward measures; the donating backward replays its choice, unmeasured
         assert unmeasured(forward) is None
+        family.forward_measured = True
         for chosen in ("lanes", "one_lane"):
             family.forward_chosen = chosen
             assert unmeasured(backward)[0] == chosen

@@ -401,6 +401,55 @@ def test_under_a_budget_the_forward_of_a_donating_backward_replays_one_lane_unme
         forward._choose_candidate()
 
 
+def test_a_donating_backward_replays_its_forwards_measured_choice_unmeasured(monkeypatch):
+    """choice.py, NOTE: A donating backward follows its forward: without a budget too. Measuring
+    would hold each candidate beside every saved activation; the forward's timing decides. A
+    forward that chose unmeasured (or had one candidate), a backward that does not donate, or a
+    choice the backward lacks: the backward measures."""
+    from apollo_compile.runtime import choice
+
+    runner = _borrowing_backward({}, [], donated_idxs={0})
+    runner.max_memory_ratio = None
+    donates = [True]
+    monkeypatch.setattr(type(runner), "_will_donate", lambda self: donates[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("measured"))
+    assert choice.in_effect() is choice.DEFAULT
+    family = runner.family
+    for chosen in ("lanes", "one_lane"):
+        family.forward_chosen, family.forward_measured = chosen, True
+        assert runner._choose_candidate() == chosen and runner.measured_ms == {}
+    for chosen, measured, donating in (("lanes", False, True), ("lanes", True, False), ("quota:1=8", True, True)):
+        family.forward_chosen, family.forward_measured, donates[0] = chosen, measured, donating
+        with pytest.raises(BaseException, match="measured"):
+            runner._choose_candidate()
+    family.forward_chosen, family.forward_measured, donates[0] = "lanes", True, True
+    runner.strategy = choice.ChooseFastest(follow_forward=False)  # the rule before: measure
+    with pytest.raises(BaseException, match="measured"):
+        runner._choose_candidate()
+
+
+def test_the_strategy_in_effect_reaches_the_backwards_thread():
+    """The autograd engine runs a CUDA backward on a thread of its own: `using` must reach it (a
+    contextvar did not: the H200's backward chose by the default rule inside `using`, session 28)."""
+    import threading
+
+    from apollo_compile.runtime import choice
+
+    outer, inner = choice.Fixed("one_lane"), choice.Fixed("lanes")
+    seen = []
+
+    def look():
+        seen.append(choice.in_effect())
+
+    with choice.using(outer):
+        with choice.using(inner):
+            thread = threading.Thread(target=look)
+            thread.start()
+            thread.join()
+        assert choice.in_effect() is outer
+    assert seen == [inner] and choice.in_effect() is choice.DEFAULT
+
+
 def test_a_strategy_decides_which_candidate_replays(monkeypatch):
     """choice.py: a strategy given to the runner, else the one `using` puts in effect, else apollo's
     rule. Fixed replays its candidate unmeasured; ChooseFastest without the memory-first rule
@@ -426,9 +475,11 @@ def test_a_strategy_decides_which_candidate_replays(monkeypatch):
     runner.strategy = choice.Fixed("quota:1=96,2=32", otherwise=choice.Fixed("lanes"))  # ... or as told
     assert runner._choose_candidate() == "lanes"
     runner.strategy = choice.ChooseFastest(memory_first=(), follow_forward=True)
+    runner.family.forward_measured = True
     for chosen in ("lanes", "one_lane"):
         runner.family.forward_chosen = chosen
         assert runner._choose_candidate() == chosen and runner.measured_ms == {}
+    runner.family.forward_measured = False
 
     class Wrong(choice.ChooseFastest):
         def unmeasured(self, graph):

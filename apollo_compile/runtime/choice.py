@@ -10,8 +10,9 @@ replays it. Otherwise, at its capture step, the runner asks its strategy twice:
    beside the graph. The times also calibrate the performance model (``calibration.py``).
 
 Both get the :class:`GraphFacts` the runner knows then. :class:`ChooseFastest` is apollo's own rule
-(the default): the memory-first rule under a memory budget, else the fastest candidate where it
-beats one stream by ``min_gain``. :class:`Fixed` replays one named candidate, unmeasured. A runner
+(the default): a backward that reuses its saved activations replays what its forward chose by
+timing, a graph under a memory budget one lane, any other the fastest candidate where it beats one
+stream by ``min_gain``. :class:`Fixed` replays one named candidate, unmeasured. A runner
 built without a strategy (``CudaGraphRunner(..., strategy=None)``, as ``backend.py`` builds them)
 uses the one in effect when it chooses: ``with using(Fixed("one_lane")):`` around a compile and its
 calls (benchmarks, tests), else ``ChooseFastest()``.
@@ -20,7 +21,7 @@ calls (benchmarks, tests), else ``ChooseFastest()``.
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import threading
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
@@ -37,6 +38,7 @@ class GraphFacts:
     max_memory_ratio: float | None = None  # under a memory budget: concurrency's bound (`fastest`); else None
     will_donate: bool = False  # a backward whose capture takes over saved activations (cudagraph.py, NOTE: Donation)
     forward_chosen: str | None = None  # what the family's forward replays, once it is captured
+    forward_measured: bool = False  # ... chosen by timing its candidates (not unmeasured, not its only one)
     memory_first: str | None = None  # why the memory-first rule replays one lane (`memory_first_reason`), or None
 
 
@@ -102,24 +104,25 @@ def memory_first_reason(kind: str, candidates: tuple[str, ...], max_memory_ratio
 
 @dataclass(frozen=True)
 class ChooseFastest:
-    """apollo's rule, the default. Under a memory budget, a graph of a kind in `memory_first` whose
-    memory-first rule applies (`GraphFacts.memory_first`) replays one lane unmeasured; otherwise
-    every candidate is measured and the fastest replays where it beats one stream by `min_gain`,
-    within the budget's memory bound (:func:`fastest`).
+    """apollo's rule, the default. A donating backward replays what its forward chose by timing
+    (`follow_forward`, NOTE: A donating backward follows its forward). Under a memory budget, a graph
+    of a kind in `memory_first` whose memory-first rule applies (`GraphFacts.memory_first`) replays
+    one lane unmeasured. Otherwise every candidate is measured and the fastest replays where it
+    beats one stream by `min_gain`, within the budget's memory bound (:func:`fastest`).
 
     `memory_first=("backward",)` lets the forward measure beside a donating backward (the rule
-    before session 7), `()` lets both graphs measure. `follow_forward`: under a budget, a donating
-    backward replays what its forward replays, unmeasured (benchmarks/bench_memory.py's
-    ``-bw-follows``)."""
+    before session 7), `()` lets both graphs measure; `follow_forward=False` lets a donating
+    backward measure too (the rule before session 28)."""
 
     min_gain: float = 0.01
     memory_first: tuple[str, ...] = ("forward", "backward")
-    follow_forward: bool = False
+    follow_forward: bool = True
 
     def unmeasured(self, graph: GraphFacts) -> tuple[str, str] | None:
-        if (self.follow_forward and graph.kind == "backward" and graph.max_memory_ratio is not None
-                and graph.forward_chosen in graph.candidates and graph.will_donate):
-            return graph.forward_chosen, "under a memory budget the donating backward replays its forward's choice"
+        if (self.follow_forward and graph.kind == "backward" and graph.will_donate and graph.forward_measured
+                and graph.forward_chosen in graph.candidates):
+            return graph.forward_chosen, ("the donating backward replays what its forward chose by timing (measuring "
+                                          "it would hold each candidate beside every saved activation)")
         if graph.kind in self.memory_first and graph.memory_first is not None:
             return "one_lane", graph.memory_first
         return None
@@ -148,23 +151,44 @@ class Fixed:
         return self.otherwise.choose(graph, measured_ms, pool_bytes, base_bytes)
 
 
+# [NOTE] A donating backward follows its forward: the backward's capture takes over the saved
+# activations' memory (cudagraph.py, NOTE: Donation), but timing its candidates cannot: each is
+# captured into a pool of its own while every saved activation is alive in the family's pool, so
+# measuring held one candidate's gradients and temporaries beside all of them and set the run's
+# peak. Measured on the H200 (HF CLIP B/16, batch 8, bf16, fused AdamW; session 28,
+# benchmarks/probes/whole_step_memory.py): the backward's measuring step peaked 3.19 GiB above the
+# model's copy against reduce-overhead's 2.57; the saved activations alone were 0.64 GiB of it. So
+# a donating backward replays the candidate its forward chose by timing, unmeasured. The two agree
+# wherever both were measured: lanes in both at batch 8, 32 and 128 (RESULTS.md, lanes inside the
+# CUDA graphs, sessions 8-15; forward 1.24x / backward 1.23x at batch 8) and in session 28's probe
+# (1.24x / 1.25x). A forward with one candidate, or one that chose unmeasured, gives the backward
+# nothing to follow: it measures (or its memory-first rule applies).
 DEFAULT = ChooseFastest()
-_in_effect: contextvars.ContextVar[Strategy | None] = contextvars.ContextVar("apollo_strategy", default=None)
+# not a contextvar: the autograd engine runs a CUDA backward on a thread of its own, where a
+# contextvar set around the training loop is unset (session 28: a backward chose by DEFAULT inside
+# `using(...)`); a process-wide stack reaches every thread that captures
+_in_effect: list[Strategy] = []
+_lock = threading.Lock()
 
 
 def in_effect() -> Strategy:
     """The strategy a runner built without one uses: the innermost :func:`using`'s, else
     :data:`DEFAULT`."""
-    strategy = _in_effect.get()
-    return DEFAULT if strategy is None else strategy
+    return _in_effect[-1] if _in_effect else DEFAULT
 
 
 @contextlib.contextmanager
 def using(strategy: Strategy) -> Iterator[Strategy]:
-    """Runners without a strategy of their own choose with `strategy` inside this block (they
-    choose at their capture step: the block must hold the graph's second call)."""
-    token = _in_effect.set(strategy)
+    """Runners without a strategy of their own choose with `strategy` inside this block, on every
+    thread (the backward's included: they choose at their capture step, so the block must hold
+    the graph's second call)."""
+    with _lock:
+        _in_effect.append(strategy)
     try:
         yield strategy
     finally:
-        _in_effect.reset(token)
+        with _lock:
+            for i in range(len(_in_effect) - 1, -1, -1):
+                if _in_effect[i] is strategy:
+                    del _in_effect[i]
+                    break

@@ -133,6 +133,7 @@ class GraphFamily:
         self.owners: dict[int, torch.UntypedStorage] = {}  # data_ptr -> the forward's outputs' memory (NOTE: Donation)
         self.backward_donates = False  # the backward may reuse saved activations (set when it is compiled)
         self.forward_chosen: str | None = None  # the candidate the forward replays, once captured
+        self.forward_measured = False  # ... chosen by timing its candidates (choice.py, NOTE: A donating backward ...)
         self.capture_refused: str | None = None  # why the forward was not captured (NOTE: A capture needs headroom)
         self.backward_capture_failed: str | None = None  # why; the forward then lets its graph go (`_let_go`)
         # side lane -> its stream, the same in every graph of the family (NOTE: Donation on side lanes)
@@ -268,7 +269,7 @@ class CudaGraphRunner:
                 self.copy_idxs.append(i)
         self.chosen = self._choose_candidate()
         if self.kind == "forward":
-            self.family.forward_chosen = self.chosen
+            self.family.forward_chosen, self.family.forward_measured = self.chosen, bool(self.measured_ms)
         if self.family.pool is None:
             self.family.pool = torch.cuda.graph_pool_handle()
         allocated_before = torch.cuda.memory_allocated()
@@ -437,6 +438,7 @@ class CudaGraphRunner:
         """What its strategy is told of this graph when it chooses (at its capture)."""
         return GraphFacts(self.name, self.kind, tuple(self.candidates), self.max_memory_ratio,
                           will_donate=self._will_donate(), forward_chosen=self.family.forward_chosen,
+                          forward_measured=self.family.forward_measured,
                           memory_first=self._memory_first_one_lane())
 
     def _measure(self) -> int:
@@ -470,6 +472,10 @@ class CudaGraphRunner:
         # a candidate's graph, pool and outputs die with it, its cuBLAS workspaces too (they were
         # in its pool: _capture_one); anything left would be a leak
         self.measuring_left_bytes = torch.cuda.memory_allocated() - allocated_before
+        # a dead pool's segments stay reserved until the allocator is asked to release cached memory
+        # (no other pool may use them): 1.04 GiB of a base CLIP's forward candidates were still
+        # reserved, none allocated, a whole benchmark later (session 28)
+        torch.cuda.empty_cache()
         return allocated_before
 
     def _memory_first_one_lane(self) -> str | None:
