@@ -26,6 +26,9 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
     inductor       torch.compile(model): Inductor's default mode, no CUDA graphs
     inductor-ro    torch.compile(model, mode="reduce-overhead")
     apollo         torch.compile(model, backend="apollo", options=--apollo-options)
+    apollo-bw-measured  the same with the backward's candidates timed at its capture too, as before
+                   session 28 (``ChooseFastest(follow_forward=False)``; runtime/choice.py, NOTE: A
+                   donating backward follows its forward): what that measuring costs in memory
     apollo-step    apollo_compile.compile_step(step): the forward, its loss and ``loss.backward()``
                    in one compiled function (one graph where this torch's Dynamo traces the backward;
                    else the module path, with the ApolloFallbackWarning the row records); the
@@ -55,6 +58,7 @@ eager, PASS / PASS* by ``common.compare``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
@@ -73,7 +77,8 @@ sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 import common  # noqa: E402  (the method every benchmark here shares)
 from common import fmt, log  # noqa: E402
 
-VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-step", "apollo-step-1lane")
+VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
+            "apollo-step-1lane")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -250,7 +255,7 @@ def compile_variant(variant: str, model: nn.Module, args) -> Callable:
         return torch.compile(model)
     if variant == "inductor-ro":
         return torch.compile(model, mode="reduce-overhead")
-    if variant == "apollo":
+    if variant in ("apollo", "apollo-bw-measured"):
         import apollo_compile  # noqa: F401  (importing registers backend="apollo")
 
         return torch.compile(model, backend="apollo", options=dict(args.apollo_options))
@@ -274,10 +279,19 @@ def reference(base: nn.Module, name: str, batch: tuple, device: torch.device, am
     return common.reference(loss, grads, fp32)
 
 
+def strategy_for(variant: str) -> contextlib.AbstractContextManager:
+    """The candidate-choosing rule a variant's runners use at their capture (runtime/choice.py)."""
+    if variant != "apollo-bw-measured":
+        return contextlib.nullcontext()
+    from apollo_compile.runtime import choice
+
+    return choice.using(choice.ChooseFastest(follow_forward=False))
+
+
 def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args,
                 device: torch.device) -> dict:
     row: dict[str, Any] = {"variant": variant, "status": "ok"}
-    with common.diagnostics_for(row, variant, variant.startswith("apollo")) as keep:
+    with common.diagnostics_for(row, variant, variant.startswith("apollo")) as keep, strategy_for(variant):
         common.reset_peaks(device)
         model = copy.deepcopy(base).to(device)
         if variant in STEP_VARIANTS:
