@@ -472,10 +472,6 @@ class CudaGraphRunner:
         # a candidate's graph, pool and outputs die with it, its cuBLAS workspaces too (they were
         # in its pool: _capture_one); anything left would be a leak
         self.measuring_left_bytes = torch.cuda.memory_allocated() - allocated_before
-        # a dead pool's segments stay reserved until the allocator is asked to release cached memory
-        # (no other pool may use them): 1.04 GiB of a base CLIP's forward candidates were still
-        # reserved, none allocated, a whole benchmark later (session 28)
-        torch.cuda.empty_cache()
         return allocated_before
 
     def _memory_first_one_lane(self) -> str | None:
