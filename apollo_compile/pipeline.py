@@ -70,6 +70,7 @@ from .passes import casts, checkpoint, codegen, cost, gradients, lanes, memory, 
 from .passes.quotas import MIN_GAIN
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
+from .runtime.first_call import FirstCallFallback
 from .runtime.runner import build_runtime
 from .runtime.subgraphs import has_host_copies, has_symbolic_sizes, inductor_config
 from .tracing import fw_metadata
@@ -367,6 +368,12 @@ def compile_graph(
             fn = runtimes.get("one_lane", runtimes["lanes"])
         else:  # CPU: the lane program itself runs, sequentially, so CI exercises it
             fn = runtimes["lanes"]
+        if not options.strict:  # what fails only when the runtime first runs falls back too
+
+            def fell_back(why: str) -> None:
+                graph_plan.fallback = f"at its first call: {why}"
+
+            fn = FirstCallFallback(fn, gm, graph_name, fell_back)
     except Exception as e:
         if options.strict:
             raise

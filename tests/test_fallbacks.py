@@ -302,6 +302,78 @@ def test_failure_in_the_backward_only_falls_back_for_that_graph(monkeypatch):
     assert plan.backward.fallback and not plan.backward.runtimes
 
 
+def _raising_at_first_call(run, message: str, free_inputs: bool = False):
+    """`run` (a boxed runtime) raising at its first call as the generated program would: the inputs
+    unpacked into its frame and the caller's list cleared first; with `free_inputs`, dropped too."""
+    calls = [0]
+
+    def runtime(args):
+        calls[0] += 1
+        if calls[0] > 1:
+            return run(args)
+        held = list(args)
+        args.clear()
+        if free_inputs:
+            held.clear()
+        raise UnboundLocalError(message)
+
+    return runtime
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_a_runtime_that_raises_at_its_first_call_runs_its_graph_as_eager_aten(monkeypatch, kind):
+    """runtime/first_call.py: an error that shows only when apollo's runtime first runs (HF LLaVA's
+    unbound lifted constant, session 27) no longer stops training: that call runs again as eager
+    ATen, with every input still alive, and so does every later call of that graph, with one
+    warning; the other graph keeps apollo's runtime."""
+    original = pipeline.build_runtime
+
+    def build_runtime(planned, lanes, codegen, graph_name, kind_, *args, **kwargs):
+        runtimes = original(planned, lanes, codegen, graph_name, kind_, *args, **kwargs)
+        if kind_ == kind:
+            runtimes = {k: _raising_at_first_call(fn, "synthetic unbound value") for k, fn in runtimes.items()}
+        return runtimes
+
+    monkeypatch.setattr(pipeline, "build_runtime", build_runtime)
+    messages = two_tower_fallbacks(EAGER)
+    assert len(messages) == 1, messages
+    assert f"_{kind} runs on eager ATen" in messages[0] and "first call" in messages[0], messages
+    assert "UnboundLocalError: synthetic unbound value" in messages[0] and REPORT_HINT in messages[0]
+    plan = apollo_compile.last_plan()
+    graph, other = (plan.forward, plan.backward) if kind == "forward" else (plan.backward, plan.forward)
+    assert graph.fallback.startswith("at its first call") and other.fallback is None
+
+
+def test_a_first_call_error_that_cannot_run_again_is_raised_with_a_note():
+    """Where the failed run freed an input, or the graph writes one of its inputs (a partial run may
+    have written it already), the error is raised as it was, with a note saying why apollo did not
+    run the call again."""
+    from apollo_compile.runtime.first_call import FirstCallFallback, writes_an_input
+
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    guarded = FirstCallFallback(_raising_at_first_call(None, "freed", free_inputs=True), gm, "g_backward")
+    with pytest.raises(UnboundLocalError, match="freed") as raised:
+        guarded([torch.randn(3)])  # the list is the input's only holder, as AOTAutograd's backward list is
+    assert "1 of its inputs were already freed" in "".join(getattr(raised.value, "__notes__", [""]))
+
+    def writes(x, y):
+        torch.ops.aten.copy_.default(torch.ops.aten.view.default(x, [-1]), y)
+        return (y * 2,)
+
+    written = torch.fx.symbolic_trace(writes)
+    assert writes_an_input(written) and not writes_an_input(gm)
+    x, y = torch.zeros(3), torch.ones(3)
+    guarded = FirstCallFallback(_raising_at_first_call(None, "written"), written, "g_inference")
+    with pytest.raises(UnboundLocalError, match="written") as raised:
+        guarded([x, y])
+    assert "writes one of its inputs" in "".join(getattr(raised.value, "__notes__", [""]))
+    guarded = FirstCallFallback(_raising_at_first_call(None, "kept"), gm, "g_forward")
+    with pytest.warns(ApolloFallbackWarning, match="first call"):
+        out = guarded([y])  # y lives in this frame: the call runs again, as eager ATen
+    torch.testing.assert_close(out, y * 2)
+    torch.testing.assert_close(guarded([y]), y * 2)  # and so does every later call
+
+
 def test_a_failed_stage_leaves_its_graph_as_it_was_handed_over(monkeypatch):
     """The one undo rule: the graph stage's passes run on a working copy, so a pass that rewrote
     the graph and then failed leaves nothing behind. The fallback compiles the graph AOTAutograd
