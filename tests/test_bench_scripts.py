@@ -447,6 +447,17 @@ def test_whole_step_benchmark_runs_on_the_cpu(tmp_path):
         bench_whole_step.parse_args(["--models", "hf-bert"])
 
 
+def test_whole_step_benchmark_times_the_backward_in_its_bw_measured_variant():
+    """apollo-bw-measured: the rule before session 28 (a donating backward times its own candidates)
+    in effect around that variant alone."""
+    from apollo_compile.runtime import choice
+
+    with bench_whole_step.strategy_for("apollo-bw-measured"):
+        assert choice.in_effect() == choice.ChooseFastest(follow_forward=False)
+    with bench_whole_step.strategy_for("apollo"):
+        assert choice.in_effect() is choice.DEFAULT and choice.DEFAULT.follow_forward
+
+
 def test_whole_step_benchmark_runs_llava_on_the_cpu(tmp_path):
     """The LLaVA rows (issue 24: eager, Inductor's default mode, apollo) on the tiny config: its image
     tokens placed, its language-modelling loss, numerics against eager."""

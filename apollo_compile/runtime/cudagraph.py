@@ -68,10 +68,12 @@ to what the capture allocates next in the same pool *and stream*: a backward on 
 what a forward on one lane saved; a side lane holds what it reads from the main lane to the join
 (codegen's NOTE: Freeing across lanes). So under a memory budget both graphs replay one lane
 (`choice.memory_first_reason`; H200, batch 64, budget 0.5: 3.72 instead of 4.55 GiB reserved, the
-step 28.45 instead of 27.96 ms). Without a budget time decides; a two-lane backward after a
-two-lane forward reused little while both towers ran on side lanes (batch 128: the family's pool
-13.1 GB against 11.6 for one lane), hence the costliest tower runs on the main lane in both graphs
-(lanes.py, NOTE: The costliest branch runs on the caller's stream; batch 128: 12.2 against 11.6).
+step 28.45 instead of 27.96 ms). Without a budget the forward's timing decides for both (a
+donating backward does not time its own candidates: choice.py, NOTE: A donating backward follows
+its forward); a two-lane backward after a two-lane forward reused little while both towers ran on
+side lanes (batch 128: the family's pool 13.1 GB against 11.6 for one lane), hence the costliest
+tower runs on the main lane in both graphs (lanes.py, NOTE: The costliest branch runs on the
+caller's stream; batch 128: 12.2 against 11.6).
 
 [NOTE] Donation on side lanes::
 
