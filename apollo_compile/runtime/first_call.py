@@ -89,6 +89,7 @@ class FirstCallFallback:
             retry = again
         if retry is None:
             self.first_done = True
+            self._gm = None  # not needed again
             return out
         # outside the except block: the traceback holds the failed run's frames and their memory
         self.inner = make_boxed_func(self._gm.forward)
