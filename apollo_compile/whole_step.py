@@ -13,7 +13,8 @@ keeps Dynamo's configuration as it was). What cannot be one graph still trains c
 module-compiled model does (forward and backward graphs, the autograd engine between them), with
 one :class:`ApolloFallbackWarning` saying why: a PyTorch whose Dynamo cannot trace the backward,
 or a graph break inside the step (an ``optimizer.step()`` inside it breaks the graph on
-torch 2.13: keep the optimizer outside, ``fused=True``).
+torch 2.13, at its ``graph_break()`` calls and, past them, where Dynamo's optimizer support meets
+the ``.grad`` this graph assigned: keep the optimizer outside, ``fused=True``).
 """
 
 from __future__ import annotations
