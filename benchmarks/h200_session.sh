@@ -8,6 +8,9 @@
 #   run(command="bash benchmarks/h200_session.sh whole-step hf-clip 8", carry=[".device_cache"]) # the user's whole step
 #       (zero_grad, forward, backward, fused AdamW; loss read, and back to back), module- and step-compiled, at the
 #       batches named (one per call when the cache is cold); models hf-clip, hf-siglip, timm-vit-bert
+#   run(command="bash benchmarks/h200_session.sh module hf-siglip 32", carry=[".device_cache"]) # issue 24's memory parity:
+#       the model compiled as a module, reduce-overhead against apollo and against apollo timing its backward's
+#       candidates too (apollo-bw-measured, the rule before session 28), peak and reserved as ratios
 #   run(command="bash benchmarks/h200_session.sh llava",         carry=[".device_cache"]) # HF LLaVA (ViT-B/16 + 8-layer Llama), batch 8:
 #       eager, Inductor's default mode, apollo as a module and compile_step (reduce-overhead fails on it: issue 24)
 #   run(command="bash benchmarks/h200_session.sh memory",        carry=[".device_cache"]) # memory table, batch 64: precision, budgets, eager checkpointing, Inductor's budget
@@ -52,6 +55,10 @@ case "${1:-}" in
              model="${2:?whole-step needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 30 \
                --variants inductor-ro inductor-ro-step apollo-step apollo-step-1lane apollo --out "$OUT/whole-step" ;;
+  module)    # issue 24's table: module-compiled reduce-overhead and apollo, memory held between steps per pool
+             model="${2:?module needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
+             timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 20 \
+               --variants inductor-ro apollo apollo-bw-measured --out "$OUT/module" ;;
   llava)     # every graph replayed as a CUDA graph? the runners' summaries say (disabled, ungraphed_calls)
              timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch 8 --steps 20 \
                --variants eager inductor apollo apollo-step --out "$OUT/llava" ;;
@@ -95,7 +102,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?
