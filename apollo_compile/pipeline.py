@@ -200,6 +200,19 @@ def run_stage(stage: str, gm: torch.fx.GraphModule, ctx: GraphContext, passes: l
     return work
 
 
+def run_stage_or_warn(stage: str, gm: torch.fx.GraphModule, ctx: GraphContext, passes: list[tuple[str, Pass]],
+                      instead: str) -> torch.fx.GraphModule | None:
+    """:func:`run_stage` for a stage the graph can go on without: on failure, None and one warning
+    that it goes on as `instead` (``strict=True`` raises)."""
+    try:
+        return run_stage(stage, gm, ctx, passes)
+    except Exception as e:
+        if ctx.options.strict:
+            raise
+        warn_fallback(ctx.name, instead, e)
+        return None
+
+
 def _dump_stage(gm: torch.fx.GraphModule, ctx: GraphContext, stage: str, when: str) -> None:
     directory = logs.debug_dump_dir()
     if directory is None:
@@ -233,12 +246,8 @@ def run_pre_grad_stage(gm: torch.fx.GraphModule, ctx: GraphContext) -> None:
     replaced), because AOTAutograd reads what Dynamo left on this very module (its parameters, the
     placeholders' sources, which the copy keeps); a copy the passes left as it was is dropped, and
     on failure `gm` keeps its graph (one warning)."""
-    try:
-        work = run_stage("pre_grad", gm, ctx, PRE_GRAD_PASSES)
-    except Exception as e:
-        if ctx.options.strict:
-            raise
-        warn_fallback(ctx.name, "the graph without apollo's pre-autograd passes", e)
+    work = run_stage_or_warn("pre_grad", gm, ctx, PRE_GRAD_PASSES, "the graph without apollo's pre-autograd passes")
+    if work is None:
         return
     if work.code != gm.code or any(KEY in n.meta for n in work.graph.nodes):  # else Dynamo's graph stays as traced
         gm.graph = work.graph  # recompiles gm's forward
@@ -291,12 +300,9 @@ def partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext,
             warnings.warn(f"apollo: {ctx.name} is partitioned without Inductor's joint-graph passes because "
                           f"{type(e).__name__}: {e} (correct, maybe slower)", ApolloFallbackWarning, stacklevel=2)
     if JOINT_PASSES:
-        try:
-            joint_module = run_stage("joint", joint_module, ctx, JOINT_PASSES)
-        except Exception as e:
-            if ctx.options.strict:
-                raise
-            warn_fallback(ctx.name, "the default partition (no apollo recompute or offload tags)", e)
+        work = run_stage_or_warn("joint", joint_module, ctx, JOINT_PASSES,
+                                 "the default partition (no apollo recompute or offload tags)")
+        joint_module = joint_module if work is None else work
     with checkpoint.attention_recomputed_as_is(), offload.partitioner_offloads(ctx.options):
         return min_cut_rematerialization_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                    **kwargs)
