@@ -125,6 +125,8 @@ class GraphContext:
     forward_modalities: dict[str, str] | None = None
     # backward only: the labels of the forward's inputs, in order (output i is input i's gradient)
     forward_inputs: list[str | None] | None = None
+    # backward only: the modalities on the forward's main lane (lanes.costliest_on_main follows them)
+    forward_main_lane: list[str] | None = None
 
 
 # Tests turn this on: after every pass of every stage, verify.verify() checks the invariants and a
@@ -347,6 +349,8 @@ def compile_graph(
     if kind == "backward" and forward is not None:
         ctx.forward_modalities = {n.name: info(n).modality for n in forward.gm.graph.nodes if n.op != "output"}
         ctx.forward_inputs = [info(n).modality for n in forward.gm.graph.nodes if n.op == "placeholder"]
+        forward_lanes = forward.decisions.get("lanes")
+        ctx.forward_main_lane = forward_lanes.lanes.get(0, []) if forward_lanes is not None else None
     graph_plan = GraphPlan(graph_name, kind, spec.name, gm, ctx.decisions)
     if kind == "forward":
         graph_plan.checkpoint = model_plan.joint.get("checkpoint")

@@ -18,9 +18,14 @@ could reuse nothing of the saved activations the forward's towers had made (H200
 costliest tower on the capture stream in both graphs, the backward reuses that tower's, the larger
 part (batch 128: 12.2 GB against one lane's 11.6; RESULTS.md, session 8; the other towers' own
 lanes reuse theirs too: cudagraph.py, NOTE: Donation on side lanes). The SM-quota candidates then
-limit the other lanes only (lane 0 runs on the whole device). Each graph picks its costliest lane
-by its own estimates; should the forward and the backward pick different towers, less is reused,
-nothing is wrong.
+limit the other lanes only (lane 0 runs on the whole device). A forward picks its costliest lane
+by its own estimates; its backward puts the same tower on the main lane, whatever the backward's
+estimates say. When they picked by their own (to session 28), a tower whose forward is the dearer
+and whose backward is the cheaper swapped streams between the two graphs, and none of its saved
+activations could be donated (made on a side stream, read on the capture stream): timm ViT-B +
+BERT at batch 8 on the H200, text on the forward's main lane and vision on the backward's, 0.65 GiB
+withheld and held between steps, peak 1.24x reduce-overhead's against 1.01x at batch 32, where
+both graphs picked the same (RESULTS.md, session 29).
 
 [NOTE] Segmentation keeps the subgraph DAG acyclic::
 
@@ -267,18 +272,22 @@ def bind_symbols(subgraphs: list[Subgraph], nodes: list[torch.fx.Node], dag: nx.
             sg.inputs.append(b)
 
 
-def costliest_on_main(subgraphs: list[Subgraph], lane_of: dict[str, int]) -> tuple[dict[str, int], set[int], str]:
+def costliest_on_main(subgraphs: list[Subgraph], lane_of: dict[str, int],
+                      forward_main: frozenset[str] = frozenset()) -> tuple[dict[str, int], set[int], str]:
     """Move the costliest side lane's subgraphs (in place) and modalities to lane 0, when there are
     two or more side lanes (see [NOTE] The costliest branch runs on the caller's stream); the
-    remaining side lanes are renumbered from 1 in order. Returns (lane_of, the moved subgraphs'
-    ids, reason suffix)."""
+    remaining side lanes are renumbered from 1 in order. A backward passes `forward_main`, the
+    modalities on its forward's main lane: the side lane holding one of them moves instead (the
+    costliest such), so each tower stays on one stream across the two graphs. Returns (lane_of,
+    the moved subgraphs' ids, reason suffix)."""
     cost: dict[int, float] = {}
     for sg in subgraphs:
         if sg.lane != 0:
             cost[sg.lane] = cost.get(sg.lane, 0.0) + sg.est_us
     if len(cost) < 2:
         return lane_of, set(), ""
-    heavy = min(cost, key=lambda lane: (-cost[lane], lane))
+    followed = {lane for m, lane in lane_of.items() if m in forward_main and lane in cost}
+    heavy = min(followed or cost, key=lambda lane: (-cost[lane], lane))
     renumber = {lane: i for i, lane in enumerate([0] + sorted(set(cost) - {heavy}))} | {heavy: 0}
     moved_ids = {sg.id for sg in subgraphs if sg.lane == heavy}
     for sg in subgraphs:
@@ -286,7 +295,9 @@ def costliest_on_main(subgraphs: list[Subgraph], lane_of: dict[str, int]) -> tup
         for n in sg.nodes:
             info(n).lane = sg.lane
     names = ", ".join(sorted(m for m, lane in lane_of.items() if lane == heavy))
-    return {m: renumber[lane] for m, lane in lane_of.items()}, moved_ids, f"; the costliest ({names}) on the main lane"
+    why = (f"; {names} on the main lane, as in the forward" if followed
+           else f"; the costliest ({names}) on the main lane")
+    return {m: renumber[lane] for m, lane in lane_of.items()}, moved_ids, why
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
@@ -295,7 +306,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
         info(n).lane = info(n).subgraph = None
     lane_of, reason = assign_lanes(nodes, ctx.options.max_lanes)
     subgraphs, dag = segment(nodes, lane_of)
-    lane_of, moved, why = costliest_on_main(subgraphs, lane_of)
+    lane_of, moved, why = costliest_on_main(subgraphs, lane_of, frozenset(getattr(ctx, "forward_main_lane", None) or ()))
     reason += why
     lanes: dict[int, list[str]] = {}
     for m, lane in sorted(lane_of.items(), key=lambda kv: (kv[1], kv[0])):
