@@ -97,6 +97,19 @@ def test_training_through_the_runner_equals_eager(runners, compiler):
         torch.testing.assert_close(loss, ref_loss, **TOLERANCE[compiler])
 
 
+def test_the_cache_the_first_step_left_is_released_once_before_the_first_capture(runners, monkeypatch):
+    """NOTE: The first, un-graphed step leaves its cache behind."""
+    from apollo_compile.runtime import cudagraph
+
+    released = []
+    monkeypatch.setattr(cudagraph, "release_cached_segments",
+                        lambda: released.append([r.graph is not None for r in runners]))
+    model, ref, compiled = twins("eager")
+    backward_like_eager(compiled, model, ref, [two_tower_inputs(seed=s) for s in range(4)])
+    assert released == [[False, False]]  # once, at the forward's capture, before anything was captured
+    assert all(r.graph is not None for r in runners)
+
+
 @pytest.mark.parametrize("cudagraphs, near_limit", [("auto", False), (True, True)])
 def test_cudagraphs_true_reaches_the_runner_as_capture_near_the_limit(runners, cudagraphs, near_limit):
     """NOTE: A capture needs headroom: "auto" checks it, True captures regardless."""

@@ -113,7 +113,7 @@ from ..fallback import ApolloFallbackWarning
 from .choice import GraphFacts, Strategy, in_effect, memory_first_reason
 from .graph_io import LentOutputs, OutputCopier, host_values, input_shapes, is_non_overlapping
 from .graph_pool import (allocation_streams, borrowed, clear_cublas_workspaces, donations_safe_on_lanes, in_graph_pool,
-                         memory_pressure, pool_bytes, too_close_to_the_limit, unowned)
+                         memory_pressure, pool_bytes, release_cached_segments, too_close_to_the_limit, unowned)
 
 __all__ = ["CudaGraphRunner", "GraphFamily"]
 
@@ -269,6 +269,8 @@ class CudaGraphRunner:
                 buf.copy_(x)
                 self.static_inputs.append(buf)
                 self.copy_idxs.append(i)
+        if self.family.pool is None:  # the family's first capture (NOTE: The first, un-graphed step ...)
+            release_cached_segments()
         self.chosen = self._choose_candidate()
         if self.kind == "forward":
             self.family.forward_chosen, self.family.forward_measured = self.chosen, bool(self.measured_ms)

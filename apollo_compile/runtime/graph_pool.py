@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "CAPTURE_HEADROOM", "allocation_streams", "allocator_segments", "borrowed", "clear_cublas_workspaces",
+    "release_cached_segments",
     "donations_safe_on_lanes", "in_graph_pool", "memory_pressure", "pool_bytes", "too_close_to_the_limit", "unowned",
 ]
 
@@ -34,6 +35,26 @@ def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+
+
+def release_cached_segments() -> None:
+    """Return the allocator's wholly free cached segments to the driver, once, before a family's
+    first capture.
+
+    [NOTE] The first, un-graphed step leaves its cache behind. A family's first call runs
+    un-graphed in the default pool; its activations and temporaries are freed when it ends, and the
+    allocator keeps their segments cached for later eager work. The graphs then allocate from their
+    own pool, so what the first step cached serves only the optimizer's first step (whose state
+    fills some of it) and stays reserved for the rest of training: apollo's default pool kept 0.31
+    GiB (HF CLIP B/16) and 0.70 GiB (SigLIP base) free between steps at batch 8 on the H200, against
+    reduce-overhead's 0.12 and 0.24, whose warm-up runs in its graph pool (RESULTS.md, session 28).
+    Running the first call in the graph pool instead (branch wip/first-call-in-pool) made it worse:
+    the pool kept the first call's blocks fragmented beside the captures, reserved 1.42x reduce-
+    overhead's against 1.11x (session 29). Releasing what is wholly free before capturing lets the
+    graph pool's segments come from the same memory; blocks still split around the optimizer's
+    state stay cached."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 def in_graph_pool(t: torch.Tensor) -> bool:
