@@ -20,7 +20,7 @@ import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import RestartAnalysis
 
-from . import pipeline
+from . import pipeline, whole_step
 from . import plan as plan_store
 from .devices import DEVICE_SPECS, detect_device_spec
 from .fallback import ApolloFallbackWarning, warn_fallback
@@ -119,6 +119,9 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         inference_compiler=functools.partial(compiler, kind="inference"),
         partition_fn=functools.partial(pipeline.partition, ctx=joint_ctx),
         decompositions=decompositions,
+        # a whole step with its optimizer inside writes the parameters and the optimizer's state in
+        # the graph (whole_step.py), not as new outputs copied back after it
+        keep_inference_input_mutations=whole_step.keeps_input_mutations(),
     )
     try:
         compiled = aot(gm, example_inputs)

@@ -16,7 +16,7 @@ import torch.fx
 from .shapes import concrete_numel
 
 __all__ = ["deterministic_attention", "input_nodes", "is_library_kernel", "is_library_kernel_name", "is_random",
-           "is_view", "nbytes", "node_tensors", "op_name", "storage_node", "tensors"]
+           "is_view", "nbytes", "node_tensors", "op_name", "readers_of", "storage_node", "tensors", "written_inputs"]
 
 # Library kernels (cuBLAS, cuDNN, attention): they read and write whole buffers and run at the
 # matmul peak. Matched on the op name without its overload; convolutions and attention by substring
@@ -183,3 +183,36 @@ def graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
     """The flat outputs of an AOTAutograd graph (None for a gradient that is not there)."""
     out = next(iter(gm.graph.find_nodes(op="output")))
     return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+
+
+def written_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The graph inputs (placeholders) `node` writes, directly or through a view of one: the
+    ``copy_`` AOTAutograd leaves in a graph that keeps its input mutations (an optimizer's update
+    of a parameter and its state, a ``.grad`` accumulated into), a buffer's in-place update."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return []
+    found = []
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, torch.fx.Node):
+            base = storage_node(value)
+            if base.op == "placeholder":
+                found.append(base)
+    return found
+
+
+def readers_of(value: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that read `value` or a view of it (not the views themselves), in graph order."""
+    found: dict[torch.fx.Node, None] = {}
+    stack = [value]
+    while stack:
+        for user in stack.pop().users:
+            if is_view(user) or (user.target is operator.getitem and is_view(user.args[0])):
+                stack.append(user)
+            else:
+                found.setdefault(user, None)
+    order = {n: i for i, n in enumerate(value.graph.nodes)}
+    return sorted(found, key=order.__getitem__)

@@ -430,7 +430,12 @@ def cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_n
     meta = fw_metadata()
     if meta is not None and kind != "backward":
         static_idxs = set(meta.static_input_indices or ())
-    if meta is not None and kind == "inference":
+    written: set[int] = set()
+    if meta is not None and kind == "inference" and getattr(meta, "keep_input_mutations", False):
+        # the graph writes its inputs itself (an optimizer inside the step): parameters and state in
+        # place, anything else copied in and back (cudagraph.py, NOTE: A graph that writes its inputs)
+        written = {i for i, x in enumerate(meta.input_info) if x.mutates_data}
+    elif meta is not None and kind == "inference":
         # a whole step's existing .grad (accumulating into it): copied in, not read in place, or
         # this graph would hold the tensors another step's graph lent and must reclaim
         static_idxs -= {i for i, x in enumerate(meta.input_info) if x.mutates_data}
@@ -446,7 +451,14 @@ def cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_n
                            on_measured=functools.partial(calibrate, ctx),
                            max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None,
                            donated_idxs=donated, capture_near_limit=ctx.options.cudagraphs is True,
-                           symbolic=symbolic, lent_outputs=lent)
+                           symbolic=symbolic, lent_outputs=lent, written_idxs=written,
+                           predicted=predicted_best(ctx))
+
+
+def predicted_best(ctx: GraphContext) -> str | None:
+    """The candidate the planner predicts fastest, by name (None without a quotas decision)."""
+    best = getattr(ctx.decisions.get("quotas"), "best", None)
+    return best.name if best is not None else None
 
 
 def calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:

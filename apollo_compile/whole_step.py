@@ -14,7 +14,17 @@ module-compiled model does (forward and backward graphs, the autograd engine bet
 one :class:`ApolloFallbackWarning` saying why: a PyTorch whose Dynamo cannot trace the backward,
 or a graph break inside the step (an ``optimizer.step()`` inside it breaks the graph on
 torch 2.13, at its ``graph_break()`` calls and, past them, where Dynamo's optimizer support meets
-the ``.grad`` this graph assigned: keep the optimizer outside, ``fused=True``).
+the ``.grad`` this graph assigned: keep the optimizer outside, ``fused=True``, or pass it to
+``compile_step(fn, optimizer=opt)``).
+
+With ``optimizer=`` (Adam or AdamW), each call is ``fn(...)`` followed by ``optimizer.step()``, and
+the update is traced into the same graph (``optimizer_step.py``): do not call
+``optimizer.step()`` yourself. ``.grad`` is left as ``optimizer.step()`` leaves it, so
+``optimizer.zero_grad()`` between steps works as usual. AOTAutograd then keeps the writes into the
+parameters and the optimizer's state inside the graph (``keep_inference_input_mutations``), rather
+than returning every new value and copying it back after the graph. Another optimizer, or a step
+that falls back to the module path, trains the same way with ``optimizer.step()`` run eagerly after
+the compiled part, with one warning.
 """
 
 from __future__ import annotations
@@ -27,9 +37,19 @@ import torch
 import torch._dynamo
 
 from .fallback import ApolloFallbackWarning
+from .optimizer_step import InGraphAdam, unsupported_reason
 from .options import ApolloOptions, ApolloOptionsError
 
 TRACE_FLAG = "trace_autograd_ops"
+
+# set while a step with its optimizer inside is traced: the backend keeps the input mutations in
+# the graph (backend.apollo_backend reads it; Dynamo calls the backend in the calling thread)
+_tracing_updates = [False]
+
+
+def keeps_input_mutations() -> bool:
+    """Whether the graph being compiled is a whole step with its optimizer's update inside."""
+    return _tracing_updates[0]
 
 
 def backward_tracing_supported() -> bool:
@@ -48,10 +68,23 @@ class CompiledStep:
     error. With ``fullgraph=True`` the break raises while the first frame is traced, before any of
     the step has run, so the module path can run the call from its start."""
 
-    def __init__(self, fn: Callable, torch_compile_kwargs: dict[str, Any], fallback_reason: str | None) -> None:
+    def __init__(self, fn: Callable, torch_compile_kwargs: dict[str, Any], fallback_reason: str | None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         self.fn, self.kwargs = fn, torch_compile_kwargs
         self.user_fullgraph = bool(torch_compile_kwargs.get("fullgraph", False))
-        self.whole = torch.compile(fn, backend="apollo", **{**torch_compile_kwargs, "fullgraph": True})
+        self.optimizer = optimizer
+        self.update: InGraphAdam | None = None  # the optimizer's update inside the graph, where it can be
+        traced = fn
+        if optimizer is not None:
+            why = unsupported_reason(optimizer)
+            if why is not None and not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"apollo.compile_step: {why}")
+            if why is None:
+                self.update = InGraphAdam(optimizer)
+                traced = self._with_update
+            else:
+                warnings.warn(f"apollo.compile_step: {why}", ApolloFallbackWarning, stacklevel=4)
+        self.whole = torch.compile(traced, backend="apollo", **{**torch_compile_kwargs, "fullgraph": True})
         self.parts: Callable | None = None
         self.fallback_reason = fallback_reason  # why the step runs on the module path, once it does
         if fallback_reason is not None:
@@ -66,22 +99,42 @@ class CompiledStep:
                       "training stays correct, the step is slower. Keep optimizer.step() and Python-side work "
                       "(print, .item()) outside the compiled step", ApolloFallbackWarning, stacklevel=stacklevel)
 
+    def _with_update(self, *args: Any, **kwargs: Any) -> Any:
+        """What is traced when the optimizer's update is inside: the user's step, then the update."""
+        out = self.fn(*args, **kwargs)
+        self.update.apply()
+        return out
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.parts is None:
+            if self.update is not None:
+                self.update.prepare()
             try:
                 with torch._dynamo.config.patch(**{TRACE_FLAG: True}):
-                    return self.whole(*args, **kwargs)
+                    _tracing_updates[0] = self.update is not None
+                    try:
+                        out = self.whole(*args, **kwargs)
+                    finally:
+                        _tracing_updates[0] = False
+                if self.optimizer is not None and self.update is None:
+                    self.optimizer.step()
+                return out
             except torch._dynamo.exc.Unsupported as e:
                 if self.user_fullgraph:
                     raise
                 self._fall_back(f"it does not trace as one graph ({str(e).strip().splitlines()[0]})")
         if not backward_tracing_supported():
-            return self.parts(*args, **kwargs)
-        with torch._dynamo.config.patch(**{TRACE_FLAG: False}):  # never the resumed frame's empty backward
-            return self.parts(*args, **kwargs)
+            out = self.parts(*args, **kwargs)
+        else:
+            with torch._dynamo.config.patch(**{TRACE_FLAG: False}):  # never the resumed frame's empty backward
+                out = self.parts(*args, **kwargs)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return out
 
 
-def compile_step(fn: Callable | None = None, **torch_compile_kwargs: Any) -> Callable:
+def compile_step(fn: Callable | None = None, *, optimizer: torch.optim.Optimizer | None = None,
+                 **torch_compile_kwargs: Any) -> Callable:
     """``torch.compile(fn, backend="apollo", **torch_compile_kwargs)`` with ``loss.backward()``
     traced into the same graph: the user's whole step (forward, backward, gradients) is one
     compiled artifact. Usable as ``compile_step(fn, options={...})`` or as a decorator,
@@ -89,10 +142,11 @@ def compile_step(fn: Callable | None = None, **torch_compile_kwargs: Any) -> Cal
 
     `fn` computes a loss, calls ``loss.backward()`` and returns what it likes (``loss.detach()``);
     gradients land in ``.grad`` as eager autograd leaves them: assigned where ``.grad`` is None,
-    accumulated where it exists. Keep the optimizer outside (see the module docstring). Options
-    are validated here, before anything is traced."""
+    accumulated where it exists. With `optimizer` (Adam, AdamW) each call also runs its step,
+    inside the same graph (see the module docstring); otherwise keep the optimizer outside.
+    Options are validated here, before anything is traced."""
     if fn is None:
-        return functools.partial(compile_step, **torch_compile_kwargs)
+        return functools.partial(compile_step, optimizer=optimizer, **torch_compile_kwargs)
     if not callable(fn):
         raise TypeError(f"apollo.compile_step: expected the step function, got {type(fn).__name__}")
     backend = torch_compile_kwargs.pop("backend", "apollo")
@@ -103,4 +157,4 @@ def compile_step(fn: Callable | None = None, **torch_compile_kwargs: Any) -> Cal
     reason = None if backward_tracing_supported() else (
         f"this PyTorch's Dynamo cannot trace loss.backward() into the graph (torch._dynamo.config.{TRACE_FLAG} "
         "is missing)")
-    return CompiledStep(fn, torch_compile_kwargs, reason)
+    return CompiledStep(fn, torch_compile_kwargs, reason, optimizer)

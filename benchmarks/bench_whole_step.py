@@ -33,6 +33,8 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
                    in one compiled function (one graph where this torch's Dynamo traces the backward;
                    else the module path, with the ApolloFallbackWarning the row records); the
                    optimizer stays outside it
+    apollo-step-opt  the same with the optimizer's update inside the graph
+                   (``compile_step(step, optimizer=opt)``): the loop calls no ``optimizer.step()``
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
@@ -78,7 +80,7 @@ import common  # noqa: E402  (the method every benchmark here shares)
 from common import fmt, log  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
-            "apollo-step-1lane")
+            "apollo-step-1lane", "apollo-step-opt")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -199,7 +201,7 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
     return step_fn
 
 
-STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane")
+STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt")
 
 
 class WholeStep:
@@ -211,7 +213,7 @@ class WholeStep:
     runs_backward = True
 
     def __init__(self, variant: str, name: str, model: nn.Module, device: torch.device, amp: bool,
-                 options: dict) -> None:
+                 options: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
         import apollo_compile
 
         f = loss_fn(name, model)
@@ -227,7 +229,8 @@ class WholeStep:
             self.trace_backward = True
         else:
             one_lane = {"max_lanes": 1} if variant == "apollo-step-1lane" else {}
-            self.step = apollo_compile.compile_step(step, options={**options, **one_lane})
+            inside = {"optimizer": optimizer} if variant == "apollo-step-opt" else {}
+            self.step = apollo_compile.compile_step(step, options={**options, **one_lane}, **inside)
             self.trace_backward = False  # compile_step turns it on itself
 
     def __call__(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -294,14 +297,15 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
     with common.diagnostics_for(row, variant, variant.startswith("apollo")) as keep, strategy_for(variant):
         common.reset_peaks(device)
         model = copy.deepcopy(base).to(device)
+        cuda = device.type == "cuda"
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if cuda else None)
         if variant in STEP_VARIANTS:
-            f = step_fn = WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options))
+            f = step_fn = WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options), optimizer)
         else:
             step_fn = compile_variant(variant, model, args)
             f = loss_fn(name, step_fn)
         keep.append(step_fn)  # see common.apollo_diagnostics
-        cuda = device.type == "cuda"
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if cuda else None)
+        update_inside = variant == "apollo-step-opt"  # the compiled step runs optimizer.step() itself
 
         def whole_step(read_loss: bool = True) -> float | torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
@@ -311,7 +315,8 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
                 with common.autocast(device, args.amp):
                     loss = f(*batch)
                 loss.backward()
-            optimizer.step()
+            if not update_inside:
+                optimizer.step()
             return loss.item() if read_loss else loss  # a loop that logs its loss waits for the step here
 
         row.update(common.warm_up(whole_step, args.warmup, device))

@@ -82,7 +82,13 @@ def fake_cuda_graphs(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
 
     def capture_one(self, fn, pool, inputs=None):
-        outputs = fn(list(self.static_inputs) if inputs is None else inputs)
+        inputs = list(self.static_inputs) if inputs is None else inputs
+        # a capture runs nothing: undo what running it wrote into its inputs (an optimizer's update)
+        before = [(x, x.detach().clone()) for x in inputs if isinstance(x, torch.Tensor)]
+        outputs = fn(inputs)
+        with torch.no_grad():
+            for x, value in before:
+                x.copy_(value)
         return FakeGraph(fn, self.static_inputs, outputs), outputs
 
     monkeypatch.setattr(CudaGraphRunner, "_capture_one", capture_one)

@@ -37,6 +37,14 @@ Nodes are visited in graph order (a topological order); a node joins its lane's 
 unless one of its inputs lives in a subgraph that the open one reaches, in which case the lane
 opens a new subgraph after the old one (program order on one stream).
 
+[NOTE] A write into an input comes after its readers. A graph that keeps its input mutations (a
+whole step with the optimizer inside: ``compile_step(..., optimizer=)``) ends with ``copy_`` into
+each parameter and optimizer state. Data edges order the copy after the value it writes, not after
+the other reads of the old value: a tower's parameter read by a join on the main lane (a logit
+scale) would be overwritten on its tower's lane while the join might still read it. Each write
+therefore depends on the subgraphs of every reader that precedes it in the graph (AOTAutograd puts
+the writes at the graph's end, so no reader follows one).
+
 [NOTE] Every symbol a subgraph's sizes name must be bound by one of its inputs. Inductor reads a
 symbol off an input only where it stands alone: a SymInt input ``s40`` or a tensor input's size or
 stride ``s40``; it cannot solve ``s40*(512//s40)`` for ``s40``. With dynamic shapes a subgraph may
@@ -59,6 +67,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbol_binding_fx_node
 
 from ..annotations import FUSION, info
+from ..nodes import readers_of, written_inputs
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -175,6 +184,10 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
             continue
         lane = lane_of.get(info(n).modality, 0)
         deps = {info(a).subgraph for a in n.all_input_nodes if info(a).subgraph is not None}
+        # a write into a graph input waits for every earlier reader of that input ([NOTE] A write
+        # into an input comes after its readers)
+        deps |= {info(r).subgraph for x in written_inputs(n) for r in readers_of(x)
+                 if r is not n and info(r).subgraph is not None}
         cur = open_sg.get(lane)
         if cur is None or any(d != cur.id and nx.has_path(dag, cur.id, d) for d in deps):
             new = Subgraph(len(subgraphs), lane)

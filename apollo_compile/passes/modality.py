@@ -20,7 +20,8 @@ module, a wrapper around it, a function that calls a global model, or the whole 
    gradient outputs); several: a join (the loss's gradient, the logits' gradient). A gradient
    output's tower is its parameter's: by position in a backward or joint graph (output i is the
    gradient of forward input i), else the input it is allocated like (``copy(empty_like(p), g)``,
-   a whole step's new ``.grad``) or the input it updates, else the forward activation its last
+   a whole step's new ``.grad``) or the input it updates (``.grad`` accumulated into, or the
+   parameter an optimizer inside the step writes), else the forward activation its last
    library kernel reads. Where nothing names them (compiled autograd's graph has no forward),
    the gradients are grouped by the backward nodes that reach them (:func:`_grouped_gradients`).
 3. In a backward, a value the forward computed (a saved activation, an op recomputed under a
@@ -51,7 +52,7 @@ import torch
 import torch.fx
 
 from ..annotations import FUSION, KEY, info
-from ..nodes import graph_outputs, is_library_kernel
+from ..nodes import graph_outputs, is_library_kernel, written_inputs
 from ..tracing import compiling_autograd_graph, fw_metadata
 from . import casts
 
@@ -216,7 +217,10 @@ def _gradient_outputs(gm: torch.fx.GraphModule, kind: str, backward: set[torch.f
         primals = [n for n in _placeholders(gm) if not n.name.startswith("tangents")]
         grads = outs[len(outs) - len(primals):]
         return [(o, info(p).modality) for o, p in zip(grads, primals) if isinstance(o, torch.fx.Node)]
-    return [(o, None) for o in outs if isinstance(o, torch.fx.Node) and o in backward]
+    # a whole step's gradients, and the writes of an optimizer inside it (a parameter's update)
+    returned = [o for o in outs if isinstance(o, torch.fx.Node) and o in backward]
+    writes = [n for n in gm.graph.nodes if n in backward and written_inputs(n)]
+    return [(o, None) for o in dict.fromkeys(returned + writes)]
 
 
 def _tower_of_gradient(out: torch.fx.Node, backward: set[torch.fx.Node]) -> str | None:

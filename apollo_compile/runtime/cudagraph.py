@@ -121,6 +121,14 @@ log = logging.getLogger("apollo_compile")
 
 # NOTE: A capture needs headroom: graph_pool.py, with CAPTURE_HEADROOM and the rule it explains.
 
+# [NOTE] A graph that writes its inputs: with the optimizer inside a whole step
+# (``compile_step(..., optimizer=)``) AOTAutograd keeps the updates in the graph as ``copy_`` into
+# the parameters and the optimizer's state, which the replay reads and writes in place (they are
+# static: parameters by Dynamo, the state by ``optimizer_step``). Any other written input is copied
+# into the graph's buffer before a replay and back out after it. Such a graph is never replayed to
+# time its candidates: each timing replay would apply the update once more. It replays what the
+# strategy picks unmeasured, else the planner's prediction.
+
 
 class GraphFamily:
     """State shared by the CUDA graphs of one Dynamo graph (forward + backward)."""
@@ -162,7 +170,8 @@ class CudaGraphRunner:
                  on_measured: Callable[[dict[str, float]], None] | None = None,
                  max_memory_ratio: float | None = None, donated_idxs: set[int] | None = None,
                  capture_near_limit: bool = False, symbolic: bool = False, strategy: Strategy | None = None,
-                 lent_outputs: set[int] | None = None) -> None:
+                 lent_outputs: set[int] | None = None, written_idxs: set[int] | None = None,
+                 predicted: str | None = None) -> None:
         self.candidates, self.name, self.kind, self.family = candidates, name, kind, family
         self.strategy = strategy  # which candidate replays; None: `choice.in_effect()` at capture
         # sizes that vary between calls (dynamic shapes): replayed only at the captured ones
@@ -197,6 +206,10 @@ class CudaGraphRunner:
         self.user_visible_outputs = user_visible_outputs  # None: all outputs
         # outputs lent in the pool's memory like a backward's (a whole step's gradients); a backward lends all
         self.lent_outputs = lent_outputs or set()
+        # inputs the graph writes (a whole step's optimizer update: NOTE: A graph that writes its inputs)
+        self.written_idxs = written_idxs or set()
+        self.written_copied: list[int] = []  # ... of them copied in: copied back after each replay
+        self.predicted = predicted  # the planner's best candidate, replayed where timing is not allowed
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.disabled: str | None = None
@@ -271,6 +284,7 @@ class CudaGraphRunner:
                 self.copy_idxs.append(i)
         if self.family.pool is None:  # the family's first capture (NOTE: The first, un-graphed step ...)
             release_cached_segments()
+        self.written_copied = [i for i in self.copy_idxs if i in self.written_idxs]
         self.chosen = self._choose_candidate()
         if self.kind == "forward":
             self.family.forward_chosen, self.family.forward_measured = self.chosen, bool(self.measured_ms)
@@ -418,6 +432,11 @@ class CudaGraphRunner:
         strategy = self.strategy if self.strategy is not None else in_effect()
         graph = self.facts()
         pick = strategy.unmeasured(graph)
+        if pick is None and self.written_idxs.intersection(self.fixed_ptrs):
+            chosen = self.predicted if self.predicted in self.candidates else (
+                "lanes" if "lanes" in self.candidates else next(iter(self.candidates)))
+            pick = chosen, ("it writes inputs in place (an optimizer update): a timing replay would apply it again, "
+                            "so it replays the planner's prediction")
         if pick is not None:
             chosen, why = pick
             log.info("apollo: %s replays %r unmeasured: %s", self.name, chosen, why)
@@ -528,6 +547,8 @@ class CudaGraphRunner:
         self.graph.replay()
         self.launch_host_s += time.perf_counter() - launch
         self.replays += 1
+        for i in self.written_copied:
+            args[i].copy_(self.static_inputs[i])
         outs = list(self.static_outputs)
         for j, i in self.output_is_input.items():
             outs[j] = args[i]

@@ -24,6 +24,7 @@ import torch.fx
 from torch._functorch.aot_autograd import make_boxed_func
 
 from ..fallback import REPORT_HINT, warn_fallback
+from ..nodes import written_inputs
 
 __all__ = ["FirstCallFallback", "writes_an_input"]
 
@@ -31,25 +32,7 @@ __all__ = ["FirstCallFallback", "writes_an_input"]
 def writes_an_input(gm: torch.fx.GraphModule) -> bool:
     """Whether an op of `gm` writes a placeholder or a view of one (``copy_`` into a ``.grad``, a
     buffer's in-place update)."""
-    inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
-
-    def base(v):
-        while isinstance(v, torch.fx.Node) and v not in inputs and isinstance(v.target, torch._ops.OpOverload) \
-                and v.target.is_view and v.args:
-            v = v.args[0]
-        return v
-
-    for node in gm.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-            continue
-        for i, arg in enumerate(target._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if base(value) in inputs:
-                return True
-    return False
+    return any(written_inputs(node) for node in gm.graph.nodes)
 
 
 class FirstCallFallback:

@@ -1,0 +1,180 @@
+"""The optimizer inside the compiled step: ``compile_step(fn, optimizer=opt)``.
+
+``optimizer.step()`` cannot be traced into the step's graph on torch 2.13 (``whole_step.py`` says
+why), but the update it runs can: Adam's formula, as torch's single-tensor Adam computes it, over
+the optimizer's own parameters, gradients and state tensors. Traced
+after ``loss.backward()`` in the same function, it becomes part of the one graph, and each
+parameter's update is labelled with its tower (``passes/modality.py``: it reaches that parameter's
+write), so a tower whose backward finishes early updates its weights while the other tower's
+backward still runs.
+
+:class:`InGraphAdam` prepares, outside the graph before every call, what a CUDA-graph replay needs
+to find at fixed addresses: the optimizer's state created as ``Adam`` would create it, each step
+counter a tensor on its parameter's device, every state tensor marked static, and the learning rate
+of each parameter group as a device tensor (refreshed from ``param_groups`` when a scheduler
+changed it; the other hyperparameters are Python numbers, and Dynamo recompiles if one changes).
+Inside the traced step each parameter gets Adam's update as one chain of elementwise ops
+(:func:`adam_update`), which the lanes pass puts on that parameter's tower and Inductor fuses; the
+step counters stay on the device (no ``.item()``).
+The optimizer object stays the user's: its state is the one updated, ``state_dict()`` and
+schedulers work, and an eager ``optimizer.step()`` after a fallback continues from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["InGraphAdam", "unsupported_reason"]
+
+
+def unsupported_reason(optimizer: Any) -> str | None:
+    """Why `optimizer`'s update cannot run inside the step's graph, or None if it can."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return f"optimizer= takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):  # a subclass may step otherwise
+        return (f"{type(optimizer).__name__}'s update is not supported inside the graph (Adam and AdamW are); "
+                "it runs as optimizer.step() after the compiled step")
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable"):
+            return f"param_groups[{i}] has differentiable=True"
+        for key in ("betas", "weight_decay", "eps"):
+            values = group[key] if key == "betas" else (group[key],)
+            if any(isinstance(v, torch.Tensor) for v in values):
+                return f"param_groups[{i}]['{key}'] is a tensor (only lr may be one)"
+        if any(p.is_sparse or torch.is_complex(p) for p in group["params"]):
+            return f"param_groups[{i}] holds a sparse or complex parameter"
+    return None
+
+
+class InGraphAdam:
+    """Adam / AdamW's update over `optimizer`'s state, for the inside of a traced step.
+
+    What the traced update reads is laid out by :meth:`prepare` in plain lists (``_groups``), not
+    read from the optimizer inside the graph: Dynamo guards on every value it reads there, and a
+    scheduler's new ``param_groups[i]['lr']`` recompiled the step at each change."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        reason = unsupported_reason(optimizer)
+        if reason is not None:
+            raise TypeError(f"apollo.compile_step: {reason}")
+        self.optimizer = optimizer
+        self.decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
+            g.get("decoupled_weight_decay", False) for g in optimizer.param_groups)
+        self._groups: list[dict] = []  # per parameter group, what `apply` reads
+        self._layout: tuple | None = None  # what `_groups` was laid out for
+        self._lr_value: list[Any] = []  # per group: the lr its tensors hold
+        self._static: set[int] = set()  # ids of the tensors already marked static
+        if hasattr(optimizer, "register_load_state_dict_post_hook"):  # new state tensors: lay out again
+            optimizer.register_load_state_dict_post_hook(lambda opt: setattr(self, "_layout", None))
+
+    def _static_address(self, t: torch.Tensor) -> None:
+        if id(t) not in self._static:
+            torch._dynamo.mark_static_address(t)
+            self._static.add(id(t))
+
+    def _state(self, p: torch.Tensor, amsgrad: bool) -> dict:
+        """``optimizer.state[p]`` as Adam keeps it, with the step counter on `p`'s device."""
+        state = self.optimizer.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if amsgrad and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        step = state["step"]
+        if not isinstance(step, torch.Tensor) or step.device != p.device or step.dtype != torch.float32:
+            state["step"] = torch.as_tensor(step, dtype=torch.float32).to(p.device)
+        for t in state.values():
+            if isinstance(t, torch.Tensor):
+                self._static_address(t)
+        return state
+
+    def _lay_out(self) -> None:
+        self._groups, self._lr_value = [], []
+        for group in self.optimizer.param_groups:
+            amsgrad = group["amsgrad"]
+            params = [p for p in group["params"] if p.requires_grad]
+            states = [self._state(p, amsgrad) for p in params]
+            lr = {}
+            for device in dict.fromkeys(p.device for p in params):
+                lr[device] = torch.zeros((), dtype=torch.float32, device=device)
+                self._static_address(lr[device])
+            beta1, beta2 = group["betas"]
+            self._groups.append({
+                "params": params, "exp_avgs": [s["exp_avg"] for s in states],
+                "exp_avg_sqs": [s["exp_avg_sq"] for s in states],
+                "max_exp_avg_sqs": [s["max_exp_avg_sq"] for s in states] if amsgrad else None,
+                "steps": [s["step"] for s in states], "lr": lr, "amsgrad": amsgrad, "beta1": beta1, "beta2": beta2,
+                "weight_decay": group["weight_decay"], "eps": group["eps"], "maximize": group["maximize"]})
+            self._lr_value.append(None)
+
+    def prepare(self) -> None:
+        """Before each call, outside the graph: the state exists where the graph reads it, and the
+        learning-rate tensors hold ``param_groups``' current lr."""
+        groups = self.optimizer.param_groups
+        layout = tuple((tuple(map(id, g["params"])), g["betas"], g["weight_decay"], g["eps"], g["maximize"],
+                        g["amsgrad"]) for g in groups)
+        if layout != self._layout:
+            self._lay_out()
+            self._layout = layout
+        for i, group in enumerate(groups):
+            lr = group["lr"]
+            if not _same(lr, self._lr_value[i]):
+                with torch.no_grad():
+                    for t in self._groups[i]["lr"].values():
+                        t.copy_(lr.detach() if isinstance(lr, torch.Tensor) else torch.tensor(lr))
+                self._lr_value[i] = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+
+    def apply(self) -> None:
+        """The update, traced into the step after ``loss.backward()``: the parameters with a
+        gradient, as ``optimizer.step()`` would update them (see :func:`adam_update`)."""
+        with torch.no_grad():
+            for g in self._groups:
+                for j, p in enumerate(g["params"]):
+                    if p.grad is not None:
+                        adam_update(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j],
+                                    g["max_exp_avg_sqs"][j] if g["amsgrad"] else None, g["steps"][j],
+                                    g["lr"][p.device], g, self.decoupled)
+
+
+def adam_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                max_exp_avg_sq: torch.Tensor | None, step: torch.Tensor, lr: torch.Tensor, hyper: dict,
+                decoupled: bool) -> None:
+    """One parameter's Adam / AdamW update, in place: the formula of ``torch.optim.adam``'s
+    single-tensor path without ``capturable``, with the step counter and the learning rate as
+    device tensors.
+
+    [NOTE] Why not torch's functional ``adam(..., capturable=True)``: it divides by the step size
+    (``denom / (-lr / bias_correction1)``), so at lr = 0, the first step of a warm-up schedule, a
+    gradient element that is exactly zero (an embedding row no token used) gives 0 / 0 and the
+    parameter becomes NaN (measured on the CPU with the tiny HF CLIP at lr 0). Without capturable
+    it reads the step counter with ``.item()``, which a CUDA graph cannot replay. The formula is
+    short enough to state once here."""
+    beta1, beta2, eps, weight_decay = hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"]
+    if hyper["maximize"]:
+        grad = -grad
+    step.add_(1)
+    if weight_decay != 0:
+        if decoupled:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(p, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad.conj(), value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step).sqrt()
+    if max_exp_avg_sq is not None:
+        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+        second = max_exp_avg_sq
+    else:
+        second = exp_avg_sq
+    denom = (second.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.sub_(exp_avg / denom * (lr / bias_correction1))
+
+
+def _same(lr: Any, held: Any) -> bool:
+    if isinstance(lr, torch.Tensor) or isinstance(held, torch.Tensor):
+        return isinstance(lr, torch.Tensor) and isinstance(held, torch.Tensor) and bool(torch.equal(lr.cpu(), held.cpu()))
+    return lr == held
