@@ -17,14 +17,14 @@ torch 2.13, at its ``graph_break()`` calls and, past them, where Dynamo's optimi
 the ``.grad`` this graph assigned: keep the optimizer outside, ``fused=True``, or pass it to
 ``compile_step(fn, optimizer=opt)``).
 
-With ``optimizer=`` (Adam or AdamW), each call is ``fn(...)`` followed by ``optimizer.step()``, and
-the update is traced into the same graph (``optimizer_step.py``): do not call
-``optimizer.step()`` yourself. ``.grad`` is left as ``optimizer.step()`` leaves it, so
-``optimizer.zero_grad()`` between steps works as usual. AOTAutograd then keeps the writes into the
+With ``optimizer=`` (Adam or AdamW), each call is ``fn(...)`` followed by ``optimizer.step()`` and
+``optimizer.zero_grad(set_to_none=True)``, all traced into the same graph (``optimizer_step.py``):
+do not call ``optimizer.step()`` yourself; what reads the gradients (clipping them, logging their
+norm) goes inside `fn`, after ``loss.backward()``. AOTAutograd then keeps the writes into the
 parameters and the optimizer's state inside the graph (``keep_inference_input_mutations``), rather
 than returning every new value and copying it back after the graph. Another optimizer, or a step
-that falls back to the module path, trains the same way with ``optimizer.step()`` run eagerly after
-the compiled part, with one warning.
+that falls back to the module path, trains the same way with ``optimizer.step()`` and
+``zero_grad(set_to_none=True)`` run eagerly after the compiled part, with one warning.
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ class CompiledStep:
                         _tracing_updates[0] = False
                 if self.optimizer is not None and self.update is None:
                     self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
                 return out
             except torch._dynamo.exc.Unsupported as e:
                 if self.user_fullgraph:
@@ -130,6 +131,7 @@ class CompiledStep:
                 out = self.parts(*args, **kwargs)
         if self.optimizer is not None:
             self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return out
 
 
@@ -142,8 +144,9 @@ def compile_step(fn: Callable | None = None, *, optimizer: torch.optim.Optimizer
 
     `fn` computes a loss, calls ``loss.backward()`` and returns what it likes (``loss.detach()``);
     gradients land in ``.grad`` as eager autograd leaves them: assigned where ``.grad`` is None,
-    accumulated where it exists. With `optimizer` (Adam, AdamW) each call also runs its step,
-    inside the same graph (see the module docstring); otherwise keep the optimizer outside.
+    accumulated where it exists. With `optimizer` (Adam, AdamW) each call also runs its step and
+    ``zero_grad(set_to_none=True)``, inside the same graph (see the module docstring); otherwise
+    keep the optimizer outside.
     Options are validated here, before anything is traced."""
     if fn is None:
         return functools.partial(compile_step, optimizer=optimizer, **torch_compile_kwargs)

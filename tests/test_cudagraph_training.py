@@ -385,8 +385,9 @@ def test_whole_step_gradients_are_lent_not_copied(runners, accumulate, marked, m
 
 def test_a_whole_step_with_its_optimizer_inside_replays_the_update_once_per_call(runners):
     """compile_step(..., optimizer=): the replay writes the parameters and AdamW's state in place
-    (static inputs), once per call; nothing is copied back, and the loss is the one output copied.
-    Tolerances: tests/test_optimizer_step.py's module docstring."""
+    (static inputs), once per call; nothing is copied back, no gradient is handed out (the step
+    consumes them), and the loss is the one output, copied. Tolerances: tests/test_optimizer_step.py's
+    module docstring."""
     torch.manual_seed(0)
     model = TwoTower()
     ref = copy.deepcopy(model)
@@ -405,12 +406,11 @@ def test_a_whole_step_with_its_optimizer_inside_replays_the_update_once_per_call
         ref_opt.step()
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-5, msg=lambda m: f"step {i}: {m}")
-            assert float(opt.state[p]["step"]) == i + 1
-        for o in (opt, ref_opt):
-            o.zero_grad(set_to_none=True)
+            assert float(opt.state[p]["step"]) == i + 1 and p.grad is None
+        ref_opt.zero_grad(set_to_none=True)
     (runner,) = runners
     assert runner.kind == "inference" and runner.replays == 4 and runner.ungraphed_calls == 0
     params = sum(1 for _ in model.parameters())
     assert len(runner.written_idxs) == 4 * params  # each parameter, its two moments and its step
     assert runner.written_idxs <= set(runner.fixed_ptrs) and not runner.written_copied
-    assert len(runner.copied_out_idxs) == 1
+    assert len(runner.copied_out_idxs) == 1 and not runner.lent_idxs
