@@ -179,3 +179,36 @@ def test_a_graph_that_writes_inputs_in_place_is_never_replayed_to_time_it(monkey
     monkeypatch.setattr(runner, "_measure", lambda: 0)
     runner.measured_ms = {"lanes": 1.0, "one_lane": 2.0}
     assert runner._choose_candidate() == "lanes"
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_hugging_face_step_with_the_update_inside_trains_like_eager(kind):
+    """Called as HF models are, by keyword, the loss from the output object, AdamW inside."""
+    from test_whole_step import _tiny_hf
+
+    model = _tiny_hf(kind)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model), adamw(ref)
+
+    def step(input_ids, pixel_values):
+        loss = model(input_ids=input_ids, pixel_values=pixel_values, return_loss=True).loss
+        loss.backward()
+        return loss.detach()
+
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        compiled = apollo_compile.compile_step(step, optimizer=opt, options=EAGER)
+        for i in range(3):
+            g = torch.Generator().manual_seed(i)
+            ids, pixels = torch.randint(1, 99, (4, 16), generator=g), torch.randn(4, 3, 16, 16, generator=g)
+            loss = compiled(ids, pixels)
+            ref_loss = ref(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            torch.testing.assert_close(loss, ref_loss.detach(), **PARAMS)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, **PARAMS, msg=lambda m: f"step {i} param {name}: {m}")
+    (plan,) = apollo_compile.plans()
+    assert plan.inference.fallback is None and len(plan.inference.decisions["lanes"].lanes) >= 2
