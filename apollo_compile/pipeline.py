@@ -66,7 +66,8 @@ from .devices import DeviceSpec
 from .fallback import ApolloFallbackWarning, warn_fallback
 from .nodes import graph_outputs
 from .options import ApolloOptions
-from .passes import casts, checkpoint, codegen, cost, gradients, lanes, memory, modality, offload, quotas, sync_free
+from .passes import (casts, checkpoint, codegen, cost, gradients, lanes, memory, modality, offload, quotas, sync_free,
+                     updates)
 from .passes.quotas import MIN_GAIN
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
@@ -95,6 +96,7 @@ JOINT_PASSES: list[tuple[str, Pass]] = [
 GRAPH_PASSES: list[tuple[str, Pass]] = [
     ("sync_free", sync_free.run),  # ops that report an output size to the host, where it is known: capturable
     ("gradients", gradients.run),  # whole step: a new .grad is the gradient itself, not a copy
+    ("updates", updates.run),  # whole step with its optimizer: each update right after its gradient
     ("modality", modality.run),  # label every node by tower: vision, text, ..., fusion for joins
     ("saved", checkpoint.mark_saved),  # forward values handed to the backward (with a memory_budget)
     ("offload", offload.label),  # the copies of offloaded saved values, to the host and back

@@ -212,3 +212,49 @@ def test_hugging_face_step_with_the_update_inside_trains_like_eager(kind):
                 torch.testing.assert_close(p, q, **PARAMS, msg=lambda m: f"step {i} param {name}: {m}")
     (plan,) = apollo_compile.plans()
     assert plan.inference.fallback is None and len(plan.inference.decisions["lanes"].lanes) >= 2
+
+
+def test_each_update_runs_as_soon_as_its_gradient_is_complete():
+    """passes/updates.py: the updates are interleaved with the backward, each write after every
+    reader of what it overwrites, and the live values at the graph's peak are fewer (measured: 0.13
+    MB against 0.75 MB in program order, where every gradient and every new parameter and moment
+    lived until the writes at the end)."""
+    from apollo_compile import pipeline
+    from apollo_compile.nodes import readers_of
+    from apollo_compile.passes.modality import traced_from_autograd
+
+    def trained_graph(passes):
+        torch.manual_seed(0)
+        torch._dynamo.reset()  # the same step's code again: compiled anew
+        apollo_compile.clear_plans()
+        model = TwoTower(layers=2)
+        compiled = apollo_compile.compile_step(step_of(model), optimizer=adamw(model), options=EAGER)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(pipeline, "GRAPH_PASSES", passes)
+            compiled(*two_tower_inputs(seed=0))
+        return apollo_compile.last_plan().inference.gm
+
+    def peak_live_bytes(gm):  # values freed after their last use, in graph order
+        nodes = list(gm.graph.nodes)
+        last = {a: i for i, n in enumerate(nodes) for a in n.all_input_nodes}
+        live, peak, dies = 0, 0, {}
+        for i, n in enumerate(nodes):
+            val = n.meta.get("val")
+            if n.op == "call_function" and isinstance(val, torch.Tensor) and not written_inputs(n) \
+                    and not getattr(n.target, "is_view", False):
+                live += val.numel() * val.element_size()
+                dies.setdefault(last.get(n, i), []).append(val.numel() * val.element_size())
+            peak = max(peak, live)
+            live -= sum(dies.pop(i, []))
+        return peak
+
+    gm = trained_graph(pipeline.GRAPH_PASSES)
+    nodes = list(gm.graph.nodes)
+    where = {n: i for i, n in enumerate(nodes)}
+    writes = [n for n in nodes if written_inputs(n)]
+    for w in writes:
+        assert all(where[r] < where[w] for x in written_inputs(w) for r in readers_of(x) if r is not w), w
+    gradients = [n for n in nodes if traced_from_autograd(n)]
+    assert where[writes[0]] < where[gradients[-1]]  # the first update does not wait for the last gradient
+    in_order = trained_graph([(name, f) for name, f in pipeline.GRAPH_PASSES if name != "updates"])
+    assert peak_live_bytes(gm) < 0.6 * peak_live_bytes(in_order)

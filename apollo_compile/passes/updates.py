@@ -1,0 +1,93 @@
+"""Updates pass: in a whole step with its optimizer inside, each parameter's update runs as soon as
+its gradient is complete, not after the whole backward.
+
+Reads and reorders the graph (no annotations); returns how many nodes moved.
+
+AOTAutograd traces the step in program order: the forward, the whole backward (every gradient),
+then the optimizer (``compile_step(..., optimizer=)``: ``optimizer_step.py``). Run in that order,
+every gradient is alive at once at the end of the backward, although each is dead as soon as its
+parameter is updated. This pass moves the update region, the ops that only feed writes into the
+parameters and the optimizer's state, next to the gradients they read:
+
+- an update op that reads a gradient (or another such op) goes right after the last of those it
+  reads (as soon as possible: the gradient dies there);
+- an update op that reads only graph inputs (the weight decay ``p * (1 - lr * wd)``, the step
+  counter's bias corrections) goes right before its first user (as late as possible: a
+  parameter-sized temporary made at the start of the graph would live through all of it);
+- a write into an input comes after every reader of that input (the backward's matmuls read the
+  weights it overwrites: ``lanes.py``, NOTE: A write into an input comes after its readers).
+
+The other nodes keep their order. The update region is found from the dataflow: the nodes
+downstream of a written input that is not a parameter (the optimizer's state) or all of whose
+users are in the region, less what the autograd engine traced (the gradients themselves). A graph
+that writes no input is left as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..nodes import readers_of, written_inputs
+from .modality import traced_from_autograd
+
+
+def update_region(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The ops that only feed writes into the step's inputs: each write, and every op the autograd
+    engine did not trace whose users are all in the region."""
+    region: set[torch.fx.Node] = set()
+    for n in reversed(nodes):  # users come after their inputs
+        if n.op != "call_function" or traced_from_autograd(n):
+            continue
+        if written_inputs(n) or (n.users and all(u in region for u in n.users)):
+            region.add(n)
+    return region
+
+
+def reordered(nodes: list[torch.fx.Node], region: set[torch.fx.Node]) -> list[torch.fx.Node]:
+    """`nodes` with the region's ops moved (see the module docstring); the others keep their order.
+    Each region op gets a slot, the base node it follows: the last of the non-input nodes it reads
+    (and, for a write, of the other readers of what it writes); an op whose inputs are all graph
+    inputs or such ops takes the slot of its first user instead."""
+    base = [n for n in nodes if n not in region]
+    pos = {n: i for i, n in enumerate(base)}
+    slot: dict[torch.fx.Node, int] = {}
+    for n in nodes:  # as soon as possible; -1: decided by its users
+        if n in region:
+            deps = [a for a in n.all_input_nodes if a.op != "placeholder"]
+            deps += [r for x in written_inputs(n) for r in readers_of(x) if r is not n]
+            slot[n] = max((pos[a] if a in pos else slot[a] for a in deps), default=-1)
+    last = len(base) - 1  # the output node
+    for n in reversed(nodes):  # as late as possible, for those
+        if n in region and slot[n] < 0:
+            slot[n] = min((slot[u] for u in n.users if u in region), default=last)
+    after: dict[int, list[torch.fx.Node]] = {}
+    for n in nodes:
+        if n in region:
+            after.setdefault(min(slot[n], last), []).append(n)
+    order: list[torch.fx.Node] = []
+    for i, b in enumerate(base):
+        if i == last:  # nothing goes after the output
+            order.extend(after.get(i, []))
+            order.append(b)
+        else:
+            order.append(b)
+            order.extend(after.get(i, []))
+    return order
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> dict:
+    nodes = list(gm.graph.nodes)
+    if ctx.kind != "inference" or not any(written_inputs(n) for n in nodes):
+        return {"moved": 0}
+    region = update_region(nodes)
+    order = reordered(nodes, region)
+    moved = sum(a is not b for a, b in zip(order, nodes))
+    prev = None
+    for n in order:
+        if prev is not None and prev.next is not n:
+            prev.append(n)
+        prev = n
+    gm.graph.lint()
+    gm.recompile()
+    return {"moved": moved, "region": len(region)}
