@@ -114,8 +114,8 @@ class InGraphAdam:
         """Before each call, outside the graph: the state exists where the graph reads it, and the
         learning-rate tensors hold ``param_groups``' current lr."""
         groups = self.optimizer.param_groups
-        layout = tuple((tuple(map(id, g["params"])), g["betas"], g["weight_decay"], g["eps"], g["maximize"],
-                        g["amsgrad"]) for g in groups)
+        layout = tuple((tuple((id(p), p.requires_grad) for p in g["params"]), g["betas"], g["weight_decay"],
+                        g["eps"], g["maximize"], g["amsgrad"]) for g in groups)
         if layout != self._layout:
             self._lay_out()
             self._layout = layout

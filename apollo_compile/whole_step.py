@@ -77,7 +77,7 @@ class CompiledStep:
         traced = fn
         if optimizer is not None:
             why = unsupported_reason(optimizer)
-            if why is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"apollo.compile_step: {why}")
             if why is None:
                 self.update = InGraphAdam(optimizer)
@@ -116,9 +116,8 @@ class CompiledStep:
                         out = self.whole(*args, **kwargs)
                     finally:
                         _tracing_updates[0] = False
-                if self.optimizer is not None and self.update is None:
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                if self.update is None:
+                    self._step_outside()
                 return out
             except torch._dynamo.exc.Unsupported as e:
                 if self.user_fullgraph:
@@ -129,10 +128,14 @@ class CompiledStep:
         else:
             with torch._dynamo.config.patch(**{TRACE_FLAG: False}):  # never the resumed frame's empty backward
                 out = self.parts(*args, **kwargs)
+        self._step_outside()
+        return out
+
+    def _step_outside(self) -> None:
+        """The optimizer's step where it is not inside the graph: eagerly, after the compiled part."""
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return out
 
 
 def compile_step(fn: Callable | None = None, *, optimizer: torch.optim.Optimizer | None = None,

@@ -42,8 +42,9 @@ whole step with the optimizer inside: ``compile_step(..., optimizer=)``) ends wi
 each parameter and optimizer state. Data edges order the copy after the value it writes, not after
 the other reads of the old value: a tower's parameter read by a join on the main lane (a logit
 scale) would be overwritten on its tower's lane while the join might still read it. Each write
-therefore depends on the subgraphs of every reader that precedes it in the graph (AOTAutograd puts
-the writes at the graph's end, so no reader follows one).
+therefore depends on the subgraphs of every reader that precedes it in the graph. No reader follows
+one: AOTAutograd puts the writes at the graph's end, and ``passes/updates.py`` moves a write earlier
+only as far as its last reader.
 
 [NOTE] Every symbol a subgraph's sizes name must be bound by one of its inputs. Inductor reads a
 symbol off an input only where it stands alone: a SymInt input ``s40`` or a tensor input's size or
