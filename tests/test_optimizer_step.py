@@ -28,18 +28,10 @@ from apollo_compile.runtime import choice
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
 from helpers import TOLERANCE
 from models import TwoTower, two_tower_inputs
+from test_whole_step import _tiny_hf, backward_step as step_of
 
 EAGER = {"subgraph_compiler": "eager"}
 PARAMS = dict(rtol=1e-4, atol=5e-5)  # see the module docstring
-
-
-def step_of(model):
-    def step(images, tokens):
-        loss = model(images, tokens)
-        loss.backward()
-        return loss.detach()
-
-    return step
 
 
 def train_with_update_inside(model, make_opt, options, steps=4, schedule=None, forward_tol=None):
@@ -184,8 +176,6 @@ def test_a_graph_that_writes_inputs_in_place_is_never_replayed_to_time_it(monkey
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_hugging_face_step_with_the_update_inside_trains_like_eager(kind):
     """Called as HF models are, by keyword, the loss from the output object, AdamW inside."""
-    from test_whole_step import _tiny_hf
-
     model = _tiny_hf(kind)
     ref = copy.deepcopy(model)
     opt, ref_opt = adamw(model), adamw(ref)
