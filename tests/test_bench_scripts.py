@@ -31,6 +31,7 @@ def phase_commands() -> list[tuple[str, list[str]]]:
         if m:
             # a phase's own arguments, as `whole-step hf-clip 8` passes them (the script's usage line)
             args = m.group(2).replace('"$model"', "hf-clip").replace('"${@:-8}"', "8")
+            args = re.sub(r"\$\{VARIANTS:-([^}]*)\}", r"\1", args)  # the default a phase's VARIANTS= overrides
             commands.append((m.group(1), shlex.split(args)))
     return commands
 
