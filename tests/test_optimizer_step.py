@@ -248,3 +248,33 @@ def test_each_update_runs_as_soon_as_its_gradient_is_complete():
     assert where[writes[0]] < where[gradients[-1]]  # the first update does not wait for the last gradient
     in_order = trained_graph([(name, f) for name, f in pipeline.GRAPH_PASSES if name != "updates"])
     assert peak_live_bytes(gm) < 0.6 * peak_live_bytes(in_order)
+
+
+def test_gradients_clipped_inside_the_step_are_what_the_update_reads():
+    """The step consumes its gradients, so what reads them goes inside it, after loss.backward():
+    clip_grad_norm_ there is traced into the same graph (the norms here are 18-38, clipped to 0.05)."""
+    torch.manual_seed(0)
+    model = TwoTower(layers=1)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model), adamw(ref)
+
+    def step(images, tokens):
+        loss = model(images, tokens)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        return loss.detach()
+
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        compiled = apollo_compile.compile_step(step, optimizer=opt, options=EAGER)
+        for i in range(3):
+            inputs = two_tower_inputs(seed=i)
+            compiled(*inputs)
+            ref(*inputs).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, **PARAMS)
+    assert [sorted(p.graphs) for p in apollo_compile.plans()] == [["inference"]]
