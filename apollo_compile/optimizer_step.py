@@ -66,8 +66,34 @@ class InGraphAdam:
         self._layout: tuple | None = None  # what `_groups` was laid out for
         self._lr_value: list[Any] = []  # per group: the lr its tensors hold
         self._static: set[int] = set()  # ids of the tensors already marked static
-        if hasattr(optimizer, "register_load_state_dict_post_hook"):  # new state tensors: lay out again
-            optimizer.register_load_state_dict_post_hook(lambda opt: setattr(self, "_layout", None))
+        if hasattr(optimizer, "register_load_state_dict_post_hook"):
+            optimizer.register_load_state_dict_post_hook(lambda opt: self._keep_addresses())
+
+    def _keep_addresses(self) -> None:
+        """After ``optimizer.load_state_dict`` (resuming from a checkpoint): the loaded values are
+        copied into the state tensors the graph reads in place, which go back into
+        ``optimizer.state``; a CUDA graph captured on them stays valid. Where a loaded tensor does
+        not fit (another shape or dtype), the state is laid out again from what was loaded (a
+        captured graph then finds its inputs moved, and runs un-graphed, with its warning)."""
+        state = self.optimizer.state
+        for g in self._groups:
+            for j, p in enumerate(g["params"]):
+                held = {"exp_avg": g["exp_avgs"][j], "exp_avg_sq": g["exp_avg_sqs"][j], "step": g["steps"][j]}
+                if g["amsgrad"]:
+                    held["max_exp_avg_sq"] = g["max_exp_avg_sqs"][j]
+                loaded = state.get(p, {})
+                if set(loaded) != set(held) or any(
+                        not isinstance(loaded[k], torch.Tensor) and k != "step" for k in held):
+                    self._layout = None
+                    return
+                for key, t in held.items():
+                    value = torch.as_tensor(loaded[key])
+                    if value.shape != t.shape:
+                        self._layout = None
+                        return
+                    with torch.no_grad():
+                        t.copy_(value)
+                    loaded[key] = t
 
     def _static_address(self, t: torch.Tensor) -> None:
         if id(t) not in self._static:

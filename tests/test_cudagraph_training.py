@@ -414,3 +414,37 @@ def test_a_whole_step_with_its_optimizer_inside_replays_the_update_once_per_call
     assert len(runner.written_idxs) == 4 * params  # each parameter, its two moments and its step
     assert runner.written_idxs <= set(runner.fixed_ptrs) and not runner.written_copied
     assert len(runner.copied_out_idxs) == 1 and not runner.lent_idxs
+
+
+def test_a_checkpoint_loaded_into_the_optimizer_keeps_its_graph(runners):
+    """optimizer.load_state_dict (resuming) swaps in new state tensors; the graph reads AdamW's state
+    in place, so the loaded values are copied into the tensors it captured: training goes on as
+    eager's does after the same load, and no call runs un-graphed."""
+    torch.manual_seed(0)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (model, ref))
+
+    def step(images, tokens):
+        loss = model(images, tokens)
+        loss.backward()
+        return loss.detach()
+
+    compiled = apollo_compile.compile_step(step, optimizer=opt, options={"subgraph_compiler": "eager"})
+    saved = None
+    for i in range(6):
+        if i == 4:  # back to the checkpoint taken after step 1: both optimizers
+            opt.load_state_dict(saved)
+            ref_opt.load_state_dict(saved_ref)
+        inputs = two_tower_inputs(seed=i)
+        compiled(*inputs)
+        ref(*inputs).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        if i == 1:
+            saved, saved_ref = copy.deepcopy(opt.state_dict()), copy.deepcopy(ref_opt.state_dict())
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-5, msg=lambda m: f"step {i}: {m}")
+    assert [float(opt.state[p]["step"]) for p in model.parameters()][:1] == [4.0]  # 2 + steps 4 and 5
+    (runner,) = runners
+    assert runner.replays == 5 and runner.ungraphed_calls == 0
