@@ -17,10 +17,10 @@ parameters and the optimizer's state, next to the gradients they read:
 - a write into an input comes after every reader of that input (the backward's matmuls read the
   weights it overwrites: ``lanes.py``, NOTE: A write into an input comes after its readers).
 
-The other nodes keep their order. The update region is found from the dataflow: the nodes
-downstream of a written input that is not a parameter (the optimizer's state) or all of whose
-users are in the region, less what the autograd engine traced (the gradients themselves). A graph
-that writes no input is left as it is.
+The other nodes keep their order. The update region is found from the dataflow: each write into
+an input, and every op the autograd engine did not trace whose users are all in the region (so
+not the forward, the gradients themselves, or anything an output reads). A graph that writes no
+input is left as it is.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch
 
 __all__ = [
     "CAPTURE_HEADROOM", "allocation_streams", "allocator_segments", "borrowed", "clear_cublas_workspaces",
-    "release_cached_segments",
-    "donations_safe_on_lanes", "in_graph_pool", "memory_pressure", "pool_bytes", "too_close_to_the_limit", "unowned",
+    "donations_safe_on_lanes", "in_graph_pool", "memory_pressure", "pool_bytes", "release_cached_segments",
+    "too_close_to_the_limit", "unowned",
 ]
 
 
