@@ -278,3 +278,30 @@ def test_gradients_clipped_inside_the_step_are_what_the_update_reads():
             for p, q in zip(model.parameters(), ref.parameters()):
                 torch.testing.assert_close(p, q, **PARAMS)
     assert [sorted(p.graphs) for p in apollo_compile.plans()] == [["inference"]]
+
+
+def test_gradients_accumulated_before_the_step_are_summed_into_its_update():
+    """A micro-batch's backward run outside leaves .grad; the step adds its own gradient to it, as
+    eager's `loss.backward(); opt.step()` does (that call is a graph of its own: Dynamo guards on
+    .grad being None)."""
+    torch.manual_seed(0)
+    model = TwoTower(layers=1)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model), adamw(ref)
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        compiled = apollo_compile.compile_step(step_of(model), optimizer=opt, options=EAGER)
+        for i in range(4):
+            if i % 2 == 0:
+                for m in (model, ref):
+                    m(*two_tower_inputs(seed=10 + i)).backward()
+            inputs = two_tower_inputs(seed=i)
+            compiled(*inputs)
+            ref(*inputs).backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, **PARAMS)
+                assert p.grad is None
+    assert [sorted(p.graphs) for p in apollo_compile.plans()] == [["inference"], ["inference"]]
