@@ -383,22 +383,24 @@ def test_whole_step_gradients_are_lent_not_copied(runners, accumulate, marked, m
         assert len(runner.lent_idxs) >= params and len(runner.copied_out_idxs) == 1
 
 
+def adamw_inside_the_step():
+    """(model, its eager twin, an AdamW for each, compile_step(step, optimizer=the model's AdamW))."""
+    from test_whole_step import backward_step
+
+    torch.manual_seed(0)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (model, ref))
+    compiled = apollo_compile.compile_step(backward_step(model), optimizer=opt, options={"subgraph_compiler": "eager"})
+    return model, ref, opt, ref_opt, compiled
+
+
 def test_a_whole_step_with_its_optimizer_inside_replays_the_update_once_per_call(runners):
     """compile_step(..., optimizer=): the replay writes the parameters and AdamW's state in place
     (static inputs), once per call; nothing is copied back, no gradient is handed out (the step
     consumes them), and the loss is the one output, copied. Tolerances: tests/test_optimizer_step.py's
     module docstring."""
-    torch.manual_seed(0)
-    model = TwoTower()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (model, ref))
-
-    def step(images, tokens):
-        loss = model(images, tokens)
-        loss.backward()
-        return loss.detach()
-
-    compiled = apollo_compile.compile_step(step, optimizer=opt, options={"subgraph_compiler": "eager"})
+    model, ref, opt, ref_opt, compiled = adamw_inside_the_step()
     for i in range(5):
         inputs = two_tower_inputs(seed=i)
         compiled(*inputs)
@@ -420,17 +422,7 @@ def test_a_checkpoint_loaded_into_the_optimizer_keeps_its_graph(runners):
     """optimizer.load_state_dict (resuming) swaps in new state tensors; the graph reads AdamW's state
     in place, so the loaded values are copied into the tensors it captured: training goes on as
     eager's does after the same load, and no call runs un-graphed."""
-    torch.manual_seed(0)
-    model = TwoTower()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (model, ref))
-
-    def step(images, tokens):
-        loss = model(images, tokens)
-        loss.backward()
-        return loss.detach()
-
-    compiled = apollo_compile.compile_step(step, optimizer=opt, options={"subgraph_compiler": "eager"})
+    model, ref, opt, ref_opt, compiled = adamw_inside_the_step()
     saved = None
     for i in range(6):
         if i == 4:  # back to the checkpoint taken after step 1: both optimizers

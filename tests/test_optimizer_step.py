@@ -70,6 +70,12 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.05)
 
 
+def eager_twin(model):
+    """(`model`'s eager twin with the same weights, an AdamW for each)."""
+    ref = copy.deepcopy(model)
+    return ref, adamw(model), adamw(ref)
+
+
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_the_update_inside_the_step_trains_like_eager(compiler):
     torch.manual_seed(0)
@@ -135,8 +141,7 @@ def test_not_an_optimizer_is_an_error():
 def test_a_step_on_the_module_path_still_runs_the_update_once():
     torch.manual_seed(0)
     model = TwoTower(layers=1)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = adamw(model), adamw(ref)
+    ref, opt, ref_opt = eager_twin(model)
 
     def step(images, tokens):
         loss = model(images, tokens)
@@ -177,8 +182,7 @@ def test_a_graph_that_writes_inputs_in_place_is_never_replayed_to_time_it(monkey
 def test_hugging_face_step_with_the_update_inside_trains_like_eager(kind):
     """Called as HF models are, by keyword, the loss from the output object, AdamW inside."""
     model = _tiny_hf(kind)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = adamw(model), adamw(ref)
+    ref, opt, ref_opt = eager_twin(model)
 
     def step(input_ids, pixel_values):
         loss = model(input_ids=input_ids, pixel_values=pixel_values, return_loss=True).loss
@@ -255,8 +259,7 @@ def test_gradients_clipped_inside_the_step_are_what_the_update_reads():
     clip_grad_norm_ there is traced into the same graph (the norms here are 18-38, clipped to 0.05)."""
     torch.manual_seed(0)
     model = TwoTower(layers=1)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = adamw(model), adamw(ref)
+    ref, opt, ref_opt = eager_twin(model)
 
     def step(images, tokens):
         loss = model(images, tokens)
@@ -286,8 +289,7 @@ def test_gradients_accumulated_before_the_step_are_summed_into_its_update():
     .grad being None)."""
     torch.manual_seed(0)
     model = TwoTower(layers=1)
-    ref = copy.deepcopy(model)
-    opt, ref_opt = adamw(model), adamw(ref)
+    ref, opt, ref_opt = eager_twin(model)
     apollo_compile.clear_plans()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
