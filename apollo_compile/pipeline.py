@@ -358,11 +358,14 @@ def compile_graph(
         graph_plan.checkpoint = model_plan.joint.get("checkpoint")
     model_plan.graphs[kind] = graph_plan
     try:
+        start = time.perf_counter()
         try:
             planned = graph_plan.gm = run_stage("graph", gm, ctx, GRAPH_PASSES)
         except PassError as e:
             graph_plan.gm = e.work if e.work is not None else gm  # the dump shows how far it got
             raise
+        graph_plan.compile_s["passes"] = time.perf_counter() - start
+        start = time.perf_counter()
         try:
             # quota candidates only pay off, and are only measured, as CUDA graphs
             quotas = quota_candidates(ctx) if family is not None else None
@@ -373,6 +376,7 @@ def compile_graph(
             raise RuntimeError(f"building the runtime (compiling its subgraphs with {options.subgraph_compiler}) "
                                f"failed: {type(e).__name__}: {e}") from e
         graph_plan.runtimes = runtimes
+        graph_plan.compile_s["subgraphs"] = time.perf_counter() - start  # Inductor's share, where it compiles
         if family is not None:
             fn = cudagraphed(planned, runtimes, graph_name, kind, family, ctx, has_symbolic_sizes(example_inputs))
             graph_plan.runner_ref = weakref.ref(fn)
@@ -454,13 +458,15 @@ def cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_n
                            max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None,
                            donated_idxs=donated, capture_near_limit=ctx.options.cudagraphs is True,
                            symbolic=symbolic, lent_outputs=lent, written_idxs=written,
-                           predicted=predicted_best(ctx))
+                           predicted=predicted_plain(ctx))
 
 
-def predicted_best(ctx: GraphContext) -> str | None:
-    """The candidate the planner predicts fastest, by name (None without a quotas decision)."""
-    best = getattr(ctx.decisions.get("quotas"), "best", None)
-    return best.name if best is not None else None
+def predicted_plain(ctx: GraphContext) -> str | None:
+    """The plain candidate (lanes or one lane) the planner predicts fastest, by name (None without a
+    quotas decision): what a graph replays where it cannot be timed. An SM quota is only replayed
+    once measured (cudagraph.py, NOTE: A graph that writes its inputs)."""
+    plain = [c for c in getattr(ctx.decisions.get("quotas"), "candidates", ()) if c.quotas is None]
+    return plain[0].name if plain else None  # best predicted first
 
 
 def calibrate(ctx: GraphContext, measured_ms: dict[str, float]) -> None:

@@ -27,6 +27,7 @@ class GraphPlan:
     runtimes: dict[str, Any] = field(default_factory=dict)  # "lanes" (and "one_lane") callables
     runner_ref: Any = None  # weakref to the CUDA-graph runner (see `runner`)
     checkpoint: Any = None  # a forward's: the checkpoint pass's decision on its joint graph (memory_budget)
+    compile_s: dict[str, float] = field(default_factory=dict)  # "passes", "subgraphs": where compiling went
 
     @property
     def runner(self):
@@ -77,6 +78,8 @@ class GraphPlan:
             out["offload"] = self.decisions["offload"]
         if self.fallback:
             out["fallback"] = self.fallback
+        if self.compile_s:
+            out["compile_s"] = {k: round(v, 2) for k, v in self.compile_s.items()}
         if self.runner is not None:
             out["cuda_graph"] = self.runner.summary()
         return out

@@ -418,6 +418,36 @@ def test_a_whole_step_with_its_optimizer_inside_replays_the_update_once_per_call
     assert len(runner.copied_out_idxs) == 1 and not runner.lent_idxs
 
 
+def test_a_whole_step_with_its_optimizer_inside_is_timed_and_trains_like_eager(runners, monkeypatch):
+    """Its candidates are captured and timed like any graph's, though each timing replay applies the
+    update once more (the fake graph's replays do write the parameters and AdamW's state): what
+    they wrote is put back from the host (graph_io.WrittenInputs), so training stays eager's."""
+
+    def measure(self):  # as _measure: each candidate captured, replayed once, then timing_replays times
+        for name, fn in self.candidates.items():
+            graph, _ = self._capture_one(fn, None)
+            for _ in range(1 + self.timing_replays):
+                graph.replay()
+            self.measured_ms[name] = 1.0 if name == "one_lane" else 2.0
+        return 0
+
+    monkeypatch.setattr(CudaGraphRunner, "_measure", measure)
+    with choice.using(choice.ChooseFastest()):
+        model, ref, opt, ref_opt, compiled = adamw_inside_the_step()
+        for i in range(4):
+            inputs = two_tower_inputs(seed=i)
+            compiled(*inputs)
+            ref(*inputs).backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-5, msg=lambda m: f"step {i}: {m}")
+                assert float(opt.state[p]["step"]) == i + 1
+    (runner,) = runners
+    assert set(runner.measured_ms) == {"lanes", "one_lane"} and runner.chosen == "one_lane"
+    assert runner.replays == 3 and runner.ungraphed_calls == 0
+
+
 def test_a_checkpoint_loaded_into_the_optimizer_keeps_its_graph(runners):
     """optimizer.load_state_dict (resuming) swaps in new state tensors; the graph reads AdamW's state
     in place, so the loaded values are copied into the tensors it captured: training goes on as

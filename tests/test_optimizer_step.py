@@ -164,18 +164,52 @@ def test_a_step_on_the_module_path_still_runs_the_update_once():
         assert float(opt.state[p]["step"]) == 3 and p.grad is None
 
 
-def test_a_graph_that_writes_inputs_in_place_is_never_replayed_to_time_it(monkeypatch):
-    """NOTE: A graph that writes its inputs: timing replays would apply the update again."""
-    runner = CudaGraphRunner({"lanes": lambda a: a, "one_lane": lambda a: a}, "g", "inference", GraphFamily(),
-                             static_input_idxs={0}, user_visible_outputs=None, strategy=choice.ChooseFastest(),
-                             written_idxs={0}, predicted="one_lane")
-    runner.fixed_ptrs = {0: 1}
-    monkeypatch.setattr(runner, "_measure", lambda: pytest.fail("measured a graph that writes its inputs"))
-    assert runner._choose_candidate() == "one_lane"
+def writing_runner(**kw):
+    """A runner over one parameter-like input (4 elements) that its candidates write in place."""
+    param = torch.zeros(4)
+    runner = CudaGraphRunner({"lanes": lambda a: a, "one_lane": lambda a: a, "quota:1=56": lambda a: a}, "g",
+                             "inference", GraphFamily(), static_input_idxs={0}, user_visible_outputs=None,
+                             written_idxs={0}, **kw)
+    runner.fixed_ptrs, runner.static_inputs = {0: param.data_ptr()}, [param]
+    return runner, param
+
+
+def test_a_graph_that_writes_inputs_in_place_is_timed_with_its_inputs_put_back(monkeypatch):
+    """NOTE: A graph that writes its inputs: each timing replay applies the update once more, so the
+    inputs it writes in place are kept on the host while its candidates are timed and put back."""
+    runner, param = writing_runner(strategy=choice.ChooseFastest(), predicted="one_lane")
+
+    def measure():  # six replays of each candidate, as _measure runs them, each adding the update
+        param.add_(6.0 * len(runner.candidates))
+        runner.measured_ms.update({"lanes": 1.0, "one_lane": 2.0, "quota:1=56": 1.5})
+        return 0
+
+    monkeypatch.setattr(runner, "_measure", measure)
+    assert runner._choose_candidate() == "lanes"  # timed: the fastest, not the prediction
+    assert torch.equal(param, torch.zeros(4))  # what the timing replays wrote is undone
+
+
+def test_a_graph_whose_writes_do_not_fit_on_the_host_replays_the_planners_plain_pick(monkeypatch):
+    """Where the copy would not fit in the host's free memory the graph is not timed: it replays the
+    planner's fastest plain candidate (pipeline.predicted_plain), never an SM quota unmeasured."""
+    from types import SimpleNamespace
+
+    from apollo_compile import pipeline
+    from apollo_compile.passes.quotas import Candidate
+    from apollo_compile.runtime import graph_io
+
+    quotas = SimpleNamespace(candidates=[Candidate("quota:1=56", {1: 56}, 90.0), Candidate("lanes", None, 95.0),
+                                         Candidate("one_lane", None, 120.0)])
+    predicted = pipeline.predicted_plain(SimpleNamespace(decisions={"quotas": quotas}))
+    assert predicted == "lanes"
+    runner, param = writing_runner(strategy=choice.ChooseFastest(), predicted=predicted)
+    monkeypatch.setattr(graph_io, "available_host_bytes", lambda: 3 * param.numel() * param.element_size())
+    monkeypatch.setattr(runner, "_measure", lambda: pytest.fail("timed a graph whose writes it cannot undo"))
+    assert runner._choose_candidate() == "lanes"
     runner.written_idxs = set()  # a graph that writes nothing is measured as before
     monkeypatch.setattr(runner, "_measure", lambda: 0)
-    runner.measured_ms = {"lanes": 1.0, "one_lane": 2.0}
-    assert runner._choose_candidate() == "lanes"
+    runner.measured_ms = {"lanes": 2.0, "one_lane": 1.0, "quota:1=56": 3.0}
+    assert runner._choose_candidate() == "one_lane"
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])

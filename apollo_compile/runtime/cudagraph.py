@@ -111,7 +111,7 @@ import torch
 
 from ..fallback import ApolloFallbackWarning
 from .choice import GraphFacts, Strategy, in_effect, memory_first_reason
-from .graph_io import LentOutputs, OutputCopier, host_values, input_shapes, is_non_overlapping
+from .graph_io import LentOutputs, OutputCopier, WrittenInputs, host_values, input_shapes, is_non_overlapping
 from .graph_pool import (allocation_streams, borrowed, clear_cublas_workspaces, donations_safe_on_lanes, in_graph_pool,
                          memory_pressure, pool_bytes, release_cached_segments, too_close_to_the_limit, unowned)
 
@@ -125,9 +125,16 @@ log = logging.getLogger("apollo_compile")
 # (``compile_step(..., optimizer=)``) AOTAutograd keeps the updates in the graph as ``copy_`` into
 # the parameters and the optimizer's state, which the replay reads and writes in place (they are
 # static: parameters by Dynamo, the state by ``optimizer_step``). Any other written input is copied
-# into the graph's buffer before a replay and back out after it. Such a graph is never replayed to
-# time its candidates: each timing replay would apply the update once more. It replays what the
-# strategy picks unmeasured, else the planner's prediction.
+# into the graph's buffer before a replay and back out after it. Each replay that times a candidate
+# applies the update once more, so the inputs it writes in place are copied to the host before the
+# candidates are timed and put back after (``graph_io.WrittenInputs``: on the host, since a second
+# device copy of the parameters and the optimizer's state would set the run's peak). Where that
+# copy would not fit in a quarter of the host's free memory, the graph is not timed and replays
+# the planner's fastest plain candidate (lanes or one lane), never an SM quota: a quota is only
+# ever replayed once measured (DESIGN.md measured every fixed split slower than plain streams).
+# Until session 30 such a graph was never timed and replayed the planner's overall prediction:
+# HF CLIP B/16's whole step with AdamW inside then replayed "quota:1=56" unmeasured on the H200,
+# 8.05 ms back to back where lanes had run 7.56 in session 29.
 
 
 class GraphFamily:
@@ -209,7 +216,7 @@ class CudaGraphRunner:
         # inputs the graph writes (a whole step's optimizer update: NOTE: A graph that writes its inputs)
         self.written_idxs = written_idxs or set()
         self.written_copied: list[int] = []  # ... of them copied in: copied back after each replay
-        self.predicted = predicted  # the planner's best candidate, replayed where timing is not allowed
+        self.predicted = predicted  # the planner's fastest plain candidate, replayed where timing cannot be
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.disabled: str | None = None
@@ -432,16 +439,23 @@ class CudaGraphRunner:
         strategy = self.strategy if self.strategy is not None else in_effect()
         graph = self.facts()
         pick = strategy.unmeasured(graph)
-        if pick is None and self.written_idxs.intersection(self.fixed_ptrs):
-            chosen = self.predicted if self.predicted in self.candidates else (
-                "lanes" if "lanes" in self.candidates else next(iter(self.candidates)))
-            pick = chosen, ("it writes inputs in place (an optimizer update): a timing replay would apply it again, "
-                            "so it replays the planner's prediction")
+        written: WrittenInputs | None = None
+        if pick is None and (in_place := sorted(self.written_idxs.intersection(self.fixed_ptrs))):
+            written = WrittenInputs.keep([self.static_inputs[i] for i in in_place])
+            if written is None:
+                chosen = self.predicted if self.predicted in self.candidates else (
+                    "lanes" if "lanes" in self.candidates else next(iter(self.candidates)))
+                pick = chosen, ("it writes inputs in place (an optimizer's update) too large to keep a copy of on "
+                                "the host while its candidates are timed, so it replays the planner's prediction")
         if pick is not None:
             chosen, why = pick
             log.info("apollo: %s replays %r unmeasured: %s", self.name, chosen, why)
             return self._offered(chosen)
-        allocated_before = self._measure()
+        try:
+            allocated_before = self._measure()
+        finally:
+            if written is not None:  # what the timing replays wrote: as before them
+                written.restore()
         best = strategy.choose(graph, dict(self.measured_ms), dict(self.candidate_pool_bytes), allocated_before)
         if self.on_measured is not None:
             self.on_measured(dict(self.measured_ms))

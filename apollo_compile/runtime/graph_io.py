@@ -8,13 +8,14 @@ copied and which are lent).
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
 from typing import Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["LentOutputs", "OutputCopier", "host_values", "input_shapes", "is_non_overlapping"]
+__all__ = ["LentOutputs", "OutputCopier", "WrittenInputs", "host_values", "input_shapes", "is_non_overlapping"]
 
 _use_count = torch._C._storage_Use_Count  # what CUDA-graph trees read to tell a storage's liveness
 
@@ -125,3 +126,41 @@ class LentOutputs:
                     self.moved += 1
         return list(map(_use_count, self.cdatas)) == self.baseline
 
+
+
+class WrittenInputs:
+    """A copy on the host of the inputs a graph writes in place (an optimizer's update inside the
+    step), so that its candidates can be timed: each timing replay applies the update once more,
+    and :meth:`restore` puts the values back afterwards (cudagraph.py, NOTE: A graph that writes its
+    inputs). Host memory, not the device's: a second copy of the parameters and optimizer state on
+    the GPU would set the run's peak. :meth:`keep` returns None where the copy would take more than
+    `host_fraction` of the host memory available now (the caller then does not time)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.copies = [x.detach().to("cpu", copy=True) for x in tensors]
+
+    @classmethod
+    def keep(cls, tensors: list[torch.Tensor], host_fraction: float = 0.25) -> "WrittenInputs | None":
+        nbytes = sum(x.numel() * x.element_size() for x in tensors)
+        available = available_host_bytes()
+        if available is not None and nbytes > host_fraction * available:
+            return None
+        return cls(tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.copies)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for x, value in zip(self.tensors, self.copies):
+                x.copy_(value)
+
+
+def available_host_bytes() -> int | None:
+    """The host memory available now (Linux's available pages), None where the OS does not say."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
