@@ -22,7 +22,8 @@ schedulers work, and an eager ``optimizer.step()`` after a fallback continues fr
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Sequence
 
 import torch
 
@@ -65,7 +66,7 @@ class InGraphAdam:
         self._groups: list[dict] = []  # per parameter group, what `apply` reads
         self._layout: tuple | None = None  # what `_groups` was laid out for
         self._lr_value: list[Any] = []  # per group: the lr its tensors hold
-        self._static: set[int] = set()  # ids of the tensors already marked static
+        self._static: dict[int, weakref.ref] = {}  # the tensors marked static (the state and lr), by id
         if hasattr(optimizer, "register_load_state_dict_post_hook"):
             optimizer.register_load_state_dict_post_hook(lambda opt: self._keep_addresses())
 
@@ -96,9 +97,32 @@ class InGraphAdam:
                     loaded[key] = t
 
     def _static_address(self, t: torch.Tensor) -> None:
-        if id(t) not in self._static:
+        if not self.owns(t):
             torch._dynamo.mark_static_address(t)
-            self._static.add(id(t))
+            self._static[id(t)] = weakref.ref(t)
+
+    def owns(self, t: Any) -> bool:
+        """Whether `t` is a state or learning-rate tensor this update laid out (and keeps in step
+        with its parameter: :meth:`_state`)."""
+        ref = self._static.get(id(t))
+        return ref is not None and ref() is t
+
+    def guard_filter(self, entries: Sequence[Any]) -> list[bool]:
+        """Dynamo's ``guard_filter_fn``: keep every guard but the tensor guards on the tensors this
+        update owns.
+
+        [NOTE] The state's tensor guards are implied. Dynamo checks every tensor the traced step reads
+        before each call: with AdamW inside, four per parameter (a 398-parameter CLIP: 1597 tensors,
+        each with its metadata and five dynamic-marking checks). On this project's 2-core CPU the
+        guard manager alone took 0.48-0.54 ms per call, 0.26-0.30 ms without the state's tensor
+        guards, and the call's host time outside the graph went from 0.97-1.15 to 0.76-0.91 ms
+        (session 30, two runs each). The state's metadata is its parameter's by construction: :meth:`_state` makes each
+        moment with its parameter's shape, strides, dtype and device (and a step a 0-d float32 on
+        it), and :meth:`prepare` lays the state out again, before the call, whenever a parameter
+        group changes. So the parameters' guards (kept, with the lists' lengths) already decide
+        whether the graph fits; the state's own say nothing more."""
+        return [not (entry.guard_type == "TENSOR_MATCH" and entry.has_value and self.owns(entry.value))
+                for entry in entries]
 
     def _state(self, p: torch.Tensor, amsgrad: bool) -> dict:
         """``optimizer.state[p]`` as Adam keeps it, with the step counter on `p`'s device."""
@@ -110,8 +134,12 @@ class InGraphAdam:
         if amsgrad and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         step = state["step"]
-        if not isinstance(step, torch.Tensor) or step.device != p.device or step.dtype != torch.float32:
-            state["step"] = torch.as_tensor(step, dtype=torch.float32).to(p.device)
+        if not isinstance(step, torch.Tensor) or step.device != p.device or step.dtype != torch.float32 or step.dim():
+            state["step"] = torch.as_tensor(step, dtype=torch.float32).reshape(()).to(p.device)
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):  # the parameter's metadata (NOTE: The state's tensor guards)
+            t = state.get(key)
+            if t is not None and (t.shape, t.stride(), t.dtype, t.device) != (p.shape, p.stride(), p.dtype, p.device):
+                state[key] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(t)
         for t in state.values():
             if isinstance(t, torch.Tensor):
                 self._static_address(t)

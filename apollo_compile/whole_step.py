@@ -30,6 +30,7 @@ that falls back to the module path, trains the same way with ``optimizer.step()`
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from typing import Any, Callable
 
@@ -84,7 +85,13 @@ class CompiledStep:
                 traced = self._with_update
             else:
                 warnings.warn(f"apollo.compile_step: {why}", ApolloFallbackWarning, stacklevel=4)
-        self.whole = torch.compile(traced, backend="apollo", **{**torch_compile_kwargs, "fullgraph": True})
+        whole_kwargs = {**torch_compile_kwargs, "fullgraph": True}
+        if self.update is not None and _takes_guard_filters():  # the state's tensor guards are implied (optimizer_step.py, NOTE)
+            whole_kwargs["options"] = {**(torch_compile_kwargs.get("options") or {}),
+                                       "guard_filter_fn": _both(self.update.guard_filter,
+                                                                (torch_compile_kwargs.get("options") or {}).get(
+                                                                    "guard_filter_fn"))}
+        self.whole = torch.compile(traced, backend="apollo", **whole_kwargs)
         self.parts: Callable | None = None
         self.fallback_reason = fallback_reason  # why the step runs on the module path, once it does
         if fallback_reason is not None:
@@ -136,6 +143,19 @@ class CompiledStep:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+
+def _takes_guard_filters() -> bool:
+    """Whether this PyTorch's ``torch.compile`` takes ``options={"guard_filter_fn": ...}`` (it pops it
+    before the backend sees the options)."""
+    return "guard_filter_fn" in inspect.signature(torch._dynamo.eval_frame._optimize).parameters
+
+
+def _both(ours: Callable, theirs: Callable | None) -> Callable:
+    """A ``guard_filter_fn`` keeping the guards both filters keep (`theirs`: the user's, if any)."""
+    if theirs is None:
+        return ours
+    return lambda entries: [a and b for a, b in zip(ours(entries), theirs(entries))]
 
 
 def compile_step(fn: Callable | None = None, *, optimizer: torch.optim.Optimizer | None = None,

@@ -19,11 +19,13 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning
 from apollo_compile.annotations import info
 from apollo_compile.nodes import written_inputs
+from apollo_compile.optimizer_step import InGraphAdam
 from apollo_compile.runtime import choice
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
 from helpers import TOLERANCE
@@ -341,3 +343,41 @@ def test_gradients_accumulated_before_the_step_are_summed_into_its_update():
                 torch.testing.assert_close(p, q, **PARAMS)
                 assert p.grad is None
     assert [sorted(p.graphs) for p in apollo_compile.plans()] == [["inference"], ["inference"]]
+
+
+def test_the_states_tensor_guards_are_left_to_its_parameters():
+    """optimizer_step.py, NOTE: The state's tensor guards are implied: Dynamo checks the parameters
+    before each call, not the moments, steps and learning rates the update owns (their metadata is
+    their parameters' by construction), which was 3 of every 4 tensors checked."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TwoTower(layers=1)
+    compiled = apollo_compile.compile_step(step_of(model), optimizer=adamw(model), options=EAGER)
+    compiled(*two_tower_inputs(seed=0))
+    (entry,) = _debug_get_cache_entry_list(type(compiled)._with_update.__code__)
+    checked = [line for line in str(entry.guard_manager).splitlines() if "TENSOR_MATCH" in line]
+    params = sum(1 for _ in model.parameters())
+    assert not [line for line in checked if "_groups" in line]
+    assert params <= len(checked) <= params + 4  # the parameters, the inputs, the model's buffers
+
+
+def test_a_loaded_state_takes_its_parameters_layout():
+    """What the update reads has its parameter's shape, strides, dtype and device, also when a
+    checkpoint's state came in another layout (so its guards stay implied by the parameter's)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = adamw(model)
+    update = InGraphAdam(opt)
+    w = model.weight
+    loaded = torch.randn(4, 3).t()  # the right shape, the other strides
+    opt.state[w] = {"step": torch.tensor(2.0, dtype=torch.float64), "exp_avg": loaded,
+                    "exp_avg_sq": torch.rand(3, 4, dtype=torch.float64)}
+    update.prepare()
+    state = opt.state[w]
+    for key in ("exp_avg", "exp_avg_sq"):
+        t = state[key]
+        assert (t.shape, t.stride(), t.dtype) == (w.shape, w.stride(), w.dtype) and update.owns(t), key
+    torch.testing.assert_close(state["exp_avg"], loaded)
+    assert state["step"].dtype == torch.float32 and state["step"].dim() == 0 and update.owns(state["step"])
