@@ -20,6 +20,8 @@
 #   run(command="bash benchmarks/h200_session.sh edge-offload-x", carry=[".device_cache"]) # ... with expandable segments
 #   run(command="bash benchmarks/h200_session.sh profile",       carry=[".device_cache"]) # kernels per stream and lane overlap, batch 8 and 32 (a trace)
 #   run(command="bash benchmarks/h200_session.sh host",          carry=[".device_cache"]) # the host's time per step at batch 8 (probes/host_split.py)
+#   run(command="bash benchmarks/h200_session.sh step-host",     carry=[".device_cache"]) # the whole step's host time before its replay at batch 8
+#       (probes/step_host.py: reduce-overhead's whole step, compile_step, compile_step with the optimizer inside)
 #   run(command="bash benchmarks/h200_session.sh distributed", kind="nvidia-h200-x2")    # DDP scaling on 2 GPUs, per-GPU batch 32 and 128
 #   run(command="bash benchmarks/h200_session.sh placement",   kind="nvidia-h200-x2")    # towers on 2 GPUs against DDP at global batch 64
 #
@@ -93,6 +95,11 @@ case "${1:-}" in
              timeout 450 python benchmarks/probes/host_split.py --batch 8 --variants inductor-ro apollo --steps 30 \
                --b2b-profile > "$OUT/host.txt" 2>&1
              status=$?; tail -c 6000 "$OUT/host.txt"; exit $status ;;
+  step-host) # where compile_step's host time goes before its replay, against reduce-overhead's whole step; each variant
+             # compiles (the optimizer-inside step ~260 s cold, ~60 s from the cache) and warms up: 190 s was too short (session 30)
+             timeout 520 python benchmarks/probes/step_host.py --models hf-clip --batch 8 \
+               --variants apollo-step-opt inductor-ro-step apollo-step --out "$OUT/step-host" > "$OUT/step_host.txt" 2>&1
+             status=$?; grep -E "^--- |^\| |ncalls|[0-9] \{|\.py:[0-9]+\(" "$OUT/step_host.txt" | tail -c 9000; exit $status ;;
   distributed)  # DDP on 2 GPUs: apollo as one graph (optimize_ddp off) against DDP + Inductor and against each GPU
              # training alone (scaling 1.0 = perfect), per-GPU batch 32 and 128
              timeout 520 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 128 --steps 20 --warmup 3 \
@@ -104,7 +111,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?

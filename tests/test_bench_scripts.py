@@ -471,3 +471,19 @@ def test_whole_step_benchmark_runs_llava_on_the_cpu(tmp_path):
     (entry,) = json.loads((tmp_path / "whole_step_results.json").read_text())["results"]
     assert [(r["variant"], r["status"], r["numerics"]["pass"]) for r in entry["variants"]] == [
         ("eager", "ok", True), ("inductor", "ok", True), ("apollo", "ok", True)]
+
+
+def test_the_step_host_probe_runs_on_the_cpu(tmp_path):
+    """probes/step_host.py (h200_session.sh step-host): the optimizer-inside step's host split, on
+    the CPU without its CUDA-graph stamps: a row with the step's time and the profile, written as
+    each variant finishes."""
+    import json
+
+    import step_host
+
+    out = tmp_path / "host"
+    assert step_host.main(["--device", "cpu", "--models", "hf-clip-tiny", "--batch", "2", "--steps", "2", "--warmup",
+                           "2", "--variants", "apollo-step-opt", "--apollo-options",
+                           '{"subgraph_compiler": "eager"}', "--top", "3", "--out", str(out)]) == 0
+    (row,) = json.loads((out / "step_host.json").read_text())
+    assert row["variant"] == "apollo-step-opt" and row["step"] > 0 and "ncalls" in row["profile"]

@@ -1,0 +1,150 @@
+"""Where a whole step's host time goes before its CUDA graph starts (issue 23: compile_step with the
+optimizer inside ran 7.42 ms back to back but 11.32 ms with the loss read every step, session 30).
+
+Per variant of ``bench_whole_step.py`` (``apollo-step-opt``, ``apollo-step``, ``inductor-ro-step``),
+after ``--warmup`` steps, the median over ``--steps`` steps each from an idle GPU of:
+
+- ``to launch``: host ms from the step's start (``optimizer.zero_grad``, as the benchmark's loop)
+  to the start of the first ``CUDAGraph.replay()`` of the step;
+- ``launch``: that replay call's host ms;
+- ``after``: host ms from the replay's return to the step's return (the optimizer outside, the
+  outputs handed back);
+- ``step``: the step from an idle GPU to ``loss.item()`` (CUDA events), as the benchmark's median;
+- then the same steps under cProfile: the top functions by own time (cProfile slows Python calls:
+  read the shares, not the times).
+
+    PYTHONPATH=. python benchmarks/probes/step_host.py --models hf-clip --batch 8
+    python benchmarks/probes/step_host.py --device cpu --models hf-clip-tiny --batch 2 --steps 3 --warmup 2 \\
+        --variants apollo-step-opt --apollo-options '{"subgraph_compiler": "eager"}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import copy
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent),  # benchmarks/: common.py, bench_whole_step.py
+                str(Path(__file__).resolve().parent.parent.parent)]  # the repo root, for apollo_compile
+import bench_whole_step as bws  # noqa: E402  (its models and whole-step variants)
+import common  # noqa: E402
+
+
+class ReplayStamps:
+    """Host times of every ``torch.cuda.CUDAGraph.replay()`` call, while installed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, float]] = []
+        self.original = None
+
+    def __enter__(self) -> "ReplayStamps":
+        if torch.cuda.is_available():
+            self.original = torch.cuda.CUDAGraph.replay
+            original, calls = self.original, self.calls
+
+            def replay(graph):
+                start = time.perf_counter()
+                original(graph)
+                calls.append((start, time.perf_counter()))
+
+            torch.cuda.CUDAGraph.replay = replay
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.original is not None:
+            torch.cuda.CUDAGraph.replay = self.original
+
+
+def run(variant: str, name: str, base, batch, args, device) -> dict:
+    model = copy.deepcopy(base).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True if device.type == "cuda" else None)
+    f = bws.WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options), optimizer)
+    inside = variant == "apollo-step-opt"
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = f(*batch)
+        if not inside:
+            optimizer.step()
+        return loss
+
+    for _ in range(args.warmup):
+        step().item()
+    rows = {"to launch": [], "launch": [], "after": [], "step": []}
+    with ReplayStamps() as stamps:
+        for _ in range(args.steps):
+            common.synchronize(device)
+            stamps.calls.clear()
+            start_event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+            end_event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+            if start_event is not None:
+                start_event.record()
+            t0 = time.perf_counter()
+            loss = step()
+            t1 = time.perf_counter()
+            if end_event is not None:
+                end_event.record()
+            loss.item()
+            if stamps.calls:
+                first, last = stamps.calls[0], stamps.calls[-1]
+                rows["to launch"].append(1e3 * (first[0] - t0))
+                rows["launch"].append(1e3 * (first[1] - first[0]))
+                rows["after"].append(1e3 * (t1 - last[1]))
+            rows["step"].append(start_event.elapsed_time(end_event) if start_event is not None else 1e3 * (t1 - t0))
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(args.steps):
+        step()
+    common.synchronize(device)
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
+    out = {k: statistics.median(v) for k, v in rows.items() if v}
+    out["profile"] = text.getvalue()
+    del f, model, optimizer
+    common.free_device_memory(device)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["hf-clip"], type=bws.model_name)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--variants", nargs="+", default=["inductor-ro-step", "apollo-step", "apollo-step-opt"],
+                   choices=bws.STEP_VARIANTS)
+    p.add_argument("--apollo-options", type=json.loads, default={})
+    p.add_argument("--top", type=int, default=25)
+    common.add_run_args(p, steps=30, warmup=5)
+    args = common.parse_run_args(p, argv)
+    if (setup := common.device_and_out_dir(args)) is None:
+        return 2
+    device, out_dir = setup
+    table = []
+    for name in args.models:
+        base, shape = bws.build(name, args.seed)
+        batch = bws.make_batch(shape, args.batch, device, args.seed)
+        for variant in args.variants:
+            result = run(variant, name, base, batch, args, device)
+            common.log(f"--- {name}, batch {args.batch}, {variant}: "
+                       + ", ".join(f"{k} {v:.3f} ms" for k, v in result.items() if k != "profile"))
+            common.log(result["profile"])
+            table.append({"model": name, "variant": variant, **result})
+            (out_dir / "step_host.json").write_text(json.dumps(table, indent=1))  # a cut run keeps what it measured
+    cols = ["to launch", "launch", "after", "step"]
+    common.log(common.markdown(["model", "variant", *cols],
+                               [[r["model"], r["variant"], *(f"{r[c]:.3f}" if c in r else "-" for c in cols)]
+                                for r in table]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
