@@ -85,13 +85,11 @@ class CompiledStep:
                 traced = self._with_update
             else:
                 warnings.warn(f"apollo.compile_step: {why}", ApolloFallbackWarning, stacklevel=4)
-        whole_kwargs = {**torch_compile_kwargs, "fullgraph": True}
+        options = _options(torch_compile_kwargs)
         if self.update is not None and _takes_guard_filters():  # the state's tensor guards are implied (optimizer_step.py, NOTE)
-            whole_kwargs["options"] = {**(torch_compile_kwargs.get("options") or {}),
-                                       "guard_filter_fn": _both(self.update.guard_filter,
-                                                                (torch_compile_kwargs.get("options") or {}).get(
-                                                                    "guard_filter_fn"))}
-        self.whole = torch.compile(traced, backend="apollo", **whole_kwargs)
+            options["guard_filter_fn"] = _both(self.update.guard_filter, options.get("guard_filter_fn"))
+        self.whole = torch.compile(traced, backend="apollo", **{**torch_compile_kwargs, "options": options,
+                                                                 "fullgraph": True})
         self.parts: Callable | None = None
         self.fallback_reason = fallback_reason  # why the step runs on the module path, once it does
         if fallback_reason is not None:
@@ -100,7 +98,7 @@ class CompiledStep:
 
     def _fall_back(self, reason: str, stacklevel: int = 3) -> None:
         self.fallback_reason = reason
-        self.parts = torch.compile(self.fn, backend="apollo", **self.kwargs)
+        self.parts = torch.compile(self.fn, backend="apollo", **{**self.kwargs, "options": _options(self.kwargs)})
         warnings.warn(f"apollo.compile_step: {getattr(self.fn, '__qualname__', self.fn)} runs as forward and "
                       f"backward graphs with the autograd engine between them, not as one graph, because {reason}: "
                       "training stays correct, the step is slower. Keep optimizer.step() and Python-side work "
@@ -145,6 +143,16 @@ class CompiledStep:
             self.optimizer.zero_grad(set_to_none=True)
 
 
+# what torch.compile takes out of `options` itself: the rest is the backend's
+TORCH_COMPILE_OPTIONS = ("guard_filter_fn",)
+
+
+def _options(torch_compile_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the user's ``options`` for one ``torch.compile`` call: it pops what is its own
+    (``guard_filter_fn``) from the dict it is given, so each call gets the user's whole dict."""
+    return dict(torch_compile_kwargs.get("options") or {})
+
+
 def _takes_guard_filters() -> bool:
     """Whether this PyTorch's ``torch.compile`` takes ``options={"guard_filter_fn": ...}`` (it pops it
     before the backend sees the options)."""
@@ -179,7 +187,10 @@ def compile_step(fn: Callable | None = None, *, optimizer: torch.optim.Optimizer
     if backend != "apollo":
         raise ApolloOptionsError(f"apollo.compile_step compiles with backend='apollo', got backend={backend!r}; "
                                  "use torch.compile for other backends")
-    ApolloOptions.from_user(torch_compile_kwargs.get("options"), torch_compile_kwargs.get("mode"))
+    options = torch_compile_kwargs.get("options")
+    if isinstance(options, dict):  # the backend's own, as torch.compile hands them over
+        options = {k: v for k, v in options.items() if k not in TORCH_COMPILE_OPTIONS}
+    ApolloOptions.from_user(options, torch_compile_kwargs.get("mode"))
     reason = None if backward_tracing_supported() else (
         f"this PyTorch's Dynamo cannot trace loss.backward() into the graph (torch._dynamo.config.{TRACE_FLAG} "
         "is missing)")

@@ -15,6 +15,7 @@ by ~lr = 1e-2.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -345,22 +346,51 @@ def test_gradients_accumulated_before_the_step_are_summed_into_its_update():
     assert [sorted(p.graphs) for p in apollo_compile.plans()] == [["inference"], ["inference"]]
 
 
+def state_tensor_guards(compiled) -> list[str]:
+    """The TENSOR_MATCH guards Dynamo checks before each call of `compiled`'s one graph."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    (entry,) = _debug_get_cache_entry_list(type(compiled)._with_update.__code__)
+    return [line for line in str(entry.guard_manager).splitlines() if "TENSOR_MATCH" in line]
+
+
 def test_the_states_tensor_guards_are_left_to_its_parameters():
     """optimizer_step.py, NOTE: The state's tensor guards are implied: Dynamo checks the parameters
     before each call, not the moments, steps and learning rates the update owns (their metadata is
     their parameters' by construction), which was 3 of every 4 tensors checked."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TwoTower(layers=1)
     compiled = apollo_compile.compile_step(step_of(model), optimizer=adamw(model), options=EAGER)
     compiled(*two_tower_inputs(seed=0))
-    (entry,) = _debug_get_cache_entry_list(type(compiled)._with_update.__code__)
-    checked = [line for line in str(entry.guard_manager).splitlines() if "TENSOR_MATCH" in line]
+    checked = state_tensor_guards(compiled)
     params = sum(1 for _ in model.parameters())
     assert not [line for line in checked if "_groups" in line]
     assert params <= len(checked) <= params + 4  # the parameters, the inputs, the model's buffers
+
+
+def test_a_users_guard_filter_applies_beside_the_updates():
+    """options={"guard_filter_fn": ...} is torch.compile's own option: compile_step takes it and
+    Dynamo applies it together with the update's (a guard is kept where both keep it)."""
+    asked = []
+
+    def checked_guards(user_filter):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = TwoTower(layers=1)
+        params = list(model.parameters())
+        options = {**EAGER, "guard_filter_fn": functools.partial(user_filter, params[0])} if user_filter else EAGER
+        compiled = apollo_compile.compile_step(step_of(model), optimizer=adamw(model), options=options)
+        compiled(*two_tower_inputs(seed=0))
+        return state_tensor_guards(compiled)
+
+    def no_guard_on(weight, entries):  # the user's own: no tensor guard on one parameter
+        asked.append(len(entries))
+        return [not (e.guard_type == "TENSOR_MATCH" and e.has_value and e.value is weight) for e in entries]
+
+    theirs, ours_only = checked_guards(no_guard_on), checked_guards(None)
+    assert asked and not [line for line in theirs if "_groups" in line]
+    assert len(theirs) == len(ours_only) - 1
 
 
 def test_a_loaded_state_takes_its_parameters_layout():

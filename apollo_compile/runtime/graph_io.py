@@ -127,7 +127,6 @@ class LentOutputs:
         return list(map(_use_count, self.cdatas)) == self.baseline
 
 
-
 class WrittenInputs:
     """A copy on the host of the inputs a graph writes in place (an optimizer's update inside the
     step), so that its candidates can be timed: each timing replay applies the update once more,
@@ -148,10 +147,6 @@ class WrittenInputs:
             return None
         return cls(tensors)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in self.copies)
-
     def restore(self) -> None:
         with torch.no_grad():
             for x, value in zip(self.tensors, self.copies):
@@ -159,7 +154,8 @@ class WrittenInputs:
 
 
 def available_host_bytes() -> int | None:
-    """The host memory available now (Linux's available pages), None where the OS does not say."""
+    """The host's free memory now (Linux's free pages: the page cache not counted, so it errs
+    low), None where the OS does not say."""
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
