@@ -395,21 +395,29 @@ def adamw_inside_the_step():
     return model, ref, opt, ref_opt, compiled
 
 
+def trained_with_adamw_inside(steps: int):
+    """`adamw_inside_the_step()` trained `steps` steps beside its eager twin: after each, the
+    parameters and every step counter as eager's and no .grad left (the step consumes them).
+    Returns the model. Tolerances: tests/test_optimizer_step.py's module docstring."""
+    model, ref, opt, ref_opt, compiled = adamw_inside_the_step()
+    for i in range(steps):
+        inputs = two_tower_inputs(seed=i)
+        compiled(*inputs)
+        ref(*inputs).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-5, msg=lambda m: f"step {i}: {m}")
+            assert float(opt.state[p]["step"]) == i + 1 and p.grad is None
+    return model
+
+
 def test_a_whole_step_with_its_optimizer_inside_replays_the_update_once_per_call(runners):
     """compile_step(..., optimizer=): the replay writes the parameters and AdamW's state in place
     (static inputs), once per call; nothing is copied back, no gradient is handed out (the step
     consumes them), and the loss is the one output, copied. Tolerances: tests/test_optimizer_step.py's
     module docstring."""
-    model, ref, opt, ref_opt, compiled = adamw_inside_the_step()
-    for i in range(5):
-        inputs = two_tower_inputs(seed=i)
-        compiled(*inputs)
-        ref(*inputs).backward()
-        ref_opt.step()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-5, msg=lambda m: f"step {i}: {m}")
-            assert float(opt.state[p]["step"]) == i + 1 and p.grad is None
-        ref_opt.zero_grad(set_to_none=True)
+    model = trained_with_adamw_inside(5)
     (runner,) = runners
     assert runner.kind == "inference" and runner.replays == 4 and runner.ungraphed_calls == 0
     params = sum(1 for _ in model.parameters())
@@ -433,16 +441,7 @@ def test_a_whole_step_with_its_optimizer_inside_is_timed_and_trains_like_eager(r
 
     monkeypatch.setattr(CudaGraphRunner, "_measure", measure)
     with choice.using(choice.ChooseFastest()):
-        model, ref, opt, ref_opt, compiled = adamw_inside_the_step()
-        for i in range(4):
-            inputs = two_tower_inputs(seed=i)
-            compiled(*inputs)
-            ref(*inputs).backward()
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-            for p, q in zip(model.parameters(), ref.parameters()):
-                torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-5, msg=lambda m: f"step {i}: {m}")
-                assert float(opt.state[p]["step"]) == i + 1
+        trained_with_adamw_inside(4)
     (runner,) = runners
     assert set(runner.measured_ms) == {"lanes", "one_lane"} and runner.chosen == "one_lane"
     assert runner.replays == 3 and runner.ungraphed_calls == 0
