@@ -411,3 +411,18 @@ def test_a_loaded_state_takes_its_parameters_layout():
         assert (t.shape, t.stride(), t.dtype) == (w.shape, w.stride(), w.dtype) and update.owns(t), key
     torch.testing.assert_close(state["exp_avg"], loaded)
     assert state["step"].dtype == torch.float32 and state["step"].dim() == 0 and update.owns(state["step"])
+
+
+def test_the_step_counters_advance_in_one_foreach_op():
+    """optimizer_step.py, NOTE: The step counters advance together: one _foreach_add per parameter
+    group and device in the traced step, not a one-element increment per parameter (each a kernel
+    and a CUDA-graph node of its own); the counters still end as eager's (train_with_update_inside)."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    model = TwoTower(layers=1)
+    train_with_update_inside(model, adamw, EAGER, steps=2)
+    gm = apollo_compile.last_plan().inference.gm
+    foreach = [n for n in gm.graph.nodes if n.op == "call_function" and "_foreach_add" in str(n.target)]
+    assert len(foreach) == 1, foreach
+    params = sum(1 for _ in model.parameters())
+    assert len(foreach[0].args[0]) == params

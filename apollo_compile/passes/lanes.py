@@ -46,6 +46,12 @@ therefore depends on the subgraphs of every reader that precedes it in the graph
 one: AOTAutograd puts the writes at the graph's end, and ``passes/updates.py`` moves a write earlier
 only as far as its last reader.
 
+[NOTE] An item stays with its tuple: a node that takes an item of a multi-output op's result
+(``getitem``) goes in that op's subgraph, whatever its own tower. A subgraph hands on tensors, not
+the op's tuple or list: cut apart, the tuple itself became the subgraph's output, and Inductor
+asserted on it (the optimizer's step counters advanced by one ``_foreach_add`` on the main lane,
+each counter read by its own tower's update). The items then leave the subgraph as tensors.
+
 [NOTE] Every symbol a subgraph's sizes name must be bound by one of its inputs. Inductor reads a
 symbol off an input only where it stands alone: a SymInt input ``s40`` or a tensor input's size or
 stride ``s40``; it cannot solve ``s40*(512//s40)`` for ``s40``. With dynamic shapes a subgraph may
@@ -59,6 +65,7 @@ as an extra input, after the ones its nodes read.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -183,6 +190,11 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
     for n in nodes:
         if n.op not in COMPUTE_OPS:
             continue
+        if (producer := multi_output_producer(n)) is not None:  # [NOTE] An item stays with its tuple
+            home = subgraphs[info(producer).subgraph]
+            home.nodes.append(n)
+            info(n).lane, info(n).subgraph = home.lane, home.id
+            continue
         lane = lane_of.get(info(n).modality, 0)
         deps = {info(a).subgraph for a in n.all_input_nodes if info(a).subgraph is not None}
         # a write into a graph input waits for every earlier reader of that input ([NOTE] A write
@@ -218,6 +230,15 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
     # drop edges implied by others so the runtime waits on as few events as possible
     dag = nx.transitive_reduction(dag) if dag.number_of_edges() else dag
     return subgraphs, dag
+
+
+def multi_output_producer(n: torch.fx.Node) -> torch.fx.Node | None:
+    """The op whose tuple or list `n` takes an item of (``operator.getitem``), where that op is
+    already in a subgraph; else None."""
+    if n.target is not operator.getitem or not isinstance(n.args[0], torch.fx.Node):
+        return None
+    producer = n.args[0]
+    return producer if producer.op in COMPUTE_OPS and info(producer).subgraph is not None else None
 
 
 def _symbols(val) -> set[sympy.Symbol]:
