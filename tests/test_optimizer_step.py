@@ -416,7 +416,8 @@ def test_a_loaded_state_takes_its_parameters_layout():
 def test_the_step_counters_advance_in_one_foreach_op():
     """optimizer_step.py, NOTE: The step counters advance together: one _foreach_add per parameter
     group and device in the traced step, not a one-element increment per parameter (each a kernel
-    and a CUDA-graph node of its own); the counters still end as eager's (train_with_update_inside)."""
+    and a CUDA-graph node of its own), its values written back beside it (passes/updates.py); the
+    counters still end as eager's (train_with_update_inside)."""
     torch.manual_seed(0)
     apollo_compile.clear_plans()
     model = TwoTower(layers=1)
@@ -426,3 +427,13 @@ def test_the_step_counters_advance_in_one_foreach_op():
     assert len(foreach) == 1, foreach
     params = sum(1 for _ in model.parameters())
     assert len(foreach[0].args[0]) == params
+    # the new counters are written back right after the foreach, in its subgraph (where Inductor can
+    # write them in place in its kernels), not one copy per counter at the graph's end
+    from apollo_compile.passes.modality import traced_from_autograd
+
+    writes = [u for item in foreach[0].users for u in item.users if written_inputs(u)]
+    nodes = list(gm.graph.nodes)
+    where = {n: i for i, n in enumerate(nodes)}
+    last_gradient = max(where[n] for n in nodes if traced_from_autograd(n))
+    assert len(writes) == params and max(where[w] for w in writes) < last_gradient
+    assert {info(w).subgraph for w in writes} == {info(foreach[0]).subgraph}

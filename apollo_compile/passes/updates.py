@@ -15,7 +15,12 @@ parameters and the optimizer's state, next to the gradients they read:
   counter's bias corrections) goes right before its first user (as late as possible: a
   parameter-sized temporary made at the start of the graph would live through all of it);
 - a write into an input comes after every reader of that input (the backward's matmuls read the
-  weights it overwrites: ``lanes.py``, NOTE: A write into an input comes after its readers).
+  weights it overwrites: ``lanes.py``, NOTE: A write into an input comes after its readers), and
+  a write of a value placed late (the step counters' new values, made by one ``_foreach_add``
+  before the first update), and each item taken of that op's result, come right after it, not at
+  the graph's end and not each before its first user: there Inductor can write the new counters
+  in place in the kernels that compute them, where a copy-back at the end was one more kernel per
+  counter.
 
 The other nodes keep their order. The update region is found from the dataflow: each write into
 an input, and every op the autograd engine did not trace whose users are all in the region (so
@@ -24,6 +29,8 @@ input is left as it is.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx
@@ -44,23 +51,41 @@ def update_region(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
     return region
 
 
+def _follows_its_inputs(n: torch.fx.Node) -> bool:
+    """An item of a multi-output op (free: no memory of its own) or a write nothing reads: placed
+    right after what it reads, not by its users."""
+    return n.target is operator.getitem or (not n.users and bool(written_inputs(n)))
+
+
 def reordered(nodes: list[torch.fx.Node], region: set[torch.fx.Node]) -> list[torch.fx.Node]:
     """`nodes` with the region's ops moved (see the module docstring); the others keep their order.
     Each region op gets a slot, the base node it follows: the last of the non-input nodes it reads
     (and, for a write, of the other readers of what it writes); an op whose inputs are all graph
-    inputs or such ops takes the slot of its first user instead."""
+    inputs or such ops takes the slot of its first user instead, except an item of its result or
+    a write nothing reads, which follow it (`_follows_its_inputs`)."""
     base = [n for n in nodes if n not in region]
     pos = {n: i for i, n in enumerate(base)}
     slot: dict[torch.fx.Node, int] = {}
+
+    def after_what_it_reads(n: torch.fx.Node, default: int) -> int:
+        deps = [a for a in n.all_input_nodes if a.op != "placeholder"]
+        deps += [r for x in written_inputs(n) for r in readers_of(x) if r is not n]
+        return max((pos[a] if a in pos else slot[a] for a in deps), default=default)
+
     for n in nodes:  # as soon as possible; -1: decided by its users
         if n in region:
-            deps = [a for a in n.all_input_nodes if a.op != "placeholder"]
-            deps += [r for x in written_inputs(n) for r in readers_of(x) if r is not n]
-            slot[n] = max((pos[a] if a in pos else slot[a] for a in deps), default=-1)
+            slot[n] = after_what_it_reads(n, -1)
     last = len(base) - 1  # the output node
+    needed: dict[torch.fx.Node, int] = {}  # for those: the slot of their first user
     for n in reversed(nodes):  # as late as possible, for those
         if n in region and slot[n] < 0:
-            slot[n] = min((slot[u] for u in n.users if u in region), default=last)
+            needed[n] = min((needed.get(u, slot[u]) for u in n.users if u in region and needed.get(u, slot[u]) >= 0),
+                            default=last)
+            if not _follows_its_inputs(n):
+                slot[n] = needed[n]
+    for n in nodes:  # an item of such an op, and a write nothing reads: right after what they read
+        if n in region and slot[n] < 0:
+            slot[n] = after_what_it_reads(n, last)
     after: dict[int, list[torch.fx.Node]] = {}
     for n in nodes:
         if n in region:
