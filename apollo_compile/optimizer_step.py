@@ -195,10 +195,12 @@ class InGraphAdam:
 
         [NOTE] The step counters advance together: one ``_foreach_add_`` per group and device, as
         torch's foreach and fused Adam do, not a ``step.add_(1)`` per parameter. Each counter is
-        a one-element tensor, so a per-parameter increment was a kernel of its own, about half of
-        the update's kernels in the replayed graph (one graph node each: the optimizer-inside
-        step's CUDA-graph launch took 0.81 ms on the H200 against 0.35 ms without the update,
-        session 30). Inductor lowers a foreach op to a few horizontally fused kernels."""
+        a one-element tensor, so a per-parameter increment was a kernel of its own beside its
+        parameter's update (Inductor does not fuse a one-element write into a parameter-sized
+        kernel), and a graph node of its own: the optimizer-inside step's CUDA-graph launch took
+        0.81 ms on the H200 against 0.35 ms without the update (session 30; the effect of this
+        change is not measured yet). Inductor lowers a foreach op to a few horizontally fused
+        kernels, and ``passes/updates.py`` writes the new counters back beside it."""
         with torch.no_grad():
             for g in self._groups:
                 stepped = [j for j, p in enumerate(g["params"]) if p.grad is not None]
