@@ -2,6 +2,9 @@
 
 Reads ``NodeInfo.modality`` and ``NodeInfo.est_us``; writes ``NodeInfo.lane`` and
 ``NodeInfo.subgraph``; returns a :class:`LanePlan` (the subgraphs and their dependency DAG).
+Between cutting the graph (:func:`segment`) and wiring the subgraphs' inputs and outputs
+(:func:`wire`), ``boundary.py`` recomputes a cheap elementwise value where it is read rather than
+hand it across a cut (NOTE: A cut materializes what crosses it).
 
 Lane 0 is the main lane (the caller's stream): joins (``fusion``) run there. Every other
 modality gets a lane of its own, except that a modality fed by exactly one other modality (a
@@ -76,6 +79,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbol_bindin
 
 from ..annotations import FUSION, info
 from ..nodes import readers_of, written_inputs
+from . import boundary
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -101,6 +105,7 @@ class LanePlan:
     dag: nx.DiGraph  # subgraph id -> subgraph id: happens-before
     order: list[int]  # launch order: a topological order of `dag`
     reason: str = ""  # why this many lanes
+    recomputed: dict = field(default_factory=dict)  # values recomputed where read, not handed across (boundary.py)
 
     def lane_of(self, sg_id: int) -> int:
         return self.subgraphs[sg_id].lane
@@ -123,6 +128,7 @@ class LanePlan:
             "predicted_serial_us": round(serial, 1),
             "predicted_concurrent_us": round(critical, 1),
             "reason": self.reason,
+            "recomputed_at_cuts": self.recomputed,
         }
 
 
@@ -183,7 +189,8 @@ def assign_lanes(nodes: list[torch.fx.Node], max_lanes: int | None) -> tuple[dic
 
 
 def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[Subgraph], nx.DiGraph]:
-    """Cut the graph into per-lane subgraphs with an acyclic dependency DAG (see [NOTE])."""
+    """Cut the graph into per-lane subgraphs with an acyclic dependency DAG (see [NOTE]); `wire`
+    then gives them their inputs and outputs."""
     subgraphs: list[Subgraph] = []
     dag = nx.DiGraph()
     open_sg: dict[int, Subgraph] = {}
@@ -214,6 +221,12 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
         for d in deps:
             if d != cur.id:
                 dag.add_edge(d, cur.id)
+    return subgraphs, dag
+
+
+def wire(subgraphs: list[Subgraph], nodes: list[torch.fx.Node], dag: nx.DiGraph) -> nx.DiGraph:
+    """Each subgraph's inputs (values from outside, first-use order) and outputs (values read
+    outside); the DAG without the edges others imply."""
     for sg in subgraphs:
         inside = set(sg.nodes)
         seen: dict[torch.fx.Node, None] = {}
@@ -228,8 +241,7 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
         inside = set(sg.nodes)
         sg.outputs = [n for n in sg.nodes if n in read or any(u not in inside for u in n.users)]
     # drop edges implied by others so the runtime waits on as few events as possible
-    dag = nx.transitive_reduction(dag) if dag.number_of_edges() else dag
-    return subgraphs, dag
+    return nx.transitive_reduction(dag) if dag.number_of_edges() else dag
 
 
 def multi_output_producer(n: torch.fx.Node) -> torch.fx.Node | None:
@@ -341,6 +353,12 @@ def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
         info(n).lane = info(n).subgraph = None
     lane_of, reason = assign_lanes(nodes, ctx.options.max_lanes)
     subgraphs, dag = segment(nodes, lane_of)
+    recomputed = boundary.recompute_crossings(subgraphs, gm.graph)  # NOTE: A cut materializes what crosses it
+    if recomputed["recomputed"]:
+        gm.graph.lint()
+        gm.recompile()
+        nodes = list(gm.graph.nodes)
+    dag = wire(subgraphs, nodes, dag)
     lane_of, moved, why = costliest_on_main(subgraphs, lane_of, frozenset(getattr(ctx, "forward_main_lane", None) or ()))
     reason += why
     lanes: dict[int, list[str]] = {}
@@ -351,4 +369,4 @@ def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
     # on the main lane, launch the joins' subgraphs before the moved tower's whenever the DAG allows:
     # one stream runs them in launch order, and another lane may be waiting for a join
     order = list(nx.lexicographical_topological_sort(dag, key=lambda i: (i in moved, i)))
-    return LanePlan(lanes, subgraphs, dag, order, reason)
+    return LanePlan(lanes, subgraphs, dag, order, reason, recomputed)

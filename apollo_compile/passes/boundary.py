@@ -1,0 +1,147 @@
+"""Boundary recompute: a cheap elementwise value that one subgraph makes and another reads is
+computed again where it is read, from what that subgraph reads anyway, instead of being handed
+across the cut.
+
+Called by the lanes pass between cutting the graph and wiring the subgraphs' inputs and outputs;
+edits the graph (a copy of each recomputed chain before its first reader in the reading subgraph)
+and the subgraphs' node lists.
+
+[NOTE] A cut materializes what crosses it. Compiled as one graph, Inductor inlines a cheap
+elementwise value into each kernel that reads it: HF CLIP's ``quick_gelu``, ``x * sigmoid(1.702 *
+x)``, keeps only ``x`` and the product (a matmul's input) for the backward of a whole step, and
+the backward's kernels compute the sigmoid again from ``x``. Cut into subgraphs, every value read
+across the cut is a subgraph output, so a buffer of its own: the sigmoid was written in the
+forward's subgraph and held, one MLP-sized bf16 buffer per layer, until the backward's subgraph
+read it. Measured on the H200 (HF CLIP B/16, whole step, session 31): apollo's step held 0.23 GiB
+more than Inductor's whole-step graph at batch 8 and 0.70 GiB more at batch 32, while apollo on
+one lane, one subgraph, held the same as Inductor; on the CPU the cut of that step handed across
+four sigmoids per two layers and nothing else that is elementwise and not a view.
+
+A value is recomputed where it is read when:
+
+- it is an elementwise op (``Tag.pointwise``) that draws no random numbers, and not a view (a view
+  costs no memory of its own: its base is what crosses);
+- every reader of it in the reading subgraph is elementwise too, so Inductor inlines the
+  recomputation into their kernels rather than writing it to a buffer there;
+- its inputs, through at most :data:`MAX_DEPTH` elementwise ops or views, are values that subgraph
+  reads anyway, or graph inputs: no new value crosses. Never a graph input the graph writes, or a
+  view of one, even where the subgraph reads it: a parameter an optimizer inside the step updates
+  is read before its write only by the readers the updates pass and the cut ordered (``lanes.py``,
+  NOTE: A write into an input comes after its readers), and a recomputation placed later, in a
+  subgraph that also holds the write, would read the updated weights;
+- that holds in every subgraph that reads it, and no graph output is it: otherwise it is
+  materialized anyway, and recomputing would only add work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+
+from ..annotations import info
+from ..nodes import is_random, is_view, nbytes, storage_node, written_inputs
+
+MAX_DEPTH = 4  # elementwise ops and views recomputed per value, along any path to what is at hand
+
+
+def elementwise(n: torch.fx.Node) -> bool:
+    """An elementwise ATen op with one tensor out that draws no random numbers and writes nothing."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    return (torch.Tag.pointwise in n.target.tags and not is_random(n) and not n.target._schema.is_mutable
+            and isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def _chain(value: torch.fx.Node, at_hand: set[torch.fx.Node], depth: int,
+           chain: dict[torch.fx.Node, None]) -> bool:
+    """Add to `chain` (inputs first) the ops that recompute `value` from `at_hand`; False if some
+    input is neither at hand nor recomputable within `depth` more ops."""
+    if value in at_hand or value in chain:
+        return True
+    if depth == 0 or value.target is operator.getitem or not (elementwise(value) or is_view(value)):
+        return False
+    if not all(_chain(a, at_hand, depth - 1, chain) for a in value.all_input_nodes):
+        return False
+    chain[value] = None
+    return True
+
+
+def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
+    """Recompute each cheap crossing value in the subgraphs that read it (see the module docstring).
+    Returns how many values no longer cross and their bytes."""
+    home = {n: sg for sg in subgraphs for n in sg.nodes}
+    written = {x for n in graph.nodes for x in written_inputs(n)}
+    free_inputs = {n for n in graph.nodes if n.op == "placeholder" and n not in written}
+    reads: dict[int, set[torch.fx.Node]] = {}  # what each subgraph reads from outside, before any change
+    for sg in subgraphs:
+        inside = set(sg.nodes)
+        reads[sg.id] = {a for n in sg.nodes for a in n.all_input_nodes if a not in inside}
+    by_id = {sg.id: sg for sg in subgraphs}
+    moved, moved_bytes = 0, 0
+    for value in [n for sg in subgraphs for n in sg.nodes]:
+        src = home.get(value)
+        if src is None or not elementwise(value) or is_view(value):
+            continue
+        if any(home.get(u) is None for u in value.users):  # a graph output: materialized anyway
+            continue
+        readers: dict[int, list[torch.fx.Node]] = {}
+        for u in value.users:
+            if home[u] is not src:
+                readers.setdefault(home[u].id, []).append(u)
+        if not readers:
+            continue
+        plans = {}
+        for sg_id, users in readers.items():
+            if not all(elementwise(u) for u in users):
+                break
+            chain: dict[torch.fx.Node, None] = {}
+            at_hand = {a for a in reads[sg_id] if a is not value and storage_node(a) not in written} | free_inputs
+            if not all(_chain(a, at_hand, MAX_DEPTH - 1, chain) for a in value.all_input_nodes):
+                break
+            plans[sg_id] = [*chain, value]
+        else:
+            for sg_id, chain in plans.items():
+                _copy_into(by_id[sg_id], chain, readers[sg_id], graph, home)
+            moved += 1
+            moved_bytes += nbytes(value)
+            _drop_if_dead(value, src, graph, home)
+    return {"recomputed": moved, "bytes": moved_bytes}
+
+
+def _drop_if_dead(value: torch.fx.Node, sg, graph: torch.fx.Graph, home: dict) -> None:
+    """Erase `value`, and then each elementwise op or view of `sg` it read that nothing reads any more."""
+    stack = [value]
+    while stack:
+        n = stack.pop()
+        if n.users or home.get(n) is not sg or not (elementwise(n) or is_view(n)):
+            continue
+        inputs = n.all_input_nodes
+        sg.nodes.remove(n)
+        del home[n]
+        graph.erase_node(n)
+        stack.extend(inputs)
+
+
+def _copy_into(sg, chain: list[torch.fx.Node], users: list[torch.fx.Node], graph: torch.fx.Graph,
+               home: dict) -> None:
+    """Copy `chain` (inputs first; its last op is the crossing value) into `sg` before the first of
+    `users`, and point `users` at the copy."""
+    position = {n: i for i, n in enumerate(sg.nodes)}
+    first = min(users, key=position.__getitem__)
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    with graph.inserting_before(first):
+        for n in chain:
+            c = graph.node_copy(n, lambda a: copies.get(a, a))
+            c.meta = dict(n.meta)
+            c.meta["apollo"] = dataclasses.replace(info(n), lane=sg.lane, subgraph=sg.id, recomputed=True,
+                                                   modality=info(first).modality, backward=info(first).backward)
+            copies[n] = c
+            home[c] = sg
+    at = position[first]
+    sg.nodes[at:at] = list(copies.values())
+    value = chain[-1]
+    for u in users:
+        u.replace_input_with(value, copies[value])

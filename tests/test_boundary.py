@@ -1,0 +1,91 @@
+"""The boundary recompute (passes/boundary.py): a cheap elementwise value read across a cut is
+computed again where it is read, only when that hands nothing new across, and the graph still
+computes the same."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from apollo_compile.annotations import info
+from apollo_compile.passes import boundary, lanes
+
+
+def cut(gm: torch.fx.GraphModule, first_of_second: str) -> list[lanes.Subgraph]:
+    """Two subgraphs: the ops before the node whose name starts with `first_of_second`, and the rest."""
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    at = next(i for i, n in enumerate(ops) if n.name.startswith(first_of_second))
+    subgraphs = [lanes.Subgraph(0, 0, ops[:at]), lanes.Subgraph(1, 1, ops[at:])]
+    for sg in subgraphs:
+        for n in sg.nodes:
+            info(n).lane, info(n).subgraph = sg.lane, sg.id
+    return subgraphs
+
+
+def crossing(subgraphs: list[lanes.Subgraph], gm: torch.fx.GraphModule) -> set[str]:
+    lanes.wire(subgraphs, list(gm.graph.nodes), lanes.nx.DiGraph([(0, 1)]))
+    return {n.target.overloadpacket.__name__ for n in subgraphs[1].inputs if n.op == "call_function"}
+
+
+def quick_gelu_then_backward(x: torch.Tensor, w: torch.Tensor):
+    """A forward that keeps x * sigmoid(1.702 x) for a matmul, and a 'backward' that reads the
+    sigmoid elementwise, with x (as a saved value) and the matmul's result."""
+    s = torch.sigmoid(x * 1.702)
+    h = (x * s) @ w
+    g = torch.relu(h) @ w.t()  # the second subgraph starts at the ReLU
+    return g * s * (1 + x * (1 - s) * 1.702)
+
+
+def test_an_elementwise_value_read_across_the_cut_is_recomputed_there():
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    gm = make_fx(quick_gelu_then_backward)(x, w)
+    expected = gm(x, w)
+    subgraphs = cut(gm, "relu")
+    assert crossing([lanes.Subgraph(s.id, s.lane, list(s.nodes)) for s in subgraphs], gm) == {"sigmoid", "mm"}
+    done = boundary.recompute_crossings(subgraphs, gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    assert done == {"recomputed": 1, "bytes": x.numel() * x.element_size()}
+    assert crossing(subgraphs, gm) == {"mm"}  # the sigmoid is made again from x, a graph input
+    assert not any(n.target is torch.ops.aten.sigmoid.default for n in subgraphs[1].inputs)
+    copies = [n for n in subgraphs[1].nodes if n.target is torch.ops.aten.sigmoid.default]
+    assert len(copies) == 1 and info(copies[0]).subgraph == 1 and info(copies[0]).recomputed
+    torch.testing.assert_close(gm(x, w), expected, rtol=0, atol=0)
+
+
+def test_a_value_a_matmul_reads_across_the_cut_is_handed_over():
+    """Inductor would write a matmul's input to a buffer in the reading subgraph anyway."""
+    def f(x, w):
+        s = torch.sigmoid(x)
+        h = (x * s) @ w
+        return torch.relu(h) @ s.t()
+
+    gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
+    subgraphs = cut(gm, "relu")
+    assert boundary.recompute_crossings(subgraphs, gm.graph)["recomputed"] == 0
+
+
+def test_a_value_made_from_random_numbers_is_never_recomputed():
+    def f(x, w):
+        kept = x * torch.bernoulli(torch.full_like(x, 0.5))  # dropout's mask, drawn once
+        h = (kept * 2) @ w
+        return torch.relu(h) * kept + x
+
+    gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
+    subgraphs = cut(gm, "relu")
+    assert boundary.recompute_crossings(subgraphs, gm.graph)["recomputed"] == 0
+
+
+def test_nothing_new_crosses_and_written_inputs_are_not_read_again():
+    """A parameter the graph overwrites is not at hand, even where the reading subgraph reads it
+    (here to compute what it writes): a recomputation there could read the new value."""
+    def f(x, w, p):
+        s = torch.sigmoid(x * p)
+        h = (x * s) @ w
+        out = torch.relu(h) * s
+        p.copy_(p * 0.5)  # an optimizer's write into the parameter, at the graph's end
+        return out
+
+    gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8))
+    subgraphs = cut(gm, "relu")
+    assert boundary.recompute_crossings(subgraphs, gm.graph)["recomputed"] == 0
