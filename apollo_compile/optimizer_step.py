@@ -9,9 +9,9 @@ write), so a tower whose backward finishes early updates its weights while the o
 backward still runs.
 
 :class:`InGraphAdam` prepares, outside the graph before every call, what a CUDA-graph replay needs
-to find at fixed addresses: the optimizer's state created as ``Adam`` would create it, each step
-counter a tensor on its parameter's device, every state tensor marked static, and the learning rate
-of each parameter group as a device tensor (refreshed from ``param_groups`` when a scheduler
+to find at fixed addresses: the optimizer's state created as ``Adam`` would create it, the step
+counters of a parameter group in one tensor per device, every state tensor marked static, and the
+learning rate of each parameter group as a device tensor (refreshed from ``param_groups`` when a scheduler
 changed it; the other hyperparameters are Python numbers, and Dynamo recompiles if one changes).
 Inside the traced step each parameter gets Adam's update as one chain of elementwise ops
 (:func:`adam_update`), which the lanes pass puts on that parameter's tower and Inductor fuses; the
@@ -140,10 +140,26 @@ class InGraphAdam:
             t = state.get(key)
             if t is not None and (t.shape, t.stride(), t.dtype, t.device) != (p.shape, p.stride(), p.dtype, p.device):
                 state[key] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(t)
-        for t in state.values():
-            if isinstance(t, torch.Tensor):
-                self._static_address(t)
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if key in state:
+                self._static_address(state[key])
         return state
+
+    def _counters(self, params: list[torch.Tensor], states: list[dict]) -> dict:
+        """One group's step counters as one float32 tensor per device (NOTE: The step counters are one
+        tensor): ``state["step"]`` of each parameter becomes a 0-d view into it, holding the same value.
+        Returns device -> (the counters, the group's parameter indices, in the counters' order)."""
+        counters: dict[torch.device, tuple[torch.Tensor, list[int]]] = {}
+        members: dict[torch.device, list[int]] = {}
+        for j, p in enumerate(params):
+            members.setdefault(p.device, []).append(j)
+        for device, js in members.items():
+            flat = torch.stack([states[j]["step"].detach() for j in js]).to(device=device, dtype=torch.float32)
+            for k, j in enumerate(js):
+                states[j]["step"] = flat[k]
+            self._static_address(flat)
+            counters[device] = (flat, js)
+        return counters
 
     def _lay_out(self) -> None:
         self._groups, self._lr_value = [], []
@@ -151,6 +167,7 @@ class InGraphAdam:
             amsgrad = group["amsgrad"]
             params = [p for p in group["params"] if p.requires_grad]
             states = [self._state(p, amsgrad) for p in params]
+            counters = self._counters(params, states)
             lr = {}
             for device in dict.fromkeys(p.device for p in params):
                 lr[device] = torch.zeros((), dtype=torch.float32, device=device)
@@ -160,7 +177,9 @@ class InGraphAdam:
                 "params": params, "exp_avgs": [s["exp_avg"] for s in states],
                 "exp_avg_sqs": [s["exp_avg_sq"] for s in states],
                 "max_exp_avg_sqs": [s["max_exp_avg_sq"] for s in states] if amsgrad else None,
-                "steps": [s["step"] for s in states], "lr": lr, "amsgrad": amsgrad, "beta1": beta1, "beta2": beta2,
+                "steps": [s["step"] for s in states], "counters": counters,
+                "counter_of": {j: (flat, k) for flat, js in counters.values() for k, j in enumerate(js)},
+                "lr": lr, "amsgrad": amsgrad, "beta1": beta1, "beta2": beta2,
                 "weight_decay": group["weight_decay"], "eps": group["eps"], "maximize": group["maximize"]})
             self._lr_value.append(None)
 
@@ -193,30 +212,44 @@ class InGraphAdam:
         H200 with them, session 29). Consumed inside, a gradient is a temporary of the graph, dead
         once its parameter is updated.
 
-        [NOTE] The step counters advance together: one ``_foreach_add_`` per group and device, as
-        torch's foreach and fused Adam do, not a ``step.add_(1)`` per parameter. Each counter is
-        a one-element tensor, so a per-parameter increment was a kernel of its own beside its
-        parameter's update (Inductor does not fuse a one-element write into a parameter-sized
-        kernel), and a graph node of its own: the optimizer-inside step's CUDA-graph launch took
-        0.81 ms on the H200 against 0.35 ms without the update (session 30; the effect of this
-        change is not measured yet). Inductor lowers a foreach op to a few horizontally fused
-        kernels, and ``passes/updates.py`` writes the new counters back beside it."""
+        [NOTE] The step counters are one tensor: each parameter group keeps its counters in one
+        float32 tensor per device, and ``state["step"]`` of each parameter is a 0-d view into it
+        (what ``state_dict()``, a loaded checkpoint and an eager ``optimizer.step()`` after a
+        fallback read and write). The traced step advances them with one ``add_`` and reads each
+        parameter's counter as an element of that one input. A counter per parameter was a graph
+        input per parameter: every input costs host time before each replay, in Dynamo's frame
+        (loading it), AOTAutograd (bumping the version of each input the graph writes) and the
+        runner (checking it is where the graph was captured). With AdamW inside, HF CLIP B/16's
+        step had 1597 inputs and 3.35 ms of host time before its replay on the H200 (session 31,
+        ``benchmarks/probes/step_host.py``); one counter tensor per group leaves 1200. Before that
+        (sessions 30-31) the per-parameter counters advanced in one ``_foreach_add_``, and before
+        that in a ``step.add_(1)`` each, a kernel and a CUDA-graph node per parameter. The effect
+        of this change on the H200 is not measured yet."""
         with torch.no_grad():
             for g in self._groups:
                 stepped = [j for j, p in enumerate(g["params"]) if p.grad is not None]
-                counters: dict[torch.device, list[torch.Tensor]] = {}
-                for j in stepped:
-                    counters.setdefault(g["params"][j].device, []).append(g["steps"][j])
-                for steps in counters.values():
-                    torch._foreach_add_(steps, 1)
+                advance(g["counters"], set(stepped))
                 for j in stepped:
                     p = g["params"][j]
+                    flat, k = g["counter_of"][j]
                     adam_update(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j],
-                                g["max_exp_avg_sqs"][j] if g["amsgrad"] else None, g["steps"][j],
+                                g["max_exp_avg_sqs"][j] if g["amsgrad"] else None, flat[k],
                                 g["lr"][p.device], g, self.decoupled)
         for g in self._groups:
             for p in g["params"]:
                 p.grad = None
+
+
+def advance(counters: dict, stepped: set[int]) -> None:
+    """Add one to the counters of the `stepped` parameters (group indices), in place: one ``add_``
+    per counter tensor when all of its parameters stepped (the usual case), else an ``index_add_``
+    of the ones that did (a parameter without a gradient keeps its count, as in eager Adam)."""
+    for flat, js in counters.values():
+        hit = [k for k, j in enumerate(js) if j in stepped]
+        if len(hit) == len(js):
+            flat.add_(1)
+        elif hit:
+            flat.index_add_(0, torch.tensor(hit, device=flat.device), torch.ones(len(hit), device=flat.device))
 
 
 def adam_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -225,7 +258,7 @@ def adam_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
     """One parameter's Adam / AdamW update, in place: the formula of ``torch.optim.adam``'s
     single-tensor path without ``capturable``, with the step counter and the learning rate as
     device tensors. `step` is the counter already advanced to this step (the caller advances all
-    of a group's at once: NOTE: The step counters advance together).
+    of a group's at once: NOTE: The step counters are one tensor).
 
     [NOTE] Why not torch's functional ``adam(..., capturable=True)``: it divides by the step size
     (``denom / (-lr / bias_correction1)``), so at lr = 0, the first step of a warm-up schedule, a

@@ -90,12 +90,12 @@ def test_the_update_inside_the_step_trains_like_eager(compiler):
     (plan,) = [p for p in apollo_compile.plans() if "inference" in p.graphs]
     graph = plan.inference
     assert graph.fallback is None
-    # every parameter and its three state tensors are written inside the graph, none copied back after
-    # it, and no gradient is returned: the loss is the one output
+    # every parameter, its two moments and the group's one counter tensor are written inside the graph,
+    # none copied back after it, and no gradient is returned: the loss is the one output
     params = sum(1 for _ in TwoTower(layers=1).parameters())
     assert len([n for n in graph.gm.graph.nodes if n.op == "output"][0].args[0]) == 1
     writes = [n for n in graph.gm.graph.nodes if written_inputs(n)]
-    assert len({x for n in writes for x in written_inputs(n)}) == 4 * params
+    assert len({x for n in writes for x in written_inputs(n)}) == 3 * params + 1
     # each tower's update on its tower's lane: the text tower's weights are updated beside the vision backward
     lanes = graph.decisions["lanes"]
     assert len(lanes.lanes) == 2
@@ -410,30 +410,58 @@ def test_a_loaded_state_takes_its_parameters_layout():
         t = state[key]
         assert (t.shape, t.stride(), t.dtype) == (w.shape, w.stride(), w.dtype) and update.owns(t), key
     torch.testing.assert_close(state["exp_avg"], loaded)
-    assert state["step"].dtype == torch.float32 and state["step"].dim() == 0 and update.owns(state["step"])
+    step = state["step"]  # a view into the group's counters, which the update owns
+    assert step.dtype == torch.float32 and step.dim() == 0 and float(step) == 2.0 and update.owns(step._base)
 
 
-def test_the_step_counters_advance_in_one_foreach_op():
-    """optimizer_step.py, NOTE: The step counters advance together: one _foreach_add per parameter
-    group and device in the traced step, not a one-element increment per parameter (each a kernel
-    and a CUDA-graph node of its own), its values written back beside it (passes/updates.py); the
-    counters still end as eager's (train_with_update_inside)."""
+def test_the_step_counters_are_one_tensor_advanced_by_one_op():
+    """optimizer_step.py, NOTE: The step counters are one tensor: the traced step reads one counter
+    tensor per parameter group and device (not a graph input per parameter) and advances it with
+    one add_, written back beside it (passes/updates.py) before the last gradient; state["step"]
+    of each parameter is a view into it, and the counters end as eager's (train_with_update_inside)."""
     torch.manual_seed(0)
     apollo_compile.clear_plans()
     model = TwoTower(layers=1)
-    train_with_update_inside(model, adamw, EAGER, steps=2)
+    _, opt = train_with_update_inside(model, adamw, EAGER, steps=2)
+    params = list(model.parameters())
+    counters = opt.state[params[0]]["step"]._base
+    assert counters is not None and counters.shape == (len(params),)
+    assert all(opt.state[p]["step"]._base is counters for p in params)
     gm = apollo_compile.last_plan().inference.gm
-    foreach = [n for n in gm.graph.nodes if n.op == "call_function" and "_foreach_add" in str(n.target)]
-    assert len(foreach) == 1, foreach
-    params = sum(1 for _ in model.parameters())
-    assert len(foreach[0].args[0]) == params
-    # the new counters are written back right after the foreach, in its subgraph (where Inductor can
-    # write them in place in its kernels), not one copy per counter at the graph's end
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert sum(1 for n in inputs if tuple(n.meta["val"].shape) == (len(params),)) == 1
+    assert len(inputs) == 3 * len(params) + 1 + 1 + 2  # parameters and moments, the counters, the lr, the batch
+    adds = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.add.Tensor
+            and n.args[0].op == "placeholder" and tuple(n.args[0].meta["val"].shape) == (len(params),)]
+    assert len(adds) == 1, adds
     from apollo_compile.passes.modality import traced_from_autograd
 
-    writes = [u for item in foreach[0].users for u in item.users if written_inputs(u)]
+    writes = [u for u in adds[0].users if written_inputs(u)]
     nodes = list(gm.graph.nodes)
     where = {n: i for i, n in enumerate(nodes)}
     last_gradient = max(where[n] for n in nodes if traced_from_autograd(n))
-    assert len(writes) == params and max(where[w] for w in writes) < last_gradient
-    assert {info(w).subgraph for w in writes} == {info(foreach[0]).subgraph}
+    assert len(writes) == 1 and where[writes[0]] < last_gradient
+    assert info(writes[0]).subgraph == info(adds[0]).subgraph
+
+
+def test_a_parameter_without_a_gradient_keeps_its_count():
+    """As eager Adam: a parameter that got no gradient this step is not stepped, and its counter in
+    the group's tensor stays (the traced step adds one to the others only)."""
+    torch.manual_seed(0)
+    model = TwoTower(layers=1)
+    ref = copy.deepcopy(model)
+    unused = nn.Parameter(torch.randn(3))  # in the group's counters, never in the loss
+    ref_unused = nn.Parameter(unused.detach().clone())
+    opt, ref_opt = (torch.optim.AdamW([*m.parameters(), u], lr=1e-2, eps=1e-4, weight_decay=0.05)
+                    for m, u in ((model, unused), (ref, ref_unused)))
+    compiled = apollo_compile.compile_step(step_of(model), optimizer=opt, options=EAGER)
+    for i in range(3):
+        compiled(*two_tower_inputs(seed=i))
+        ref_opt.zero_grad(set_to_none=True)
+        ref(*two_tower_inputs(seed=i)).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **PARAMS)
+        assert float(opt.state[p]["step"]) == 3
+    assert not opt.state[unused] or float(opt.state[unused]["step"]) == 0
+    torch.testing.assert_close(unused, ref_unused)

@@ -52,8 +52,9 @@ only as far as its last reader.
 [NOTE] An item stays with its tuple: a node that takes an item of a multi-output op's result
 (``getitem``) goes in that op's subgraph, whatever its own tower. A subgraph hands on tensors, not
 the op's tuple or list: cut apart, the tuple itself became the subgraph's output, and Inductor
-asserted on it (the optimizer's step counters advanced by one ``_foreach_add`` on the main lane,
-each counter read by its own tower's update). The items then leave the subgraph as tensors.
+asserted on it (the optimizer's step counters, when they advanced by one ``_foreach_add`` on the
+main lane, each counter read by its own tower's update; a foreach op in a user's step, such as
+gradient clipping's, meets the same). The items then leave the subgraph as tensors.
 
 [NOTE] Every symbol a subgraph's sizes name must be bound by one of its inputs. Inductor reads a
 symbol off an input only where it stands alone: a SymInt input ``s40`` or a tensor input's size or

@@ -16,11 +16,11 @@ parameters and the optimizer's state, next to the gradients they read:
   parameter-sized temporary made at the start of the graph would live through all of it);
 - a write into an input comes after every reader of that input (the backward's matmuls read the
   weights it overwrites: ``lanes.py``, NOTE: A write into an input comes after its readers), and
-  a write of a value placed late (the step counters' new values, made by one ``_foreach_add``
-  before the first update), and each item taken of that op's result, come right after it, not at
-  the graph's end and not each before its first user: there Inductor can write the new counters
-  in place in the kernels that compute them, where a copy-back at the end was one more kernel per
-  counter.
+  a write of a value placed late (a parameter group's new step counters, made by one ``add_``
+  before the first update), and each item taken of a multi-output op's result, come right after
+  it, not at the graph's end and not each before its first user: there Inductor can write the new
+  counters in place in the kernel that computes them, where a copy-back at the end was one more
+  kernel (one per counter, when each parameter had its own).
 
 The other nodes keep their order. The update region is found from the dataflow: each write into
 an input, and every op the autograd engine did not trace whose users are all in the region (so

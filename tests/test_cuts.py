@@ -1,6 +1,7 @@
-"""The boundary recompute (passes/boundary.py): a cheap elementwise value read across a cut is
-computed again where it is read, only when that hands nothing new across, and the graph still
-computes the same."""
+"""What crosses a cut between subgraphs (passes/lanes.py, passes/boundary.py): the boundary
+recompute (a cheap elementwise value read across a cut is computed again where it is read, only
+when that hands nothing new across, and the graph still computes the same), and the items of a
+multi-output op, which stay with it."""
 
 from __future__ import annotations
 
@@ -89,3 +90,28 @@ def test_nothing_new_crosses_and_written_inputs_are_not_read_again():
     gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8))
     subgraphs = cut(gm, "relu")
     assert boundary.recompute_crossings(subgraphs, gm.graph)["recomputed"] == 0
+
+
+def test_the_items_of_a_multi_output_op_stay_in_its_subgraph():
+    """lanes.py, NOTE: An item stays with its tuple: one foreach op on the main lane, each item read
+    by another tower's matmul. The items are cut with the op, and leave its subgraph as tensors
+    (a subgraph handing on the op's list made Inductor assert)."""
+    def f(a, b):
+        xs = torch._foreach_mul([a, b], 2.0)
+        return xs[0] @ a, xs[1] @ b
+
+    gm = make_fx(f)(torch.randn(4, 4), torch.randn(4, 4))
+    nodes = list(gm.graph.nodes)
+    foreach = next(n for n in nodes if n.op == "call_function" and "_foreach_mul" in str(n.target))
+    items = list(foreach.users)
+    info(foreach).modality = "fusion"
+    for item, tower in zip(items, ("vision", "text")):
+        info(item).modality = tower
+        for u in item.users:
+            info(u).modality = tower
+    subgraphs, dag = lanes.segment(nodes, {"fusion": 0, "vision": 1, "text": 2})
+    lanes.wire(subgraphs, nodes, dag)
+    home = info(foreach).subgraph
+    assert {info(item).subgraph for item in items} == {home}
+    assert subgraphs[home].outputs == items and foreach not in subgraphs[home].outputs
+    assert {info(u).lane for item in items for u in item.users} == {1, 2}
