@@ -22,6 +22,8 @@
 #   run(command="bash benchmarks/h200_session.sh host",          carry=[".device_cache"]) # the host's time per step at batch 8 (probes/host_split.py)
 #   run(command="bash benchmarks/h200_session.sh step-host",     carry=[".device_cache"]) # the whole step's host time before its replay at batch 8
 #       (probes/step_host.py: reduce-overhead's whole step, compile_step, compile_step with the optimizer inside)
+#   run(command="bash benchmarks/h200_session.sh step-memory",   carry=[".device_cache"]) # what the whole step holds at its peak,
+#       by allocating line (probes/whole_step_memory.py): reduce-overhead's whole step against compile_step with the optimizer inside
 #   run(command="bash benchmarks/h200_session.sh distributed", kind="nvidia-h200-x2")    # DDP scaling on 2 GPUs, per-GPU batch 32 and 128
 #   run(command="bash benchmarks/h200_session.sh placement",   kind="nvidia-h200-x2")    # towers on 2 GPUs against DDP at global batch 64
 #
@@ -100,6 +102,11 @@ case "${1:-}" in
              timeout 520 python benchmarks/probes/step_host.py --models hf-clip --batch 8 \
                --variants apollo-step-opt inductor-ro-step apollo-step --out "$OUT/step-host" > "$OUT/step_host.txt" 2>&1
              status=$?; grep -E "^--- |^\| |ncalls|[0-9] \{|\.py:[0-9]+\(" "$OUT/step_host.txt" | tail -c 9000; exit $status ;;
+  step-memory)  # the whole step's peak by allocating line and pool, reduce-overhead's whole step first (history recording slows
+             # the compiles: in 280 s only apollo's row finished, session 31)
+             timeout 520 python benchmarks/probes/whole_step_memory.py --model hf-clip --batch 8 --steps 3 \
+               --variants inductor-ro-step apollo-step-opt --out "$OUT/step-memory" > "$OUT/step_memory.txt" 2>&1
+             status=$?; grep -E "^######## |^== step|by file|GiB x" "$OUT/step_memory.txt" | tail -c 9000; exit $status ;;
   distributed)  # DDP on 2 GPUs: apollo as one graph (optimize_ddp off) against DDP + Inductor and against each GPU
              # training alone (scaling 1.0 = perfect), per-GPU batch 32 and 128
              timeout 520 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 128 --steps 20 --warmup 3 \
@@ -111,7 +118,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|step-memory|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?

@@ -14,8 +14,9 @@ across the cut is a subgraph output, so a buffer of its own: the sigmoid was wri
 forward's subgraph and held, one MLP-sized bf16 buffer per layer, until the backward's subgraph
 read it. Measured on the H200 (HF CLIP B/16, whole step, session 31): apollo's step held 0.23 GiB
 more than Inductor's whole-step graph at batch 8 and 0.70 GiB more at batch 32, while apollo on
-one lane, one subgraph, held the same as Inductor; on the CPU the cut of that step handed across
-four sigmoids per two layers and nothing else that is elementwise and not a view.
+one lane, one subgraph, held the same as Inductor; on the CPU the cut of that step handed across one
+sigmoid per layer and tower and no other elementwise value that a recomputation could inline
+(``benchmarks/probes/cut_crossings.py``; HF SigLIP's tanh GELU leaves none).
 
 A value is recomputed where it is read when:
 
