@@ -12,9 +12,9 @@ x)``, keeps only ``x`` and the product (a matmul's input) for the backward of a 
 the backward's kernels compute the sigmoid again from ``x``. Cut into subgraphs, every value read
 across the cut is a subgraph output, so a buffer of its own: the sigmoid was written in the
 forward's subgraph and held, one MLP-sized bf16 buffer per layer, until the backward's subgraph
-read it. Measured on the H200 (HF CLIP B/16, whole step, session 31): apollo's step held 0.23 GiB
-more than Inductor's whole-step graph at batch 8 and 0.70 GiB more at batch 32, while apollo on
-one lane, one subgraph, held the same as Inductor; on the CPU the cut of that step handed across one
+read it. Measured on the H200 (HF CLIP B/16, whole step, sessions 30-31): apollo's step peaked
+0.23-0.28 GiB over Inductor's whole-step graph at batch 8 and 0.70 GiB over it at batch 32, while
+apollo on one lane, one subgraph, peaked where Inductor did; on the CPU the cut of that step handed across one
 sigmoid per layer and tower and no other elementwise value that a recomputation could inline
 (``benchmarks/probes/cut_crossings.py``; HF SigLIP's tanh GELU leaves none).
 
