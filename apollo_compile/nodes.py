@@ -15,8 +15,9 @@ import torch.fx
 
 from .shapes import concrete_numel
 
-__all__ = ["deterministic_attention", "input_nodes", "is_library_kernel", "is_library_kernel_name", "is_random",
-           "is_view", "nbytes", "node_tensors", "op_name", "readers_of", "storage_node", "tensors", "written_inputs"]
+__all__ = ["deterministic_attention", "input_nodes", "is_elementwise", "is_library_kernel", "is_library_kernel_name",
+           "is_random", "is_view", "nbytes", "node_tensors", "op_name", "readers_of", "storage_node", "tensors",
+           "written_inputs"]
 
 # Library kernels (cuBLAS, cuDNN, attention): they read and write whole buffers and run at the
 # matmul peak. Matched on the op name without its overload; convolutions and attention by substring
@@ -98,6 +99,15 @@ def is_random(node: torch.fx.Node) -> bool:
     name = op_name(node)
     namespace = getattr(node.target, "namespace", "")
     return name in _RANDOM_NAMES or "rng" in name or "philox" in name or namespace in ("rngprims",)
+
+
+def is_elementwise(node: torch.fx.Node) -> bool:
+    """An elementwise ATen op (``Tag.pointwise``) with one tensor out that draws no random numbers and
+    writes nothing: recomputed where it is read, a compiler that fuses inlines it into the reader."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return (torch.Tag.pointwise in node.target.tags and not is_random(node) and not node.target._schema.is_mutable
+            and isinstance(node.meta.get("val"), torch.Tensor))
 
 
 def deterministic_attention(node: torch.fx.Node) -> bool:

@@ -43,17 +43,9 @@ import torch
 import torch.fx
 
 from ..annotations import info
-from ..nodes import is_random, is_view, nbytes, storage_node, written_inputs
+from ..nodes import is_elementwise, is_view, nbytes, storage_node, written_inputs
 
 MAX_DEPTH = 4  # elementwise ops and views recomputed per value, along any path to what is at hand
-
-
-def elementwise(n: torch.fx.Node) -> bool:
-    """An elementwise ATen op with one tensor out that draws no random numbers and writes nothing."""
-    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-        return False
-    return (torch.Tag.pointwise in n.target.tags and not is_random(n) and not n.target._schema.is_mutable
-            and isinstance(n.meta.get("val"), torch.Tensor))
 
 
 def _chain(value: torch.fx.Node, at_hand: set[torch.fx.Node], depth: int,
@@ -62,7 +54,7 @@ def _chain(value: torch.fx.Node, at_hand: set[torch.fx.Node], depth: int,
     input is neither at hand nor recomputable within `depth` more ops."""
     if value in at_hand or value in chain:
         return True
-    if depth == 0 or value.target is operator.getitem or not (elementwise(value) or is_view(value)):
+    if depth == 0 or value.target is operator.getitem or not (is_elementwise(value) or is_view(value)):
         return False
     if not all(_chain(a, at_hand, depth - 1, chain) for a in value.all_input_nodes):
         return False
@@ -84,7 +76,7 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
     moved, moved_bytes = 0, 0
     for value in [n for sg in subgraphs for n in sg.nodes]:
         src = home.get(value)
-        if src is None or not elementwise(value) or is_view(value):
+        if src is None or not is_elementwise(value) or is_view(value):
             continue
         if any(home.get(u) is None for u in value.users):  # a graph output: materialized anyway
             continue
@@ -96,7 +88,7 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
             continue
         plans = {}
         for sg_id, users in readers.items():
-            if not all(elementwise(u) for u in users):
+            if not all(is_elementwise(u) for u in users):
                 break
             chain: dict[torch.fx.Node, None] = {}
             at_hand = {a for a in reads[sg_id] if a is not value and storage_node(a) not in written} | free_inputs
@@ -117,7 +109,7 @@ def _drop_if_dead(value: torch.fx.Node, sg, graph: torch.fx.Graph, home: dict) -
     stack = [value]
     while stack:
         n = stack.pop()
-        if n.users or home.get(n) is not sg or not (elementwise(n) or is_view(n)):
+        if n.users or home.get(n) is not sg or not (is_elementwise(n) or is_view(n)):
             continue
         inputs = n.all_input_nodes
         sg.nodes.remove(n)

@@ -23,8 +23,7 @@ import torch
 
 import apollo_compile
 from apollo_compile.annotations import info
-from apollo_compile.nodes import is_view, nbytes
-from apollo_compile.passes.boundary import elementwise
+from apollo_compile.nodes import is_elementwise, is_view, nbytes
 
 
 def build(kind: str, layers: int):
@@ -72,7 +71,7 @@ def main(argv=None) -> int:
                 continue
             by_op[str(value.target)] += nbytes(value)
             count[str(value.target)] += 1
-            if elementwise(value) and not is_view(value):
+            if is_elementwise(value) and not is_view(value):
                 readers = collections.Counter(str(u.target) for u in value.users if info(u).subgraph == sg.id)
                 elementwise_left.append(f"{value.name} ({value.target}) {info(value).subgraph} -> {sg.id}, "
                                         f"read by {dict(readers)}")
