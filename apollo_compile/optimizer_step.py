@@ -138,11 +138,11 @@ class InGraphAdam:
             state["step"] = torch.as_tensor(step, dtype=torch.float32).reshape(()).to(p.device)
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):  # the parameter's metadata (NOTE: The state's tensor guards)
             t = state.get(key)
-            if t is not None and (t.shape, t.stride(), t.dtype, t.device) != (p.shape, p.stride(), p.dtype, p.device):
+            if t is None:
+                continue
+            if (t.shape, t.stride(), t.dtype, t.device) != (p.shape, p.stride(), p.dtype, p.device):
                 state[key] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(t)
-        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            if key in state:
-                self._static_address(state[key])
+            self._static_address(state[key])
         return state
 
     def _counters(self, params: list[torch.Tensor], states: list[dict]) -> dict:
