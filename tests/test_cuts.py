@@ -9,6 +9,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from apollo_compile.annotations import info
+from apollo_compile.nodes import storage_node
 from apollo_compile.passes import boundary, lanes
 
 
@@ -52,6 +53,44 @@ def test_an_elementwise_value_read_across_the_cut_is_recomputed_there():
     copies = [n for n in subgraphs[1].nodes if n.target is torch.ops.aten.sigmoid.default]
     assert len(copies) == 1 and info(copies[0]).subgraph == 1 and info(copies[0]).recomputed
     torch.testing.assert_close(gm(x, w), expected, rtol=0, atol=0)
+
+
+def test_a_saved_alias_of_the_value_is_recomputed_too():
+    """Autograd saves a ``detach`` of sigmoid's result for its backward: in a whole step both the
+    sigmoid and its detach cross to the backward's subgraph, and the sigmoid's buffer is freed
+    only when neither does (recomputing the sigmoid alone left the H200's peak where it was)."""
+    def f(x, w):
+        s = torch.sigmoid(x * 1.702)
+        saved = s.detach()
+        h = (x * s) @ w
+        g = torch.relu(h) @ w.t()
+        return g * s + g * saved * (1 - saved)
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    gm = make_fx(f)(x, w)
+    expected = gm(x, w)
+    subgraphs = cut(gm, "relu")
+    before = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert {n.target for n in before if n.target is torch.ops.aten.detach.default}  # make_fx kept the alias
+    done = boundary.recompute_crossings(subgraphs, gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    assert done["recomputed"] == 2, done
+    assert crossing(subgraphs, gm) == {"mm"}
+    assert not [n for n in subgraphs[1].inputs if storage_node(n).target is torch.ops.aten.sigmoid.default]
+    torch.testing.assert_close(gm(x, w), expected, rtol=0, atol=0)
+
+
+def test_a_view_read_by_a_matmul_keeps_its_elementwise_base_crossing():
+    """The alias's readers decide as the value's do: a matmul reading the detach needs a buffer."""
+    def f(x, w):
+        s = torch.sigmoid(x)
+        h = (x * s) @ w
+        return torch.relu(h) @ s.detach()
+
+    gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
+    subgraphs = cut(gm, "relu")
+    assert boundary.recompute_crossings(subgraphs, gm.graph)["recomputed"] == 0
 
 
 def test_a_value_a_matmul_reads_across_the_cut_is_handed_over():

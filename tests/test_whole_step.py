@@ -20,6 +20,7 @@ from torch import nn
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning, ApolloOptionsError, whole_step
 from apollo_compile.annotations import info
+from apollo_compile.nodes import storage_node
 from helpers import TOLERANCE
 from models import TwoTower, two_tower_inputs
 
@@ -244,9 +245,9 @@ def test_whole_step_listing_names_its_lanes():
     assert_expected_inline(listing, """\
 lane 0  fusion   backward 10 ops
 lane 0  fusion   forward  16 ops
-lane 0  vision   backward 104 ops
-lane 0  vision   forward  59 ops
-lane 1  text     backward 93 ops
+lane 0  vision   backward 110 ops
+lane 0  vision   forward  58 ops
+lane 1  text     backward 95 ops
 lane 1  text     forward  55 ops""")
 
 
@@ -347,7 +348,9 @@ def test_hugging_face_whole_step_trains_like_eager(kind):
         if kind == "clip":  # quick_gelu's sigmoid is made again in the backward's subgraph, not handed to it
             cut = plan.inference.decisions["lanes"]
             assert cut.recomputed["recomputed"] >= 2, cut.recomputed
-            assert not [n for sg in cut.subgraphs for n in sg.inputs if n.target is torch.ops.aten.sigmoid.default]
+            sigmoids = [n for sg in cut.subgraphs for n in sg.inputs  # nor a view of it (autograd's detach)
+                        if storage_node(n).target is torch.ops.aten.sigmoid.default]
+            assert not sigmoids, sigmoids
 
 
 def test_an_elementwise_graph_of_many_inputs_is_one_lane():

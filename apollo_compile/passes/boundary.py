@@ -20,10 +20,13 @@ sigmoid per layer and tower and no other elementwise value that a recomputation 
 
 A value is recomputed where it is read when:
 
-- it is an elementwise op (``Tag.pointwise``) that draws no random numbers, and not a view (a view
-  costs no memory of its own: its base is what crosses);
-- every reader of it in the reading subgraph is elementwise too, so Inductor inlines the
-  recomputation into their kernels rather than writing it to a buffer there;
+- it is an elementwise op (``Tag.pointwise``) that draws no random numbers, or a view of one made in
+  the same subgraph: autograd saves a ``detach`` of the sigmoid for its backward, and the sigmoid's
+  buffer is only freed when neither it nor an alias of it crosses (the first version of this pass
+  recomputed the sigmoid and left its ``detach`` crossing: the H200 peak did not move, session 32);
+- every reader of it in the reading subgraph is elementwise too, or a view read only by such
+  readers there, so Inductor inlines the recomputation into their kernels rather than writing it
+  to a buffer there;
 - its inputs, through at most :data:`MAX_DEPTH` elementwise ops or views, are values that subgraph
   reads anyway, or graph inputs: no new value crosses. Never a graph input the graph writes, or a
   view of one, even where the subgraph reads it: a parameter an optimizer inside the step updates
@@ -76,7 +79,7 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
     moved, moved_bytes = 0, 0
     for value in [n for sg in subgraphs for n in sg.nodes]:
         src = home.get(value)
-        if src is None or not is_elementwise(value) or is_view(value):
+        if src is None or not _elementwise_storage(value, src, home):
             continue
         if any(home.get(u) is None for u in value.users):  # a graph output: materialized anyway
             continue
@@ -88,7 +91,7 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
             continue
         plans = {}
         for sg_id, users in readers.items():
-            if not all(is_elementwise(u) for u in users):
+            if not all(_inlined(u, by_id[sg_id], home, MAX_DEPTH) for u in users):
                 break
             chain: dict[torch.fx.Node, None] = {}
             at_hand = {a for a in reads[sg_id] if a is not value and storage_node(a) not in written} | free_inputs
@@ -98,10 +101,30 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
         else:
             for sg_id, chain in plans.items():
                 _copy_into(by_id[sg_id], chain, readers[sg_id], graph, home)
+                reads[sg_id].discard(value)  # no longer crosses there: a later chain must not read it
             moved += 1
-            moved_bytes += nbytes(value)
+            moved_bytes += 0 if is_view(value) else nbytes(value)
             _drop_if_dead(value, src, graph, home)
     return {"recomputed": moved, "bytes": moved_bytes}
+
+
+def _elementwise_storage(value: torch.fx.Node, src, home: dict) -> bool:
+    """An elementwise value, or a view of one made in the same subgraph (a ``detach`` of it that
+    autograd saved for the backward, say): its buffer is freed only when no alias of it crosses."""
+    if is_view(value):
+        base = storage_node(value)
+        return base is not value and home.get(base) is src and is_elementwise(base) and not is_view(base)
+    return is_elementwise(value)
+
+
+def _inlined(reader: torch.fx.Node, sg, home: dict, depth: int) -> bool:
+    """`reader` and what reads it through views, all in `sg`, are elementwise: a recomputed value
+    they read is inlined into their kernels, not written to a buffer of `sg`'s."""
+    if is_elementwise(reader):
+        return True
+    if depth == 0 or not is_view(reader):
+        return False
+    return all(home.get(u) is sg and _inlined(u, sg, home, depth - 1) for u in reader.users)
 
 
 def _drop_if_dead(value: torch.fx.Node, sg, graph: torch.fx.Graph, home: dict) -> None:

@@ -6,7 +6,7 @@ Compiles ``compile_step`` (with AdamW inside unless ``--optimizer-outside``) on 
 CLIP or SigLIP with the base model's widths and ``--layers`` layers a tower, subgraphs run as eager
 ATen (the cut is the same as under Inductor), runs one step, and prints the values each subgraph
 reads from another, grouped by op: MiB (per reading subgraph, so a value read by two counts twice),
-and which elementwise values that are not views still cross (a view's base is what is held). The
+and which crossing values still hold an elementwise op's buffer (directly or as a view of it). The
 lane plan's ``recomputed_at_cuts`` says what the boundary recompute took off the cuts.
 
     python benchmarks/probes/cut_crossings.py --model clip --layers 2 --batch 2
@@ -23,7 +23,7 @@ import torch
 
 import apollo_compile
 from apollo_compile.annotations import info
-from apollo_compile.nodes import is_elementwise, is_view, nbytes
+from apollo_compile.nodes import is_elementwise, is_view, nbytes, storage_node
 
 
 def build(kind: str, layers: int):
@@ -71,14 +71,15 @@ def main(argv=None) -> int:
                 continue
             by_op[str(value.target)] += nbytes(value)
             count[str(value.target)] += 1
-            if is_elementwise(value) and not is_view(value):
+            base = storage_node(value)  # a view's buffer is its base's: a detach of a sigmoid holds the sigmoid
+            if is_elementwise(base) and not is_view(base):
                 readers = collections.Counter(str(u.target) for u in value.users if info(u).subgraph == sg.id)
-                elementwise_left.append(f"{value.name} ({value.target}) {info(value).subgraph} -> {sg.id}, "
+                elementwise_left.append(f"{value.name} ({value.target} of {base.target}) {info(value).subgraph} -> {sg.id}, "
                                         f"read by {dict(readers)}")
     print(f"read across cuts: {sum(by_op.values()) / 2**20:.1f} MiB")
     for op, b in by_op.most_common():
         print(f"  {b / 2**20:8.1f} MiB x{count[op]:<4d} {op}")
-    print("elementwise values, not views, still crossing:", *elementwise_left or ["none"], sep="\n  ")
+    print("values whose buffer is an elementwise op's, still crossing:", *elementwise_left or ["none"], sep="\n  ")
     print("recomputed at the cuts:", cut.recomputed)
     return 0
 

@@ -89,9 +89,12 @@ def run(variant: str, name: str, base, shape: dict, batch_size: int, steps: int,
     runners = []
     for plan in apollo_compile.plans():
         for kind, g in plan.graphs.items():
-            cg = g.summary().get("cuda_graph")
-            runners.append({"plan": plan.name, "kind": kind, "cuda_graph": cg})
+            summary = g.summary()
+            cg = summary.get("cuda_graph")
+            recomputed = (summary.get("lanes") or {}).get("recomputed_at_cuts")
+            runners.append({"plan": plan.name, "kind": kind, "cuda_graph": cg, "recomputed_at_cuts": recomputed})
             lines.append(f"  runner {plan.name} {kind}: {json.dumps(cg)}")
+            lines.append(f"  recomputed at cuts: {json.dumps(recomputed, default=str)[:600]}")
     lines.append(f"  parameters: {sum(1 for _ in model.parameters())}")
     lines.append(text)
     del f, model, opt, loss, batch
