@@ -36,6 +36,7 @@ class NodeInfo:
     # lanes pass
     lane: int | None = None
     subgraph: int | None = None
+    copy_of: str | None = None  # boundary recompute: the node whose value this computes again past a cut
 
 
 def info(node: torch.fx.Node) -> NodeInfo:

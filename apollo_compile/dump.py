@@ -4,7 +4,8 @@ The listing (``*.apollo.txt``) is deterministic — no addresses, paths or timin
 tests can pin it. Columns: node, op, value (dtype[shape]), modality (``*`` = recomputed in the
 backward), lane/subgraph, FLOPs, bytes, FLOP/byte, bound, estimated µs, and marks: ``cast->bf16``
 for a cast apollo inserted, ``saved`` for a forward value the backward reads, ``to-host`` /
-``to-device`` for the copies of an offloaded saved value.
+``to-device`` for the copies of an offloaded saved value, ``copy-of-<node>`` for a value computed
+again past a cut, where it is read (``passes/boundary.py``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def rows(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
             "lane": a.lane, "subgraph": a.subgraph,
             "flops": a.flops, "bytes": a.bytes, "intensity": round(a.intensity, 2), "bound": a.bound,
             "est_us": round(a.est_us, 2), "cast": a.cast, "saved": a.saved,
-            "transfer": a.transfer,
+            "transfer": a.transfer, "copy_of": a.copy_of,
             "inputs": [i.name for i in n.all_input_nodes],
         })
     return out
@@ -84,7 +85,7 @@ def listing(gm: torch.fx.GraphModule, title: str) -> str:
 
 def _mark(row: dict[str, Any]) -> str:
     """Decisions of the memory passes: casts apollo inserted, values saved for the backward, copies
-    of the offloaded ones."""
+    of the offloaded ones, values computed again at a cut."""
     marks = []
     if row["cast"]:
         marks.append(f"cast->{row['cast']}")
@@ -92,6 +93,8 @@ def _mark(row: dict[str, Any]) -> str:
         marks.append("saved")
     if row["transfer"]:
         marks.append(row["transfer"].replace(" ", "-"))
+    if row["copy_of"]:  # computed again where a cut's reader is (passes/boundary.py), the listing's
+        marks.append(f"copy-of-{row['copy_of']}")  # `recomputed` star says so; this names the original
     return ",".join(marks)
 
 

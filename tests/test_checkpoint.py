@@ -45,9 +45,16 @@ def column(listing: str, name: str) -> dict[str, str]:
 
 
 def recomputed_rows(listing: str) -> dict[str, str]:
-    """node -> modality, for the backward listing's call_function rows marked ``*`` (recomputed)."""
+    """node -> modality, for the backward listing's call_function rows marked ``*`` (recomputed). A
+    value the boundary recompute moved past a cut is found under its original's name too (its copy's
+    mark ``copy-of-<node>``), with the modality of the first copy listed."""
     ops, mods = column(listing, "op"), column(listing, "modality")
-    return {n: m for n, m in mods.items() if m.endswith("*") and ops[n] != "placeholder"}
+    rows = {n: m for n, m in mods.items() if m.endswith("*") and ops[n] != "placeholder"}
+    for line in listing.splitlines()[2:]:
+        origin = [m[len("copy-of-"):] for m in line.split()[-1].split(",") if m.startswith("copy-of-")]
+        if origin and line.split()[0] in rows:
+            rows.setdefault(origin[0], rows[line.split()[0]])
+    return rows
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.5, 0.35, 0.2])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from apollo_compile import dump
 from apollo_compile.annotations import info
 from apollo_compile.nodes import storage_node
 from apollo_compile.passes import boundary, lanes
@@ -52,6 +53,9 @@ def test_an_elementwise_value_read_across_the_cut_is_recomputed_there():
     assert not any(n.target is torch.ops.aten.sigmoid.default for n in subgraphs[1].inputs)
     copies = [n for n in subgraphs[1].nodes if n.target is torch.ops.aten.sigmoid.default]
     assert len(copies) == 1 and info(copies[0]).subgraph == 1 and info(copies[0]).recomputed
+    original = next(n.name for n in gm.graph.nodes if n.target is torch.ops.aten.sigmoid.default and n is not copies[0])
+    assert info(copies[0]).copy_of == original  # the dump's listing names it: mark copy-of-<original>
+    assert f"copy-of-{original}" in dump.listing(gm, "cut").split(copies[0].name, 1)[1].splitlines()[0]
     torch.testing.assert_close(gm(x, w), expected, rtol=0, atol=0)
 
 

@@ -153,7 +153,8 @@ def _copy_into(sg, chain: list[torch.fx.Node], users: list[torch.fx.Node], graph
             c = graph.node_copy(n, lambda a: copies.get(a, a))
             c.meta = dict(n.meta)
             c.meta["apollo"] = dataclasses.replace(info(n), lane=sg.lane, subgraph=sg.id, recomputed=True,
-                                                   modality=info(first).modality, backward=info(first).backward)
+                                                   modality=info(first).modality, backward=info(first).backward,
+                                                   copy_of=info(n).copy_of or n.name)
             copies[n] = c
             home[c] = sg
     at = position[first]
