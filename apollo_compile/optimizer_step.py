@@ -223,8 +223,9 @@ class InGraphAdam:
         step had 1597 inputs and 3.35 ms of host time before its replay on the H200 (session 31,
         ``benchmarks/probes/step_host.py``); one counter tensor per group leaves 1200. Before that
         (sessions 30-31) the per-parameter counters advanced in one ``_foreach_add_``, and before
-        that in a ``step.add_(1)`` each, a kernel and a CUDA-graph node per parameter. The effect
-        of this change on the H200 is not measured yet."""
+        that in a ``step.add_(1)`` each, a kernel and a CUDA-graph node per parameter. On the H200
+        (session 32, another machine than session 31's, so compare ratios) the step from an idle
+        GPU went from 1.04x to 1.11x reduce-overhead's whole step; back to back it stayed 1.20x."""
         with torch.no_grad():
             for g in self._groups:
                 stepped = [j for j, p in enumerate(g["params"]) if p.grad is not None]
