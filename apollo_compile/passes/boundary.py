@@ -67,7 +67,8 @@ def _chain(value: torch.fx.Node, at_hand: set[torch.fx.Node], depth: int,
 
 def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
     """Recompute each cheap crossing value in the subgraphs that read it (see the module docstring).
-    Returns how many values no longer cross and their bytes."""
+    Returns how many values no longer cross and the bytes of their buffers (a view and its base
+    count once)."""
     home = {n: sg for sg in subgraphs for n in sg.nodes}
     written = {x for n in graph.nodes for x in written_inputs(n)}
     free_inputs = {n for n in graph.nodes if n.op == "placeholder" and n not in written}
@@ -76,7 +77,7 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
         inside = set(sg.nodes)
         reads[sg.id] = {a for n in sg.nodes for a in n.all_input_nodes if a not in inside}
     by_id = {sg.id: sg for sg in subgraphs}
-    moved, moved_bytes = 0, 0
+    moved, buffers = 0, {}
     for value in [n for sg in subgraphs for n in sg.nodes]:
         src = home.get(value)
         if src is None or not _elementwise_storage(value, src, home):
@@ -103,9 +104,9 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
                 _copy_into(by_id[sg_id], chain, readers[sg_id], graph, home)
                 reads[sg_id].discard(value)  # no longer crosses there: a later chain must not read it
             moved += 1
-            moved_bytes += 0 if is_view(value) else nbytes(value)
+            buffers.setdefault(storage_node(value), nbytes(storage_node(value)))  # a view's is its base's, once
             _drop_if_dead(value, src, graph, home)
-    return {"recomputed": moved, "bytes": moved_bytes}
+    return {"recomputed": moved, "bytes": sum(buffers.values())}
 
 
 def _elementwise_storage(value: torch.fx.Node, src, home: dict) -> bool:
