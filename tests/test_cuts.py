@@ -25,6 +25,13 @@ def cut(gm: torch.fx.GraphModule, first_of_second: str) -> list[lanes.Subgraph]:
     return subgraphs
 
 
+def recomputed_at_relu_cut(f, *shapes: tuple[int, ...]) -> int:
+    """How many values the boundary recompute takes off the cut of `f` (traced on random inputs of
+    `shapes`) before its ReLU."""
+    gm = make_fx(f)(*(torch.randn(*shape) for shape in shapes))
+    return boundary.recompute_crossings(cut(gm, "relu"), gm.graph)["recomputed"]
+
+
 def crossing(subgraphs: list[lanes.Subgraph], gm: torch.fx.GraphModule) -> set[str]:
     lanes.wire(subgraphs, list(gm.graph.nodes), lanes.nx.DiGraph([(0, 1)]))
     return {n.target.overloadpacket.__name__ for n in subgraphs[1].inputs if n.op == "call_function"}
@@ -92,9 +99,7 @@ def test_a_view_read_by_a_matmul_keeps_its_elementwise_base_crossing():
         h = (x * s) @ w
         return torch.relu(h) @ s.detach()
 
-    gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
-    subgraphs = cut(gm, "relu")
-    assert boundary.recompute_crossings(subgraphs, gm.graph)["recomputed"] == 0
+    assert recomputed_at_relu_cut(f, (8, 8), (8, 8)) == 0
 
 
 def test_a_value_a_matmul_reads_across_the_cut_is_handed_over():
@@ -104,9 +109,7 @@ def test_a_value_a_matmul_reads_across_the_cut_is_handed_over():
         h = (x * s) @ w
         return torch.relu(h) @ s.t()
 
-    gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
-    subgraphs = cut(gm, "relu")
-    assert boundary.recompute_crossings(subgraphs, gm.graph)["recomputed"] == 0
+    assert recomputed_at_relu_cut(f, (8, 8), (8, 8)) == 0
 
 
 def test_a_value_made_from_random_numbers_is_never_recomputed():
@@ -115,9 +118,7 @@ def test_a_value_made_from_random_numbers_is_never_recomputed():
         h = (kept * 2) @ w
         return torch.relu(h) * kept + x
 
-    gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
-    subgraphs = cut(gm, "relu")
-    assert boundary.recompute_crossings(subgraphs, gm.graph)["recomputed"] == 0
+    assert recomputed_at_relu_cut(f, (8, 8), (8, 8)) == 0
 
 
 def test_nothing_new_crosses_and_written_inputs_are_not_read_again():
@@ -130,9 +131,7 @@ def test_nothing_new_crosses_and_written_inputs_are_not_read_again():
         p.copy_(p * 0.5)  # an optimizer's write into the parameter, at the graph's end
         return out
 
-    gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8))
-    subgraphs = cut(gm, "relu")
-    assert boundary.recompute_crossings(subgraphs, gm.graph)["recomputed"] == 0
+    assert recomputed_at_relu_cut(f, (8, 8), (8, 8), (8, 8)) == 0
 
 
 def test_the_items_of_a_multi_output_op_stay_in_its_subgraph():

@@ -72,10 +72,11 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
     home = {n: sg for sg in subgraphs for n in sg.nodes}
     written = {x for n in graph.nodes for x in written_inputs(n)}
     free_inputs = {n for n in graph.nodes if n.op == "placeholder" and n not in written}
-    reads: dict[int, set[torch.fx.Node]] = {}  # what each subgraph reads from outside, before any change
+    reads: dict[int, set[torch.fx.Node]] = {}  # what each subgraph reads from outside and may read again
     for sg in subgraphs:
         inside = set(sg.nodes)
-        reads[sg.id] = {a for n in sg.nodes for a in n.all_input_nodes if a not in inside}
+        reads[sg.id] = {a for n in sg.nodes for a in n.all_input_nodes
+                        if a not in inside and storage_node(a) not in written}
     by_id = {sg.id: sg for sg in subgraphs}
     moved, buffers = 0, {}
     for value in [n for sg in subgraphs for n in sg.nodes]:
@@ -95,7 +96,7 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
             if not all(_inlined(u, by_id[sg_id], home, MAX_DEPTH) for u in users):
                 break
             chain: dict[torch.fx.Node, None] = {}
-            at_hand = {a for a in reads[sg_id] if a is not value and storage_node(a) not in written} | free_inputs
+            at_hand = (reads[sg_id] - {value}) | free_inputs
             if not all(_chain(a, at_hand, MAX_DEPTH - 1, chain) for a in value.all_input_nodes):
                 break
             plans[sg_id] = [*chain, value]
@@ -104,7 +105,8 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
                 _copy_into(by_id[sg_id], chain, readers[sg_id], graph, home)
                 reads[sg_id].discard(value)  # no longer crosses there: a later chain must not read it
             moved += 1
-            buffers.setdefault(storage_node(value), nbytes(storage_node(value)))  # a view's is its base's, once
+            buffer = storage_node(value)  # a view's is its base's: counted once
+            buffers.setdefault(buffer, nbytes(buffer))
             _drop_if_dead(value, src, graph, home)
     return {"recomputed": moved, "bytes": sum(buffers.values())}
 
