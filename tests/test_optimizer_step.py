@@ -103,13 +103,15 @@ def test_the_update_inside_the_step_trains_like_eager(compiler):
 
 
 def test_adam_with_amsgrad_two_groups_and_a_scheduler_trains_like_eager():
-    """The learning rate is a tensor the step reads: a scheduler changes it without a recompile."""
+    """The learning rate is a tensor the step reads: a scheduler changes it without a recompile.
+    The second group takes Adam's weight decay into the gradient (not decoupled) and maximizes."""
     torch.manual_seed(0)
     apollo_compile.clear_plans()
 
     def adam(model):
         rest = [p for name, p in model.named_parameters() if not name.startswith("vision.")]
-        return torch.optim.Adam([{"params": model.vision.parameters(), "lr": 2e-2}, {"params": rest}],
+        return torch.optim.Adam([{"params": model.vision.parameters(), "lr": 2e-2},
+                                 {"params": rest, "weight_decay": 0.05, "maximize": True}],
                                 lr=1e-2, eps=1e-4, amsgrad=True)
 
     train_with_update_inside(TwoTower(layers=1), adam, EAGER, steps=4,
@@ -465,3 +467,34 @@ def test_a_parameter_without_a_gradient_keeps_its_count():
         assert float(opt.state[p]["step"]) == 3
     assert not opt.state[unused] or float(opt.state[unused]["step"]) == 0
     torch.testing.assert_close(unused, ref_unused)
+
+
+def test_each_update_reads_scalars_of_its_own():
+    """optimizer_step.py, NOTE: The update's scalars are foreach outputs: the counters (after their
+    advance) and the learning rate are read by foreach ops only, never by a parameter's update
+    itself, so no update kernel reads its step at a constant offset of the counters or shares a
+    buffer with every other parameter's (which made Inductor compile the step for minutes)."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    model = TwoTower(layers=1)
+    train_with_update_inside(model, adamw, EAGER, steps=1)
+    gm = apollo_compile.last_plan().inference.gm
+    n_params = sum(1 for _ in model.parameters())
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    counters = [n for n in inputs if tuple(n.meta["val"].shape) == (n_params,)]
+    written = {x for n in gm.graph.nodes for x in written_inputs(n)}
+    lrs = [n for n in inputs if n.meta["val"].dim() == 0 and n not in written]  # a 0-d parameter is written
+    assert len(counters) == 1 and len(lrs) == 1
+    advanced = [u for u in counters[0].users if u.target is torch.ops.aten.add.Tensor]
+    assert len(advanced) == 1
+
+    def readers_through_views(node):
+        for user in node.users:
+            if getattr(user.target, "is_view", False):
+                yield from readers_through_views(user)
+            else:
+                yield user
+
+    for value in (advanced[0], lrs[0]):
+        readers = [r for r in readers_through_views(value) if not written_inputs(r)]  # the counters' write-back
+        assert readers and all("_foreach_" in str(r.target) for r in readers), readers
