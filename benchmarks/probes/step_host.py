@@ -10,6 +10,9 @@ after ``--warmup`` steps, the median over ``--steps`` steps each from an idle GP
 - ``after``: host ms from the replay's return to the step's return (the optimizer outside, the
   outputs handed back);
 - ``step``: the step from an idle GPU to ``loss.item()`` (CUDA events), as the benchmark's median;
+- ``gpu from replay``: from a CUDA event recorded just before the step's first replay to the
+  step's end: the graph's own time from an idle GPU (``step`` minus it is the host's time before
+  the GPU starts the graph, as the GPU sees it);
 - then the same steps under cProfile: the top functions by own time (cProfile slows Python calls:
   read the shares, not the times).
 
@@ -45,6 +48,7 @@ class ReplayStamps:
     def __init__(self) -> None:
         self.calls: list[tuple[float, float]] = []
         self.original = None
+        self.first_event = None  # a CUDA event recorded just before the first replay of a step
 
     def __enter__(self) -> "ReplayStamps":
         if torch.cuda.is_available():
@@ -53,6 +57,9 @@ class ReplayStamps:
 
             def replay(graph):
                 start = time.perf_counter()
+                if not calls:  # where the GPU reaches the step's first replay, on the replaying stream
+                    self.first_event = torch.cuda.Event(enable_timing=True)
+                    self.first_event.record()
                 original(graph)
                 calls.append((start, time.perf_counter()))
 
@@ -79,7 +86,7 @@ def run(variant: str, name: str, base, batch, args, device) -> dict:
 
     for _ in range(args.warmup):
         step().item()
-    rows = {"to launch": [], "launch": [], "after": [], "step": []}
+    rows = {"to launch": [], "launch": [], "after": [], "step": [], "gpu from replay": []}
     with ReplayStamps() as stamps:
         for _ in range(args.steps):
             common.synchronize(device)
@@ -100,6 +107,9 @@ def run(variant: str, name: str, base, batch, args, device) -> dict:
                 rows["launch"].append(1e3 * (first[1] - first[0]))
                 rows["after"].append(1e3 * (t1 - last[1]))
             rows["step"].append(start_event.elapsed_time(end_event) if start_event is not None else 1e3 * (t1 - t0))
+            if stamps.first_event is not None and end_event is not None:
+                rows["gpu from replay"].append(stamps.first_event.elapsed_time(end_event))
+                stamps.first_event = None
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.steps):
@@ -139,7 +149,7 @@ def main(argv=None) -> int:
             common.log(result["profile"])
             table.append({"model": name, "variant": variant, **result})
             (out_dir / "step_host.json").write_text(json.dumps(table, indent=1))  # a cut run keeps what it measured
-    cols = ["to launch", "launch", "after", "step"]
+    cols = ["to launch", "launch", "after", "step", "gpu from replay"]
     common.log(common.markdown(["model", "variant", *cols],
                                [[r["model"], r["variant"], *(f"{r[c]:.3f}" if c in r else "-" for c in cols)]
                                 for r in table]))
