@@ -229,7 +229,7 @@ class InGraphAdam:
             for g in self._groups:
                 stepped = [j for j, p in enumerate(g["params"]) if p.grad is not None]
                 advance(g["counters"], set(stepped))
-                scalars = update_scalars(g, stepped, self.decoupled)
+                scalars = update_scalars(g, set(stepped), self.decoupled)
                 for j in stepped:
                     p = g["params"][j]
                     adam_update(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j],
@@ -251,7 +251,7 @@ def advance(counters: dict, stepped: set[int]) -> None:
             flat.index_add_(0, torch.tensor(hit, device=flat.device), torch.ones(len(hit), device=flat.device))
 
 
-def update_scalars(group: dict, stepped: list[int], decoupled: bool) -> dict[int, tuple]:
+def update_scalars(group: dict, stepped: set[int], decoupled: bool) -> dict[int, tuple]:
     """The per-parameter scalars of Adam's update, 0-d tensors on the parameter's device, for each
     `stepped` parameter (group index -> ``(decay, step_size, bias_correction2_sqrt)``): ``decay =
     1 - lr * weight_decay`` (None unless decoupled weight decay applies), ``step_size = lr / (1 -
@@ -273,28 +273,27 @@ def update_scalars(group: dict, stepped: list[int], decoupled: bool) -> dict[int
     compile, lowering 26%, code generation 20%); not measured on the H200, where Triton compiles
     and tunes each distinct kernel, so the fewer kernels should count for more."""
     out: dict[int, tuple] = {}
-    wanted = set(stepped)
     for device, (flat, js) in group["counters"].items():
-        ks = [k for k, j in enumerate(js) if j in wanted]
+        ks = [k for k, j in enumerate(js) if j in stepped]
         if not ks:
             continue
         steps, lrs = [flat[k] for k in ks], [group["lr"][device]] * len(ks)
         decay = [None] * len(ks)
         if decoupled and group["weight_decay"] != 0:
-            decay = torch._foreach_mul(lrs, group["weight_decay"])
-            torch._foreach_neg_(decay)
-            torch._foreach_add_(decay, 1)
-        first = torch._foreach_pow(group["beta1"], steps)
-        torch._foreach_neg_(first)
-        torch._foreach_add_(first, 1)
-        step_size = torch._foreach_div(lrs, first)
-        second = torch._foreach_pow(group["beta2"], steps)
-        torch._foreach_neg_(second)
-        torch._foreach_add_(second, 1)
+            decay = _one_minus_(torch._foreach_mul(lrs, group["weight_decay"]))
+        step_size = torch._foreach_div(lrs, _one_minus_(torch._foreach_pow(group["beta1"], steps)))
+        second = _one_minus_(torch._foreach_pow(group["beta2"], steps))
         torch._foreach_sqrt_(second)
         for k, d, size, c2 in zip(ks, decay, step_size, second):
             out[js[k]] = (d, size, c2)
     return out
+
+
+def _one_minus_(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``1 - x`` for each of `xs`, in place (foreach has no scalar-minus-list op); returns `xs`."""
+    torch._foreach_neg_(xs)
+    torch._foreach_add_(xs, 1)
+    return xs
 
 
 def adam_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -51,9 +51,10 @@ def recomputed_rows(listing: str) -> dict[str, str]:
     ops, mods = column(listing, "op"), column(listing, "modality")
     rows = {n: m for n, m in mods.items() if m.endswith("*") and ops[n] != "placeholder"}
     for line in listing.splitlines()[2:]:
-        origin = [m[len("copy-of-"):] for m in line.split()[-1].split(",") if m.startswith("copy-of-")]
-        if origin and line.split()[0] in rows:
-            rows.setdefault(origin[0], rows[line.split()[0]])
+        cells = line.split()
+        origin = [m[len("copy-of-"):] for m in cells[-1].split(",") if m.startswith("copy-of-")]
+        if origin and cells[0] in rows:
+            rows.setdefault(origin[0], rows[cells[0]])
     return rows
 
 

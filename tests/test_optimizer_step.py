@@ -25,7 +25,7 @@ from torch import nn
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning
 from apollo_compile.annotations import info
-from apollo_compile.nodes import written_inputs
+from apollo_compile.nodes import readers_of, written_inputs
 from apollo_compile.optimizer_step import InGraphAdam
 from apollo_compile.runtime import choice
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
@@ -253,7 +253,6 @@ def test_each_update_runs_as_soon_as_its_gradient_is_complete():
     MB against 0.75 MB in program order, where every gradient and every new parameter and moment
     lived until the writes at the end)."""
     from apollo_compile import pipeline
-    from apollo_compile.nodes import readers_of
     from apollo_compile.passes.modality import traced_from_autograd
 
     def trained_graph(passes):
@@ -487,14 +486,6 @@ def test_each_update_reads_scalars_of_its_own():
     assert len(counters) == 1 and len(lrs) == 1
     advanced = [u for u in counters[0].users if u.target is torch.ops.aten.add.Tensor]
     assert len(advanced) == 1
-
-    def readers_through_views(node):
-        for user in node.users:
-            if getattr(user.target, "is_view", False):
-                yield from readers_through_views(user)
-            else:
-                yield user
-
     for value in (advanced[0], lrs[0]):
-        readers = [r for r in readers_through_views(value) if not written_inputs(r)]  # the counters' write-back
+        readers = [r for r in readers_of(value) if not written_inputs(r)]  # the counters' write-back
         assert readers and all("_foreach_" in str(r.target) for r in readers), readers
