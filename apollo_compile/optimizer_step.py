@@ -228,8 +228,9 @@ class InGraphAdam:
         with torch.no_grad():
             for g in self._groups:
                 stepped = [j for j, p in enumerate(g["params"]) if p.grad is not None]
-                advance(g["counters"], set(stepped))
-                scalars = update_scalars(g, set(stepped), self.decoupled)
+                stepped_set = set(stepped)
+                advance(g["counters"], stepped_set)
+                scalars = update_scalars(g, stepped_set, self.decoupled)
                 for j in stepped:
                     p = g["params"][j]
                     adam_update(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j],
