@@ -1,9 +1,9 @@
 """The optimizer inside the compiled step: ``compile_step(fn, optimizer=opt)``.
 
 ``optimizer.step()`` cannot be traced into the step's graph on torch 2.13 (``whole_step.py`` says
-why), but the update it runs can: Adam's formula, as torch's single-tensor Adam computes it, over
-the optimizer's own parameters, gradients and state tensors. Traced
-after ``loss.backward()`` in the same function, it becomes part of the one graph, and each
+why), but the update it runs can: Adam's update of each parameter as one op (``fused_update.py``:
+torch's fused Adam kernel), over the optimizer's own parameters, gradients and state tensors.
+Traced after ``loss.backward()`` in the same function, it becomes part of the one graph, and each
 parameter's update is labelled with its tower (``passes/modality.py``: it reaches that parameter's
 write), so a tower whose backward finishes early updates its weights while the other tower's
 backward still runs.
@@ -13,9 +13,10 @@ to find at fixed addresses: the optimizer's state created as ``Adam`` would crea
 counters of a parameter group in one tensor per device, every state tensor marked static, and the
 learning rate of each parameter group as a device tensor (refreshed from ``param_groups`` when a scheduler
 changed it; the other hyperparameters are Python numbers, and Dynamo recompiles if one changes).
-Inside the traced step each parameter gets Adam's update as one chain of elementwise ops
-(:func:`adam_update`), which the lanes pass puts on that parameter's tower and Inductor fuses; the
-step counters stay on the device (no ``.item()``).
+Inside the traced step the step counters advance on the device (no ``.item()``) and each parameter
+gets one ``apollo::adam_step`` call, which reads its counter and the learning rate there (or, with
+the option ``optimizer_update="inductor"``, Adam's formula as elementwise ops: :func:`adam_update`,
+which Inductor fuses with the gradient's cast at the price of a compile ~3x as long).
 The optimizer object stays the user's: its state is the one updated, ``state_dict()`` and
 schedulers work, and an eager ``optimizer.step()`` after a fallback continues from it.
 """
@@ -26,6 +27,8 @@ import weakref
 from typing import Any, Sequence
 
 import torch
+
+from .fused_update import adam_step, fused_kernel_devices, register_inductor_lowering
 
 __all__ = ["InGraphAdam", "unsupported_reason"]
 
@@ -46,6 +49,11 @@ def unsupported_reason(optimizer: Any) -> str | None:
                 return f"param_groups[{i}]['{key}'] is a tensor (only lr may be one)"
         if any(p.is_sparse or torch.is_complex(p) for p in group["params"]):
             return f"param_groups[{i}] holds a sparse or complex parameter"
+        devices = fused_kernel_devices()
+        for p in group["params"]:
+            if p.device.type not in devices:
+                return (f"param_groups[{i}] holds a parameter on {p.device.type}, where torch has no fused Adam "
+                        f"kernel (it has one on {', '.join(devices)})")
     return None
 
 
@@ -56,10 +64,13 @@ class InGraphAdam:
     read from the optimizer inside the graph: Dynamo guards on every value it reads there, and a
     scheduler's new ``param_groups[i]['lr']`` recompiled the step at each change."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, update: str = "kernel") -> None:
         reason = unsupported_reason(optimizer)
         if reason is not None:
             raise TypeError(f"apollo.compile_step: {reason}")
+        self.kernel = update == "kernel"  # else Adam's formula, for Inductor to fuse (options.py: optimizer_update)
+        if self.kernel:
+            register_inductor_lowering()
         self.optimizer = optimizer
         self.decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
             g.get("decoupled_weight_decay", False) for g in optimizer.param_groups)
@@ -201,7 +212,8 @@ class InGraphAdam:
 
     def apply(self) -> None:
         """The update, traced into the step after ``loss.backward()``: the parameters with a
-        gradient, as ``optimizer.step()`` would update them (see :func:`adam_update`), then
+        gradient, as ``optimizer.step()`` would update them (one ``fused_update.adam_step`` each, or
+        :func:`adam_update`'s formula with ``optimizer_update="inductor"``), then
         ``.grad = None`` for every parameter, as ``optimizer.zero_grad(set_to_none=True)``.
 
         [NOTE] The step consumes its gradients. Left in ``.grad``, every gradient is an output of
@@ -227,14 +239,23 @@ class InGraphAdam:
         GPU went from 1.04x to 1.11x reduce-overhead's whole step; back to back it stayed 1.20x."""
         with torch.no_grad():
             for g in self._groups:
-                stepped = [j for j, p in enumerate(g["params"]) if p.grad is not None]
-                stepped_set = set(stepped)
-                advance(g["counters"], stepped_set)
-                scalars = update_scalars(g, stepped_set, self.decoupled)
-                for j in stepped:
-                    p = g["params"][j]
-                    adam_update(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j],
-                                g["max_exp_avg_sqs"][j] if g["amsgrad"] else None, *scalars[j], g)
+                stepped = {j for j, p in enumerate(g["params"]) if p.grad is not None}
+                advance(g["counters"], stepped)
+                if not self.kernel:
+                    scalars = update_scalars(g, stepped, self.decoupled)
+                for flat, js in g["counters"].values():
+                    for k, j in enumerate(js):
+                        if j not in stepped:
+                            continue
+                        p = g["params"][j]
+                        max_exp_avg_sq = g["max_exp_avg_sqs"][j] if g["amsgrad"] else None
+                        if self.kernel:
+                            adam_step(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j], max_exp_avg_sq, flat[k],
+                                      g["lr"][p.device], g["beta1"], g["beta2"], g["weight_decay"], g["eps"],
+                                      g["maximize"], self.decoupled)
+                        else:
+                            adam_update(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j], max_exp_avg_sq,
+                                        *scalars[j], g)
         for g in self._groups:
             for p in g["params"]:
                 p.grad = None

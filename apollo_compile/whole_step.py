@@ -81,7 +81,7 @@ class CompiledStep:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"apollo.compile_step: {why}")
             if why is None:
-                self.update = InGraphAdam(optimizer)
+                self.update = InGraphAdam(optimizer, _options(torch_compile_kwargs).get("optimizer_update", "kernel"))
                 traced = self._with_update
             else:
                 warnings.warn(f"apollo.compile_step: {why}", ApolloFallbackWarning, stacklevel=4)

@@ -34,7 +34,10 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
                    else the module path, with the ApolloFallbackWarning the row records); the
                    optimizer stays outside it
     apollo-step-opt  the same with the optimizer's update inside the graph
-                   (``compile_step(step, optimizer=opt)``): the loop calls no ``optimizer.step()``
+                   (``compile_step(step, optimizer=opt)``): the loop calls no ``optimizer.step()``;
+                   each parameter's update one op (``fused_update.py``)
+    apollo-step-opt-inductor  the same with the update as Adam's formula for Inductor to fuse
+                   (option ``optimizer_update="inductor"``: a faster graph, a longer compile)
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
@@ -80,7 +83,7 @@ import common  # noqa: E402  (the method every benchmark here shares)
 from common import fmt, log  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
-            "apollo-step-1lane", "apollo-step-opt")
+            "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -201,7 +204,12 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
     return step_fn
 
 
-STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt")
+STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor")
+
+
+def updates_inside(variant: str) -> bool:
+    """Whether `variant` compiles the optimizer's update into the step (the loop calls no step())."""
+    return variant.startswith("apollo-step-opt")
 
 
 class WholeStep:
@@ -228,10 +236,12 @@ class WholeStep:
             self.step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
             self.trace_backward = True
         else:
-            one_lane = {"max_lanes": 1} if variant == "apollo-step-1lane" else {}
-            self.optimizer = optimizer if variant == "apollo-step-opt" else None  # its update in the graph
+            extra = {"max_lanes": 1} if variant == "apollo-step-1lane" else {}
+            if variant == "apollo-step-opt-inductor":
+                extra = {"optimizer_update": "inductor"}
+            self.optimizer = optimizer if updates_inside(variant) else None  # its update in the graph
             inside = {"optimizer": optimizer} if self.optimizer is not None else {}
-            self.step = apollo_compile.compile_step(step, options={**options, **one_lane}, **inside)
+            self.step = apollo_compile.compile_step(step, options={**options, **extra}, **inside)
             self.trace_backward = False  # compile_step turns it on itself
 
     def __call__(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -328,7 +338,7 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
             step_fn = compile_variant(variant, model, args)
             f = loss_fn(name, step_fn)
         keep.append(step_fn)  # see common.apollo_diagnostics
-        update_inside = variant == "apollo-step-opt"  # the compiled step runs optimizer.step() itself
+        update_inside = updates_inside(variant)  # the compiled step runs optimizer.step() itself
 
         def whole_step(read_loss: bool = True) -> float | torch.Tensor:
             optimizer.zero_grad(set_to_none=True)

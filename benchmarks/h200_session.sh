@@ -56,7 +56,8 @@ case "${1:-}" in
   whole-step)  # the README's table: the user's whole step, the model compiled as a module (reduce-overhead, apollo)
              # and the step compiled as one graph (reduce-overhead with backward tracing, compile_step, compile_step
              # on one lane, compile_step with the optimizer inside: apollo-step-opt); 6 compiles per batch, results kept per row;
-             # VARIANTS="inductor-ro inductor-ro-step apollo-step-opt" picks some (apollo-step-opt compiled cold in 351 s)
+             # VARIANTS="inductor-ro inductor-ro-step apollo-step-opt" picks some (apollo-step-opt compiled cold in 85 s, session 34;
+             # apollo-step-opt-inductor, the update as a formula, in 281-351 s)
              model="${2:?whole-step needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 30 \
                --variants ${VARIANTS:-inductor-ro inductor-ro-step apollo-step-opt apollo-step apollo-step-1lane apollo} \

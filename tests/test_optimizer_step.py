@@ -1,9 +1,9 @@
 """The optimizer inside the compiled step: compile_step(fn, optimizer=opt).
 
-Numerics: the update in the graph is torch's own functional Adam, the formula ``optimizer.step()``
-runs, but with the step counter, the bias corrections and the learning rate as float32 tensors
-(capturable) where the eager optimizer uses Python doubles, so each update differs from eager by
-float32 rounding. Adam amplifies such differences wherever a gradient is near ``eps`` (the update
+Numerics: the update in the graph is torch's fused Adam kernel (fused_update.py), with the step
+counter and the learning rate as float32 tensors, where the eager optimizer here runs its
+single-tensor path with Python doubles, so each update differs from eager by float32 rounding.
+Adam amplifies such differences wherever a gradient is near ``eps`` (the update
 ``m / (sqrt(v) + eps)`` flips between about +lr and -lr there): with the default eps=1e-8 the tiny
 test models' parameters drifted 4e-3 from eager within two steps, in the eager optimizer too when
 only its lr was made a tensor. These tests use eps=1e-4, where the update is a smooth function of
@@ -79,13 +79,14 @@ def eager_twin(model):
     return ref, adamw(model), adamw(ref)
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
-def test_the_update_inside_the_step_trains_like_eager(compiler):
+@pytest.mark.parametrize("compiler,update", [("eager", "kernel"), ("inductor", "kernel"), ("inductor", "inductor")])
+def test_the_update_inside_the_step_trains_like_eager(compiler, update):
     torch.manual_seed(0)
     apollo_compile.clear_plans()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
-        compiled, _ = train_with_update_inside(TwoTower(layers=1), adamw, {"subgraph_compiler": compiler})
+        compiled, _ = train_with_update_inside(TwoTower(layers=1), adamw,
+                                               {"subgraph_compiler": compiler, "optimizer_update": update})
     assert compiled.fallback_reason is None and compiled.update is not None
     (plan,) = [p for p in apollo_compile.plans() if "inference" in p.graphs]
     graph = plan.inference
@@ -468,15 +469,38 @@ def test_a_parameter_without_a_gradient_keeps_its_count():
     torch.testing.assert_close(unused, ref_unused)
 
 
-def test_each_update_reads_scalars_of_its_own():
-    """optimizer_step.py, NOTE: The update's scalars are foreach outputs: the counters (after their
-    advance) and the learning rate are read by foreach ops only, never by a parameter's update
-    itself, so no update kernel reads its step at a constant offset of the counters or shares a
-    buffer with every other parameter's (which made Inductor compile the step for minutes)."""
+def test_each_update_is_one_fused_op():
+    """fused_update.py, NOTE: The update is one op: each parameter's update is one apollo::adam_step
+    in the graph (Inductor generates no kernel for it), which reads the learning rate and its own
+    step counter; no other op reads either."""
     torch.manual_seed(0)
     apollo_compile.clear_plans()
     model = TwoTower(layers=1)
     train_with_update_inside(model, adamw, EAGER, steps=1)
+    gm = apollo_compile.last_plan().inference.gm
+    n_params = sum(1 for _ in model.parameters())
+    updates = [n for n in gm.graph.nodes if n.op == "call_function" and n.args
+               and n.args[0] is torch.ops.apollo.adam_step.default]  # under auto_functionalized
+    assert len(updates) == n_params
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    written = {x for n in gm.graph.nodes for x in written_inputs(n)}
+    (lr,) = [n for n in inputs if n.meta["val"].dim() == 0 and n not in written]  # a 0-d parameter is written
+    assert set(readers_of(lr)) == set(updates)
+    (counters,) = [n for n in inputs if tuple(n.meta["val"].shape) == (n_params,)]
+    (advanced,) = [u for u in counters.users if u.target is torch.ops.aten.add.Tensor]
+    assert {r for r in readers_of(advanced) if not written_inputs(r)} == set(updates)  # but its write-back
+
+
+def test_each_formula_update_reads_scalars_of_its_own():
+    """optimizer_step.py, NOTE: The update's scalars are foreach outputs: the counters (after their
+    advance) and the learning rate are read by foreach ops only, never by a parameter's update
+    itself, so no update kernel reads its step at a constant offset of the counters or shares a
+    buffer with every other parameter's (which made Inductor compile the step for minutes); with
+    optimizer_update="inductor"."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    model = TwoTower(layers=1)
+    train_with_update_inside(model, adamw, {**EAGER, "optimizer_update": "inductor"}, steps=1)
     gm = apollo_compile.last_plan().inference.gm
     n_params = sum(1 for _ in model.parameters())
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -489,3 +513,29 @@ def test_each_update_reads_scalars_of_its_own():
     for value in (advanced[0], lrs[0]):
         readers = [r for r in readers_of(value) if not written_inputs(r)]  # the counters' write-back
         assert readers and all("_foreach_" in str(r.target) for r in readers), readers
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_inductor_reads_a_weight_before_its_update_writes_it(fixed, monkeypatch):
+    """fused_update.py, NOTE: Inductor must see the old value's readers first: a layer norm's weight
+    is read by its input's gradient, which Inductor computes after the weight's own gradient is
+    complete and its update placed. Without the lowering that marks the weight mutated first, the
+    input gradient read the updated weight (the position embedding below it drifted 2.5e-4 from
+    eager in one step, 5x the tolerance). Inductor's graph cache is off: a cached kernel compiled
+    without the lowering would hide it."""
+    from apollo_compile import fused_update
+    from torch._inductor import config as inductor_config
+    from torch._inductor.lowering import lowerings
+
+    if not fixed:  # the lowering Inductor makes by itself, as before the fix
+        monkeypatch.delitem(lowerings, torch.ops.apollo.adam_step.default, raising=False)
+        monkeypatch.setattr(fused_update, "_registered", True)
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = TwoTower(layers=1)
+    if fixed:
+        train_with_update_inside(model, adamw, {}, steps=2)
+    else:
+        with pytest.raises(AssertionError, match="param vision.pos"):
+            train_with_update_inside(model, adamw, {}, steps=1)

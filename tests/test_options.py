@@ -14,6 +14,7 @@ from apollo_compile import ApolloOptions, ApolloOptionsError
         ({"max_lanes": 0}, r"'max_lanes'=0 is invalid; expected an int >= 1"),
         ({"max_lanes": "2"}, r"'max_lanes'='2' is invalid"),
         ({"max_lanes": True}, r"'max_lanes'=True is invalid"),
+        ({"optimizer_update": "triton"}, r"'optimizer_update'='triton' is invalid; expected one of 'kernel', 'inductor'"),
         ({"cudagraphs": "yes"}, r"'cudagraphs'='yes' is invalid; expected 'auto', True or False"),
         ({"strict": 1}, r"'strict'=1 is invalid; expected True or False"),
         ({"device": "TPU"}, r"'device'='TPU' is invalid; expected one of H200, H100, A100, cpu"),

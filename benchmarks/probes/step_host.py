@@ -71,11 +71,13 @@ class ReplayStamps:
             torch.cuda.CUDAGraph.replay = self.original
 
 
-def run(variant: str, name: str, base, batch, args, device) -> dict:
+def training_step(variant: str, name: str, base, batch, args, device) -> tuple:
+    """(step, what it holds: the compiled step, model and optimizer) for one `variant` of
+    ``bench_whole_step.py``: zero_grad, the compiled step, AdamW's step unless it is inside."""
     model = copy.deepcopy(base).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True if device.type == "cuda" else None)
     f = bws.WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options), optimizer)
-    inside = variant == "apollo-step-opt"
+    inside = bws.updates_inside(variant)
 
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
@@ -84,6 +86,11 @@ def run(variant: str, name: str, base, batch, args, device) -> dict:
             optimizer.step()
         return loss
 
+    return step, (f, model, optimizer)
+
+
+def run(variant: str, name: str, base, batch, args, device) -> dict:
+    step, held = training_step(variant, name, base, batch, args, device)
     for _ in range(args.warmup):
         step().item()
     rows = {"to launch": [], "launch": [], "after": [], "step": [], "gpu from replay": []}
@@ -120,7 +127,7 @@ def run(variant: str, name: str, base, batch, args, device) -> dict:
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
     out = {k: statistics.median(v) for k, v in rows.items() if v}
     out["profile"] = text.getvalue()
-    del f, model, optimizer
+    del step, held
     common.free_device_memory(device)
     return out
 
