@@ -25,10 +25,11 @@ GPU time per step on HF CLIP B/16 (399 launches, 24 us each), against 1.30 ms fo
 16.0 ms on one lane (session 34, ``benchmarks/probes/step_kernels.py``). The Triton kernel here
 runs the same arithmetic with a block per 1024 elements, as Inductor's generated update did:
 the graph took 7.79 ms with lanes and 9.31 on one lane, against 7.07 / 8.15 with the formula on
-another machine of the same kind (session 34). What is left of that gap is mostly the gradients'
-casts: under bf16 autocast a weight's gradient comes out of its matmul in bf16, often transposed,
-and Inductor now writes it out in float32 for the op (~200 ``_to_copy`` kernels, ~1 ms of GPU time
-in the profile), where it fused the cast and the transpose into the formula's kernel. Triton
+another machine of the same kind (session 34). Where that gap comes from is not measured yet;
+Inductor fused the formula with what surrounds it, which an opaque op cannot join: a weight's
+bf16 gradient's cast to float32 (now a kernel of its own), and the reduction that finishes a
+bias's or norm weight's gradient (~250 of HF CLIP's 398 parameters). A profile of both variants
+(``step_kernels.py --variants apollo-step-opt apollo-step-opt-inductor``) would say. Triton
 compiles the kernel once per dtype and option set (the element count is not specialized on).
 
 [NOTE] Inductor must see the old value's readers first. The op writes its parameter and state in

@@ -2,7 +2,8 @@
 
 ``optimizer.step()`` cannot be traced into the step's graph on torch 2.13 (``whole_step.py`` says
 why), but the update it runs can: Adam's update of each parameter as one op (``fused_update.py``:
-torch's fused Adam kernel), over the optimizer's own parameters, gradients and state tensors.
+a Triton kernel on CUDA, torch's fused Adam kernel elsewhere), over the optimizer's own
+parameters, gradients and state tensors.
 Traced after ``loss.backward()`` in the same function, it becomes part of the one graph, and each
 parameter's update is labelled with its tower (``passes/modality.py``: it reaches that parameter's
 write), so a tower whose backward finishes early updates its weights while the other tower's
@@ -16,7 +17,7 @@ changed it; the other hyperparameters are Python numbers, and Dynamo recompiles 
 Inside the traced step the step counters advance on the device (no ``.item()``) and each parameter
 gets one ``apollo::adam_step`` call, which reads its counter and the learning rate there (or, with
 the option ``optimizer_update="inductor"``, Adam's formula as elementwise ops: :func:`adam_update`,
-which Inductor fuses with the gradient's cast at the price of a compile ~3x as long).
+which Inductor fuses with the ops around it, at the price of a compile ~3x as long).
 The optimizer object stays the user's: its state is the one updated, ``state_dict()`` and
 schedulers work, and an eager ``optimizer.step()`` after a fallback continues from it.
 """

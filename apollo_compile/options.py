@@ -86,8 +86,8 @@ class ApolloOptions:
         optimizer_update: how ``compile_step(..., optimizer=)`` updates each parameter inside the
             graph: ``"kernel"`` (default), one op per parameter (``fused_update.py``: a Triton
             kernel on CUDA), compiled in ~1.5 min for HF CLIP B/16 on the H200; or ``"inductor"``,
-            Adam's formula that Inductor fuses with the gradient's cast, ~0.7 ms a step faster
-            there but ~4.5 min to compile (session 34).
+            Adam's formula as elementwise ops for Inductor to fuse, ~0.7 ms a step faster there
+            but ~4.5 min to compile (session 34).
     """
 
     dump_dir: str | None = None
