@@ -53,32 +53,52 @@ import torch
 
 __all__ = ["adam_step", "fused_kernel_devices", "register_inductor_lowering"]
 
-_MUTATED = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_MUTATED = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # as the schema marks them (a0!, ...)
+
+_LIBRARY = torch.library.Library("apollo", "FRAGMENT")
+_LIBRARY.define(
+    "adam_step(Tensor(a0!) param, Tensor grad, Tensor(a2!) exp_avg, Tensor(a3!) exp_avg_sq, "
+    "Tensor(a4!)? max_exp_avg_sq, Tensor step, Tensor lr, float beta1, float beta2, float weight_decay, "
+    "float eps, bool maximize, bool decoupled) -> ()")
 
 
-@torch.library.custom_op("apollo::adam_step", mutates_args=_MUTATED)
-def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-              max_exp_avg_sq: Optional[torch.Tensor], step: torch.Tensor, lr: torch.Tensor, beta1: float,
-              beta2: float, weight_decay: float, eps: float, maximize: bool, decoupled: bool) -> None:
+def _adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               max_exp_avg_sq: Optional[torch.Tensor], step: torch.Tensor, lr: torch.Tensor, beta1: float,
+               beta2: float, weight_decay: float, eps: float, maximize: bool, decoupled: bool) -> None:
     """Adam (AdamW when `decoupled`) on one parameter, in place, as ``optimizer.step()`` with
     ``fused=True`` computes it; `step` is its counter already advanced to this step, `lr` a 0-d
-    tensor, `max_exp_avg_sq` given for amsgrad."""
+    tensor, `max_exp_avg_sq` given for amsgrad.
+
+    [NOTE] The op is defined with torch.library's low-level API. ``torch.library.custom_op`` wraps
+    a kernel in Python layers (autograd, view tracking, argument checks) that cost 67-96 us a call
+    on this project's 2-core CPU, against 7.5 us here and 3.4 us for the fused kernel alone: 6.5 ms
+    a step for HF CLIP's layout with 2 layers a tower (78 parameters) wherever the graph is not
+    replayed as a CUDA graph (on the CPU; on CUDA without CUDA graphs). The mutated inputs' version
+    counters are bumped here, as an in-place ATen op does."""
     if grad.stride() != param.stride():  # both kernels walk the tensors as flat buffers
         grad = torch.empty_like(param).copy_(grad)
     if param.device.type == "cuda" and param.is_contiguous() and _has_triton():
         _adam_triton(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, weight_decay, eps,
                      maximize, decoupled)
-        return
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    kernel([param], [grad], [exp_avg], [exp_avg_sq], [] if max_exp_avg_sq is None else [max_exp_avg_sq], [step],
-           lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-           amsgrad=max_exp_avg_sq is not None, maximize=maximize)
+    else:
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        kernel([param], [grad], [exp_avg], [exp_avg_sq], [] if max_exp_avg_sq is None else [max_exp_avg_sq],
+               [step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+               amsgrad=max_exp_avg_sq is not None, maximize=maximize)
+    written = [param, exp_avg, exp_avg_sq] + ([] if max_exp_avg_sq is None else [max_exp_avg_sq])
+    torch.autograd.graph.increment_version(written)
 
 
-@adam_step.register_fake
+_LIBRARY.impl("adam_step", _adam_step, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("apollo::adam_step", lib=_LIBRARY)
 def _(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, weight_decay, eps, maximize,
       decoupled) -> None:
     return None
+
+
+adam_step = torch.ops.apollo.adam_step.default
 
 
 def _has_triton() -> bool:
