@@ -85,8 +85,9 @@ def _adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         kernel([param], [grad], [exp_avg], [exp_avg_sq], [] if max_exp_avg_sq is None else [max_exp_avg_sq],
                [step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                amsgrad=max_exp_avg_sq is not None, maximize=maximize)
-    written = [param, exp_avg, exp_avg_sq] + ([] if max_exp_avg_sq is None else [max_exp_avg_sq])
-    torch.autograd.graph.increment_version(written)
+    for t in (param, exp_avg, exp_avg_sq, max_exp_avg_sq):
+        if t is not None:  # one at a time: older torch takes no list
+            torch.autograd.graph.increment_version(t)
 
 
 _LIBRARY.impl("adam_step", _adam_step, "CompositeExplicitAutograd")
