@@ -28,8 +28,11 @@ the graph took 7.79 ms with lanes and 9.31 on one lane, against 7.07 / 8.15 with
 another machine of the same kind (session 34). Where that gap comes from is not measured yet;
 Inductor fused the formula with what surrounds it, which an opaque op cannot join: a weight's
 bf16 gradient's cast to float32 (now a kernel of its own), and the reduction that finishes a
-bias's or norm weight's gradient (~250 of HF CLIP's 398 parameters). A profile of both variants
-(``step_kernels.py --variants apollo-step-opt apollo-step-opt-inductor``) would say. Triton
+bias's or norm weight's gradient (~250 of HF CLIP's 398 parameters). In Inductor's CPU code both
+show: the formula's update added no kernel of its own (fused into 42 of a tiny CLIP's 77 kernels,
+31 of them a gradient's reduction), where the op adds a call per parameter and 10 kernels. A GPU
+profile of both variants (``step_kernels.py --variants apollo-step-opt apollo-step-opt-inductor``)
+would say how much each costs there. Triton
 compiles the kernel once per dtype and option set (the element count is not specialized on).
 
 [NOTE] Inductor must see the old value's readers first. The op writes its parameter and state in
