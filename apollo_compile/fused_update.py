@@ -49,6 +49,7 @@ gradient of a layer norm, and through it the position embedding's update, off by
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -113,7 +114,6 @@ def _has_triton() -> bool:
 
 
 _BLOCK = 1024
-_triton_kernel: list = []  # built on first use: importing Triton is slow, and absent on the CPU
 
 
 def _adam_triton(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, weight_decay, eps,
@@ -121,21 +121,19 @@ def _adam_triton(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, bet
     """The update as one Triton kernel over the parameter's elements (NOTE: One parameter, one grid):
     the arithmetic of torch's fused kernel (``FusedAdamMathFunctor``), in float32, with the
     bias corrections from the step counter it reads on the device."""
-    if not _triton_kernel:
-        _triton_kernel.append(_build_triton_kernel())
+    import triton
+
     n = param.numel()
-    _triton_kernel[0][(_cdiv(n, _BLOCK),)](
+    _triton_kernel()[(triton.cdiv(n, _BLOCK),)](
         param, grad, exp_avg, exp_avg_sq, exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq, step, lr, n,
         beta1, beta2, math.log(beta1) if beta1 > 0 else -math.inf, math.log(beta2) if beta2 > 0 else -math.inf,
         weight_decay, eps, MAXIMIZE=maximize, DECOUPLED=decoupled, AMSGRAD=max_exp_avg_sq is not None,
         BLOCK=_BLOCK)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _build_triton_kernel():
+@functools.cache
+def _triton_kernel():
+    """Built on first use: importing Triton is slow, and it is absent on the CPU."""
     import triton
     import triton.language as tl
 
@@ -196,12 +194,12 @@ def register_inductor_lowering() -> None:
 
     op = torch.ops.apollo.adam_step.default
     arguments = [a.name for a in op._schema.arguments]
+    written = [(name, arguments.index(name)) for name in _MUTATED]
     fallback = fallback_handler(op, add_to_fallback_set=False)
 
     @register_lowering(op, type_promotion_kind=None)
     def lower(*args, **kwargs):
-        for name in _MUTATED:
-            i = arguments.index(name)
+        for name, i in written:
             x = args[i] if i < len(args) else kwargs.get(name)
             if x is not None:
                 x.realize()

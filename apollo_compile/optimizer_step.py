@@ -41,6 +41,7 @@ def unsupported_reason(optimizer: Any) -> str | None:
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):  # a subclass may step otherwise
         return (f"{type(optimizer).__name__}'s update is not supported inside the graph (Adam and AdamW are); "
                 "it runs as optimizer.step() after the compiled step")
+    devices = fused_kernel_devices()
     for i, group in enumerate(optimizer.param_groups):
         if group.get("differentiable"):
             return f"param_groups[{i}] has differentiable=True"
@@ -50,7 +51,6 @@ def unsupported_reason(optimizer: Any) -> str | None:
                 return f"param_groups[{i}]['{key}'] is a tensor (only lr may be one)"
         if any(p.is_sparse or torch.is_complex(p) for p in group["params"]):
             return f"param_groups[{i}] holds a sparse or complex parameter"
-        devices = fused_kernel_devices()
         for p in group["params"]:
             if p.device.type not in devices:
                 return (f"param_groups[{i}] holds a parameter on {p.device.type}, where torch has no fused Adam "

@@ -132,19 +132,27 @@ def run(variant: str, name: str, base, batch, args, device) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_step_args(argv, doc: str, variants: list[str], steps: int):
+    """(args, device, out dir) of a probe that times `training_step`s, or None (the device is
+    missing: the caller exits 2): models, batch, variants of ``bench_whole_step.py``, apollo's
+    options, how many profile rows, and the run arguments every benchmark takes."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["hf-clip"], type=bws.model_name)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--variants", nargs="+", default=["inductor-ro-step", "apollo-step", "apollo-step-opt"],
-                   choices=bws.STEP_VARIANTS)
+    p.add_argument("--variants", nargs="+", default=variants, choices=bws.STEP_VARIANTS)
     p.add_argument("--apollo-options", type=json.loads, default={})
     p.add_argument("--top", type=int, default=25)
-    common.add_run_args(p, steps=30, warmup=5)
+    common.add_run_args(p, steps=steps, warmup=5)
     args = common.parse_run_args(p, argv)
     if (setup := common.device_and_out_dir(args)) is None:
+        return None
+    return (args, *setup)
+
+
+def main(argv=None) -> int:
+    if (parsed := parse_step_args(argv, __doc__, ["inductor-ro-step", "apollo-step", "apollo-step-opt"], 30)) is None:
         return 2
-    device, out_dir = setup
+    args, device, out_dir = parsed
     table = []
     for name in args.models:
         base, shape = bws.build(name, args.seed)

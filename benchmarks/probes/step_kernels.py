@@ -10,7 +10,6 @@ Session 34: with each parameter's update as one fused-Adam op (``fused_update.py
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
@@ -22,7 +21,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent),  # benchmarks/: com
                 str(Path(__file__).resolve().parent.parent.parent)]  # the repo root, for apollo_compile
 import bench_whole_step as bws  # noqa: E402  (its models and whole-step variants)
 import common  # noqa: E402
-import step_host  # noqa: E402  (the same training step)
+import step_host  # noqa: E402  (the same training step and arguments)
 
 
 def kernels(variant: str, name: str, base, batch, args, device) -> list[dict]:
@@ -48,17 +47,9 @@ def kernels(variant: str, name: str, base, batch, args, device) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["hf-clip"], type=bws.model_name)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--variants", nargs="+", default=["apollo-step-opt"], choices=bws.STEP_VARIANTS)
-    p.add_argument("--apollo-options", type=json.loads, default={})
-    p.add_argument("--top", type=int, default=25)
-    common.add_run_args(p, steps=3, warmup=5)
-    args = common.parse_run_args(p, argv)
-    if (setup := common.device_and_out_dir(args)) is None:
+    if (parsed := step_host.parse_step_args(argv, __doc__, ["apollo-step-opt"], 3)) is None:
         return 2
-    device, out_dir = setup
+    args, device, out_dir = parsed
     if device.type != "cuda":
         common.log("step_kernels needs a CUDA device")
         return 2
