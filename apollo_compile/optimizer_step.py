@@ -15,9 +15,11 @@ counters of a parameter group in one tensor per device, every state tensor marke
 learning rate of each parameter group as a device tensor (refreshed from ``param_groups`` when a scheduler
 changed it; the other hyperparameters are Python numbers, and Dynamo recompiles if one changes).
 Inside the traced step the step counters advance on the device (no ``.item()``) and each parameter
-gets one ``apollo::adam_step`` call, which reads its counter and the learning rate there (or, with
-the option ``optimizer_update="inductor"``, Adam's formula as elementwise ops: :func:`adam_update`,
-which Inductor fuses with the ops around it, at the price of a compile ~3x as long).
+gets one ``apollo::adam_step`` call, which reads its counter and the learning rate there; the small
+ones share an ``apollo::adam_step_foreach`` per group on the CPU, split by tower in the graph
+(``fused_update.py``, NOTE: Small parameters share a launch). With the option ``optimizer_update="inductor"`` the update
+is Adam's formula as elementwise ops instead (:func:`adam_update`), which Inductor fuses with the
+ops around it, at the price of a compile ~3x as long.
 The optimizer object stays the user's: its state is the one updated, ``state_dict()`` and
 schedulers work, and an eager ``optimizer.step()`` after a fallback continues from it.
 """
@@ -29,7 +31,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .fused_update import adam_step, fused_kernel_devices, register_inductor_lowering
+from . import fused_update
+from .fused_update import adam_step, adam_step_foreach, fused_kernel_devices, register_inductor_lowering
 
 __all__ = ["InGraphAdam", "unsupported_reason"]
 
@@ -211,9 +214,14 @@ class InGraphAdam:
                         t.copy_(lr.detach() if isinstance(lr, torch.Tensor) else torch.tensor(lr))
                 self._lr_value[i] = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
+    def _hyper(self, g: dict) -> tuple:
+        """The Python-number arguments of the update ops after the learning rate."""
+        return g["beta1"], g["beta2"], g["weight_decay"], g["eps"], g["maximize"], self.decoupled
+
     def apply(self) -> None:
         """The update, traced into the step after ``loss.backward()``: the parameters with a
-        gradient, as ``optimizer.step()`` would update them (one ``fused_update.adam_step`` each, or
+        gradient, as ``optimizer.step()`` would update them (one ``fused_update.adam_step`` each, the small
+        ones one ``adam_step_foreach`` per device and dtype where ``FOREACH_DEVICES`` says, or
         :func:`adam_update`'s formula with ``optimizer_update="inductor"``), then
         ``.grad = None`` for every parameter, as ``optimizer.zero_grad(set_to_none=True)``.
 
@@ -244,19 +252,28 @@ class InGraphAdam:
                 advance(g["counters"], stepped)
                 if not self.kernel:
                     scalars = update_scalars(g, stepped, self.decoupled)
+                small: dict[tuple, list[tuple[int, torch.Tensor]]] = {}  # (device, dtype) -> [(j, counter)]
                 for flat, js in g["counters"].values():
                     for k, j in enumerate(js):
                         if j not in stepped:
                             continue
                         p = g["params"][j]
                         max_exp_avg_sq = g["max_exp_avg_sqs"][j] if g["amsgrad"] else None
-                        if self.kernel:
-                            adam_step(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j], max_exp_avg_sq, flat[k],
-                                      g["lr"][p.device], g["beta1"], g["beta2"], g["weight_decay"], g["eps"],
-                                      g["maximize"], self.decoupled)
-                        else:
+                        if not self.kernel:
                             adam_update(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j], max_exp_avg_sq,
                                         *scalars[j], g)
+                        elif p.numel() <= fused_update.FOREACH_NUMEL and p.device.type in fused_update.FOREACH_DEVICES:
+                            # fused_update.py, NOTE: Small parameters share a launch
+                            small.setdefault((p.device, p.dtype), []).append((j, flat[k]))
+                        else:
+                            adam_step(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j], max_exp_avg_sq, flat[k],
+                                      g["lr"][p.device], *self._hyper(g))
+                for (device, _), members in small.items():
+                    js = [j for j, _ in members]
+                    adam_step_foreach([g["params"][j] for j in js], [g["params"][j].grad for j in js],
+                                      [g["exp_avgs"][j] for j in js], [g["exp_avg_sqs"][j] for j in js],
+                                      [g["max_exp_avg_sqs"][j] for j in js] if g["amsgrad"] else [],
+                                      [step for _, step in members], g["lr"][device], *self._hyper(g))
         for g in self._groups:
             for p in g["params"]:
                 p.grad = None

@@ -48,11 +48,20 @@ def test_the_triton_update_is_torchs_fused_update(shape, dtype, decoupled, amsgr
 
 @pytest.mark.parametrize("options", [{}, {"subgraph_compiler": "eager"}, {"max_lanes": 1},
                                      {"optimizer_update": "inductor"}])
-def test_the_step_with_the_update_inside_trains_like_eager_on_the_gpu(options):
+@pytest.mark.parametrize("lists", [False, True])
+def test_the_step_with_the_update_inside_trains_like_eager_on_the_gpu(options, lists, monkeypatch):
     """compile_step with AdamW inside, on CUDA (one CUDA graph; the Triton update, or the formula), against eager
     AdamW(fused=True): loss and every parameter after each of four steps (tolerances as
-    tests/test_optimizer_step.py: eps=1e-4)."""
+    tests/test_optimizer_step.py: eps=1e-4). With `lists`, the small parameters' updates share an
+    adam_step_foreach per tower on CUDA too (fused_update.py, NOTE: Small parameters share a launch;
+    FOREACH_NUMEL 512 leaves the test model's weights to the Triton kernel)."""
     import sys
+
+    from apollo_compile import fused_update
+
+    if lists:
+        monkeypatch.setattr(fused_update, "FOREACH_DEVICES", frozenset({"cpu", "cuda"}))
+        monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 512)
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))

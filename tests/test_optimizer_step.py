@@ -80,8 +80,21 @@ def eager_twin(model):
     return ref, adamw(model), adamw(ref)
 
 
-@pytest.mark.parametrize("compiler,update", [("eager", "kernel"), ("inductor", "kernel"), ("inductor", "inductor")])
-def test_the_update_inside_the_step_trains_like_eager(compiler, update):
+SPLIT = 512  # a FOREACH_NUMEL that leaves the test model's weights one op each, its biases and norms in lists
+
+
+@pytest.mark.parametrize("compiler,update,foreach_numel", [
+    ("eager", "kernel", SPLIT), ("eager", "kernel", None),
+    ("inductor", "kernel", SPLIT), ("inductor", "inductor", None),
+])
+def test_the_update_inside_the_step_trains_like_eager(compiler, update, foreach_numel, monkeypatch):
+    """With `foreach_numel` None, the default: every parameter of the test model is small, so on the
+    CPU they share an adam_step_foreach per tower (fused_update.py, NOTE: Small parameters share a
+    launch); with SPLIT the weights get an adam_step each."""
+    from apollo_compile import fused_update
+
+    if foreach_numel is not None:
+        monkeypatch.setattr(fused_update, "FOREACH_NUMEL", foreach_numel)
     torch.manual_seed(0)
     apollo_compile.clear_plans()
     with warnings.catch_warnings():
@@ -249,13 +262,15 @@ def test_hugging_face_step_with_the_update_inside_trains_like_eager(kind):
     assert plan.inference.fallback is None and len(plan.inference.decisions["lanes"].lanes) >= 2
 
 
-def test_each_update_runs_as_soon_as_its_gradient_is_complete():
+def test_each_update_runs_as_soon_as_its_gradient_is_complete(monkeypatch):
     """passes/updates.py: the updates are interleaved with the backward, each write after every
     reader of what it overwrites, and the live values at the graph's peak are fewer (measured: 0.13
     MB against 0.75 MB in program order, where every gradient and every new parameter and moment
     lived until the writes at the end)."""
-    from apollo_compile import pipeline
+    from apollo_compile import fused_update, pipeline
     from apollo_compile.passes.modality import traced_from_autograd
+
+    monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 0)  # an op per parameter, as a large model's weights
 
     def trained_graph(passes):
         torch.manual_seed(0)
@@ -417,11 +432,15 @@ def test_a_loaded_state_takes_its_parameters_layout():
     assert step.dtype == torch.float32 and step.dim() == 0 and float(step) == 2.0 and update.owns(step._base)
 
 
-def test_the_step_counters_are_one_tensor_advanced_by_one_op():
+def test_the_step_counters_are_one_tensor_advanced_by_one_op(monkeypatch):
     """optimizer_step.py, NOTE: The step counters are one tensor: the traced step reads one counter
     tensor per parameter group and device (not a graph input per parameter) and advances it with
-    one add_, written back beside it (passes/updates.py) before the last gradient; state["step"]
-    of each parameter is a view into it, and the counters end as eager's (train_with_update_inside)."""
+    one add_, written back beside it (passes/updates.py) before the last gradient (with an update op
+    per parameter, as a large model's weights); state["step"] of each parameter is a view into it,
+    and the counters end as eager's (train_with_update_inside)."""
+    from apollo_compile import fused_update
+
+    monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 0)
     torch.manual_seed(0)
     apollo_compile.clear_plans()
     model = TwoTower(layers=1)
@@ -470,26 +489,67 @@ def test_a_parameter_without_a_gradient_keeps_its_count():
     torch.testing.assert_close(unused, ref_unused)
 
 
-def test_each_update_is_one_fused_op():
+def test_each_update_is_one_fused_op(monkeypatch):
     """fused_update.py, NOTE: The update is one op: each parameter's update is one apollo::adam_step
     in the graph (Inductor generates no kernel for it), which reads the learning rate and its own
-    step counter; no other op reads either."""
+    step counter, except the small parameters (NOTE: Small parameters share a launch), which share
+    an apollo::adam_step_foreach per tower; no other op reads the counters or the learning rate."""
+    from apollo_compile import fused_update
+
+    monkeypatch.setattr(fused_update, "FOREACH_NUMEL", SPLIT)
     torch.manual_seed(0)
     apollo_compile.clear_plans()
     model = TwoTower(layers=1)
     train_with_update_inside(model, adamw, EAGER, steps=1)
     gm = apollo_compile.last_plan().inference.gm
-    n_params = sum(1 for _ in model.parameters())
-    updates = [n for n in gm.graph.nodes if n.op == "call_function" and n.args
-               and n.args[0] is torch.ops.apollo.adam_step.default]  # under auto_functionalized
-    assert len(updates) == n_params
+    sizes = [p.numel() for p in model.parameters()]
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.args]  # the updates, under auto_functionalized
+    updates = [n for n in ops if n.args[0] is torch.ops.apollo.adam_step.default]
+    shared = [n for n in ops if n.args[0] is torch.ops.apollo.adam_step_foreach.default]  # a list per tower
+    assert len(updates) == sum(s > SPLIT for s in sizes) > 0
+    assert sum(len(n.kwargs["grads"]) for n in shared) == sum(s <= SPLIT for s in sizes) > 0
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     written = {x for n in gm.graph.nodes for x in written_inputs(n)}
     (lr,) = [n for n in inputs if n.meta["val"].dim() == 0 and n not in written]  # a 0-d parameter is written
-    assert set(readers_of(lr)) == set(updates)
-    (counters,) = [n for n in inputs if tuple(n.meta["val"].shape) == (n_params,)]
+    assert set(readers_of(lr)) == {*updates, *shared}
+    (counters,) = [n for n in inputs if tuple(n.meta["val"].shape) == (len(sizes),)]
     (advanced,) = [u for u in counters.users if u.target is torch.ops.aten.add.Tensor]
-    assert {r for r in readers_of(advanced) if not written_inputs(r)} == set(updates)  # but its write-back
+    assert {r for r in readers_of(advanced) if not written_inputs(r)} == {*updates, *shared}  # but its write-back
+
+
+def test_a_list_update_is_split_by_tower():
+    """passes/update_lists.py: the small parameters' one list update (all of the test model's) becomes
+    one per tower, each on its tower's lane after that tower's last gradient; the lanes are those of
+    an update op per parameter."""
+    from apollo_compile import fused_update
+    from apollo_compile.passes.modality import traced_from_autograd
+
+    def plan(foreach_numel):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(fused_update, "FOREACH_NUMEL", foreach_numel)
+            torch.manual_seed(0)
+            torch._dynamo.reset()
+            apollo_compile.clear_plans()
+            train_with_update_inside(TwoTower(layers=1), adamw, EAGER, steps=1)
+        return apollo_compile.last_plan().inference
+
+    graph = plan(fused_update.FOREACH_NUMEL)
+    lists = [n for n in graph.gm.graph.nodes if n.op == "call_function" and n.args
+             and n.args[0] is torch.ops.apollo.adam_step_foreach.default]
+    assert sorted(info(n).modality for n in lists) == ["text", "vision"]
+    assert graph.decisions["update_lists"]["split"] == 1
+    lanes = graph.decisions["lanes"].lanes
+    assert len({info(n).lane for n in lists}) == 2
+    for n in lists:  # its gradients and parameters are its tower's
+        kw = n.kwargs
+        assert {info(g).modality for g in kw["grads"]} == {info(n).modality}
+        assert {info(kw["_all_bases"][kw[f"_params_{i}_base_index"]]).modality
+                for i in range(kw["_params_length"])} == {info(n).modality}
+        nodes = list(graph.gm.graph.nodes)
+        last_gradient = max(nodes.index(g) for g in kw["grads"])
+        between = nodes[last_gradient + 1:nodes.index(n)]  # right after it: no backward op in between,
+        assert not any(traced_from_autograd(x) for x in between)  # only the step counters' advance and items
+    assert lanes == plan(0).decisions["lanes"].lanes
 
 
 def test_each_formula_update_reads_scalars_of_its_own():
@@ -529,6 +589,7 @@ def test_inductor_reads_a_weight_before_its_update_writes_it(fixed, monkeypatch)
     from torch._inductor import config as inductor_config
     from torch._inductor.lowering import lowerings
 
+    monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 0)  # the layer norm's weight updated by an op of its own
     if not fixed:  # the lowering Inductor makes by itself, as before the fix
         monkeypatch.delitem(lowerings, torch.ops.apollo.adam_step.default, raising=False)
         monkeypatch.setattr(fused_update, "_registered", True)
