@@ -38,6 +38,11 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
                    each parameter's update one op (``fused_update.py``)
     apollo-step-opt-inductor  the same with the update as Adam's formula for Inductor to fuse
                    (option ``optimizer_update="inductor"``: a faster graph, a longer compile)
+    apollo-step-opt-lists  apollo-step-opt with the small parameters' updates in one op per tower
+                   on every device (``fused_update.FOREACH_DEVICES``; by default only on the CPU:
+                   NOTE: Small parameters share a launch)
+    apollo-step-opt-per-param  apollo-step-opt with an update op for every parameter, the small ones
+                   too, on every device (``fused_update.FOREACH_NUMEL = 0``; by default so on CUDA)
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
@@ -83,7 +88,8 @@ import common  # noqa: E402  (the method every benchmark here shares)
 from common import fmt, log  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
-            "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor")
+            "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-lists",
+            "apollo-step-opt-per-param")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -204,7 +210,11 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
     return step_fn
 
 
-STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor")
+STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
+                 "apollo-step-opt-lists", "apollo-step-opt-per-param")
+# where the update's small parameters go (fused_update.py, NOTE: Small parameters share a launch), per variant
+UPDATE_LAYOUT = {"apollo-step-opt-lists": {"FOREACH_DEVICES": frozenset({"cpu", "cuda"})},
+                 "apollo-step-opt-per-param": {"FOREACH_NUMEL": 0}}
 
 
 def updates_inside(variant: str) -> bool:
@@ -243,11 +253,23 @@ class WholeStep:
             inside = {"optimizer": optimizer} if self.optimizer is not None else {}
             self.step = apollo_compile.compile_step(step, options={**options, **extra}, **inside)
             self.trace_backward = False  # compile_step turns it on itself
+        self.layout = UPDATE_LAYOUT.get(variant, {})
 
     def __call__(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.trace_backward:
             with torch._dynamo.config.patch(trace_autograd_ops=True):
                 return self.step(pixels, ids)
+        if self.layout:  # read where the step is traced: at its first call, and at any recompile
+            from apollo_compile import fused_update
+
+            held = {name: getattr(fused_update, name) for name in self.layout}
+            try:
+                for name, value in self.layout.items():
+                    setattr(fused_update, name, value)
+                return self.step(pixels, ids)
+            finally:
+                for name, value in held.items():
+                    setattr(fused_update, name, value)
         return self.step(pixels, ids)
 
 
