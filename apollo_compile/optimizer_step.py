@@ -17,9 +17,10 @@ changed it; the other hyperparameters are Python numbers, and Dynamo recompiles 
 Inside the traced step the step counters advance on the device (no ``.item()``) and each parameter
 gets one ``apollo::adam_step`` call, which reads its counter and the learning rate there; the small
 ones share an ``apollo::adam_step_foreach`` per group on the CPU, split by tower in the graph
-(``fused_update.py``, NOTE: Small parameters share a launch). With the option ``optimizer_update="inductor"`` the update
-is Adam's formula as elementwise ops instead (:func:`adam_update`), which Inductor fuses with the
-ops around it, at the price of a compile ~3x as long.
+(``fused_update.py``, NOTE: Small parameters share a launch). With the option
+``optimizer_update="inductor"`` the update is Adam's formula as elementwise ops instead
+(:func:`adam_update`), which Inductor fuses with the ops around it, at the price of a compile ~3x
+as long.
 The optimizer object stays the user's: its state is the one updated, ``state_dict()`` and
 schedulers work, and an eager ``optimizer.step()`` after a fallback continues from it.
 """
@@ -220,9 +221,9 @@ class InGraphAdam:
 
     def apply(self) -> None:
         """The update, traced into the step after ``loss.backward()``: the parameters with a
-        gradient, as ``optimizer.step()`` would update them (one ``fused_update.adam_step`` each, the small
-        ones one ``adam_step_foreach`` per device and dtype where ``FOREACH_DEVICES`` says, or
-        :func:`adam_update`'s formula with ``optimizer_update="inductor"``), then
+        gradient, as ``optimizer.step()`` would update them (one ``fused_update.adam_step`` each,
+        the small ones one ``adam_step_foreach`` per device and dtype where ``FOREACH_DEVICES``
+        says, or :func:`adam_update`'s formula with ``optimizer_update="inductor"``), then
         ``.grad = None`` for every parameter, as ``optimizer.zero_grad(set_to_none=True)``.
 
         [NOTE] The step consumes its gradients. Left in ``.grad``, every gradient is an output of

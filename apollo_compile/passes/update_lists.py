@@ -2,9 +2,9 @@
 towers is split into one list per tower, so no tower's backward waits for another's.
 
 Reads the modality labels of the parameters (``passes/modality.py``: a parameter takes its
-forward readers' tower; its gradient, which reaches the join, is labelled ``fusion``); rewrites the graph, then
-places the new updates (``passes/updates.py``) and labels the graph again (``passes/modality.py``).
-Returns how many lists it split and into how many.
+forward readers' tower, where its gradient, which reaches the join, is labelled ``fusion``);
+rewrites the graph, then places the new updates (``passes/updates.py``) and labels the graph
+again (``passes/modality.py``). Returns how many lists it split, and each one's parts by tower.
 
 ``compile_step(..., optimizer=)`` traces the small parameters' updates as one op per parameter
 group (``fused_update.py``, NOTE: Small parameters share a launch): at trace time nothing says
@@ -13,8 +13,8 @@ pass labels it a join (``fusion``), the updates pass places it after the last of
 and the lanes pass puts it on the main lane after both towers' backwards: on the tiny test model
 the backward of both towers then ran as one subgraph on one lane, and on HF CLIP B/16 the graph
 took 8.01 ms with lanes against 7.80 with an update op per parameter (H200, session 35, one
-process). Split by the towers of its gradients, each list is its tower's and runs right after
-that tower's last small gradient, on its lane.
+process). Split by its parameters' towers, each list is its tower's and runs right after that
+tower's last small gradient, on its lane.
 
 AOTAutograd hands the op over functionalized: ``auto_functionalized_v2(op, grads=[...], ...,
 _params_length=n, _params_0_base_index=i, ..., _all_bases=[...])``, whose result's item 1 + j is
@@ -34,20 +34,15 @@ import torch
 import torch.fx
 
 from ..annotations import KEY, info
+from ..fused_update import adam_step_foreach
 from . import modality, updates
 
-_ELEMENT_KEY = re.compile(r"^_(?P<arg>\w+?)_(?P<k>\d+)_(?P<what>\w+)$")
-
-
-def list_update_op():
-    from ..fused_update import adam_step_foreach
-
-    return adam_step_foreach
+_ELEMENT_KEY = re.compile(r"^_(?P<arg>\w+?)_(?P<k>\d+)_(?P<what>\w+)$")  # _params_3_base_index
 
 
 def _is_list_update(n: torch.fx.Node) -> bool:
     return (n.op == "call_function" and n.target is torch.ops.higher_order.auto_functionalized_v2
-            and bool(n.args) and n.args[0] is list_update_op())
+            and bool(n.args) and n.args[0] is adam_step_foreach)
 
 
 def _mutable_lists(op) -> list[str]:
