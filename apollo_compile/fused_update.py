@@ -32,9 +32,11 @@ which an opaque op cannot join: a weight's bf16 gradient's cast to float32, and 
 that finishes a bias's or norm weight's gradient (~250 of HF CLIP's 398 parameters). On the H200
 (session 35, ``step_kernels.py``) the op's 398 launches took 2.46 ms of GPU time per step (6.2 us
 each, where moving the parameters' and state's bytes once takes ~1 ms), and the weights'
-gradients' casts (146 ``triton_poi_fused__to_copy_t`` kernels) 0.5 ms; the formula's variant did
-not finish compiling inside that call, so its kernels are not measured. Triton compiles the
-kernel once per dtype and option set (the element count is not specialized on).
+gradients' casts to float32 (146 ``triton_poi_fused__to_copy_t`` kernels) 0.52 ms, which the
+kernel now does as it loads (``passes/gradients.py``, NOTE: The update reads the gradient as it
+was computed); the formula's variant did not finish compiling inside that call, so its kernels
+are not measured. Triton compiles the kernel once per dtype and option set (the element count is
+not specialized on).
 
 [NOTE] Inductor must see the old value's readers first. The op writes its parameter and state in
 place: AOTAutograd functionalizes it (``auto_functionalized_v2`` plus a ``copy_`` back into each

@@ -46,6 +46,28 @@ def test_the_triton_update_is_torchs_fused_update(shape, dtype, decoupled, amsgr
         torch.testing.assert_close(state[key], ref_state[key], **tol)
 
 
+@pytest.mark.parametrize("shape", [(768, 3072), (5, 1031)])
+def test_the_triton_update_reads_a_bf16_gradient_as_its_float32_copy(shape):
+    """passes/gradients.py, NOTE: The update reads the gradient as it was computed: a float32
+    parameter's update from a bf16 gradient is its update from that gradient cast to float32."""
+    from apollo_compile.fused_update import adam_step
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    p = torch.randn(shape, device="cuda", generator=g)
+    state = {k: torch.zeros_like(p) for k in ("m", "v")}
+    ref_p, ref_state = p.clone(), copy.deepcopy(state)
+    step, lr = torch.zeros((), device="cuda"), torch.tensor(1e-2, device="cuda")
+    for _ in range(3):
+        grad = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+        step += 1
+        adam_step(p, grad, state["m"], state["v"], None, step, lr, 0.9, 0.999, 0.01, 1e-8, False, True)
+        adam_step(ref_p, grad.float(), ref_state["m"], ref_state["v"], None, step, lr, 0.9, 0.999, 0.01, 1e-8,
+                  False, True)
+    torch.testing.assert_close(p, ref_p, rtol=0, atol=0)
+    for key in ("m", "v"):
+        torch.testing.assert_close(state[key], ref_state[key], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("options", [{}, {"subgraph_compiler": "eager"}, {"max_lanes": 1},
                                      {"optimizer_update": "inductor"}])
 @pytest.mark.parametrize("lists", [False, True])

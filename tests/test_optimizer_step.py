@@ -552,6 +552,48 @@ def test_a_list_update_is_split_by_tower():
     assert lanes == plan(0).decisions["lanes"].lanes
 
 
+def test_the_update_reads_a_weights_gradient_as_the_matmul_made_it(monkeypatch):
+    """passes/gradients.py, NOTE: The update reads the gradient as it was computed: under bf16
+    autocast each weight's update op reads its matmul's bf16 output, not a float32 copy of it, and
+    the step trains exactly as with the copies (a bf16 value is exact in float32)."""
+    from apollo_compile import fused_update
+    from apollo_compile.passes import gradients
+
+    monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 0)  # an update op per parameter, as large weights get
+
+    def trained(copies: bool):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        apollo_compile.clear_plans()
+        model = TwoTower(layers=1)
+        opt = adamw(model)
+
+        def step(images, tokens):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(images, tokens)
+            loss.backward()
+            return loss.detach()
+
+        with pytest.MonkeyPatch.context() as m:
+            if copies:
+                m.setattr(gradients, "_update_reads_as_computed", lambda copy, returned: None)
+            compiled = apollo_compile.compile_step(step, optimizer=opt, options=EAGER)
+            losses = [compiled(*two_tower_inputs(seed=i)) for i in range(2)]
+        return model, losses, apollo_compile.last_plan().inference.gm
+
+    model, losses, gm = trained(copies=False)
+    updates = [n for n in gm.graph.nodes if n.op == "call_function" and n.args
+               and n.args[0] is torch.ops.apollo.adam_step.default]
+    read = [n.kwargs["grad"] for n in updates]
+    assert not any(g.target in (torch.ops.aten.copy.default, torch.ops.aten._to_copy.default) for g in read)
+    weights = [g for g in read if g.target is torch.ops.aten.t.default]  # t(t(mm)): a linear layer's weight
+    assert len(weights) == 10 and all(g.meta["val"].dtype == torch.bfloat16 for g in weights)
+    ref_model, ref_losses, _ = trained(copies=True)
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+
+
 def test_each_formula_update_reads_scalars_of_its_own():
     """optimizer_step.py, NOTE: The update's scalars are foreach outputs: the counters (after their
     advance) and the learning rate are read by foreach ops only, never by a parameter's update
