@@ -78,17 +78,16 @@ def test_the_step_with_the_update_inside_trains_like_eager_on_the_gpu(options, l
     adam_step_foreach per tower on CUDA too (fused_update.py, NOTE: Small parameters share a launch;
     FOREACH_NUMEL 512 leaves the test model's weights to the Triton kernel)."""
     import sys
-
-    from apollo_compile import fused_update
-
-    if lists:
-        monkeypatch.setattr(fused_update, "FOREACH_DEVICES", frozenset({"cpu", "cuda"}))
-        monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 512)
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
     import apollo_compile
+    from apollo_compile import fused_update
     from models import TwoTower, two_tower_inputs
+
+    if lists:
+        monkeypatch.setattr(fused_update, "FOREACH_DEVICES", frozenset({"cpu", "cuda"}))
+        monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 512)
 
     def step(images, tokens):  # test_whole_step.backward_step (whose module needs expecttest)
         loss = model(images, tokens)
