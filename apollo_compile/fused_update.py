@@ -95,16 +95,14 @@ def _adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
             torch.autograd.graph.increment_version(t)
 
 
-_LIBRARY.impl("adam_step", _adam_step, "CompositeExplicitAutograd")
+def _register(name: str, kernel) -> torch._ops.OpOverload:
+    """`kernel` as the op `name` on every device, and its fake (it writes its inputs, returns nothing)."""
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"apollo::{name}", lambda *args, **kwargs: None, lib=_LIBRARY)
+    return getattr(torch.ops.apollo, name).default
 
 
-@torch.library.register_fake("apollo::adam_step", lib=_LIBRARY)
-def _(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, weight_decay, eps, maximize,
-      decoupled) -> None:
-    return None
-
-
-adam_step = torch.ops.apollo.adam_step.default
+adam_step = _register("adam_step", _adam_step)
 
 _LIBRARY.define(
     "adam_step_foreach(Tensor(a0!)[] params, Tensor[] grads, Tensor(a2!)[] exp_avgs, Tensor(a3!)[] exp_avg_sqs, "
@@ -150,16 +148,7 @@ def _adam_step_foreach(params: list[torch.Tensor], grads: list[torch.Tensor], ex
         torch.autograd.graph.increment_version(t)
 
 
-_LIBRARY.impl("adam_step_foreach", _adam_step_foreach, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("apollo::adam_step_foreach", lib=_LIBRARY)
-def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps, maximize,
-      decoupled) -> None:
-    return None
-
-
-adam_step_foreach = torch.ops.apollo.adam_step_foreach.default
+adam_step_foreach = _register("adam_step_foreach", _adam_step_foreach)
 
 
 def _has_triton() -> bool:
