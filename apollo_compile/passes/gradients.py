@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..fused_update import adam_step
+
 aten = torch.ops.aten
 # what empty_like(p) becomes: as traced, or under Inductor's decompositions
 _ALLOCATIONS = (aten.empty_like.default, aten.empty.memory_format, aten.empty_strided.default)
@@ -111,8 +113,6 @@ def _update_reads_as_computed(copy: torch.fx.Node, returned: dict[torch.fx.Node,
     0.52 ms of GPU time per step, and a float32 buffer per weight (H200, session 35,
     ``probes/step_kernels.py``). The update's kernels cast as they load (``fused_update.py``), so
     the copy goes; the values are the same (a bf16 value is exact in float32)."""
-    from ..fused_update import adam_step
-
     if copy.target is not aten.copy.default or len(copy.users) != 1 or returned.get(copy, 0):
         return None
     (update,) = copy.users

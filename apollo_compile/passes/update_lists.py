@@ -40,21 +40,22 @@ from . import modality, updates
 _ELEMENT_KEY = re.compile(r"^_(?P<arg>\w+?)_(?P<k>\d+)_(?P<what>\w+)$")  # _params_3_base_index
 
 
+# the op's list arguments: those it writes (each element a base of auto_functionalized_v2), and the others
+_WRITTEN = [a.name for a in adam_step_foreach._schema.arguments
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(a.type, torch.ListType)]
+_READ = {a.name for a in adam_step_foreach._schema.arguments if isinstance(a.type, torch.ListType)} - set(_WRITTEN)
+
+
 def _is_list_update(n: torch.fx.Node) -> bool:
     return (n.op == "call_function" and n.target is torch.ops.higher_order.auto_functionalized_v2
             and bool(n.args) and n.args[0] is adam_step_foreach)
 
 
-def _mutable_lists(op) -> list[str]:
-    return [a.name for a in op._schema.arguments
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(a.type, torch.ListType)]
-
-
-def _splittable(n: torch.fx.Node, lists: list[str]) -> bool:
+def _splittable(n: torch.fx.Node) -> bool:
     """Every element of every written list is a whole base (no view metadata to carry)."""
     for key in n.kwargs:
         m = _ELEMENT_KEY.match(key)
-        if m and m["arg"] in lists and m["what"] != "base_index":
+        if m and m["arg"] in _WRITTEN and m["what"] != "base_index":
             return False
     return True
 
@@ -64,9 +65,6 @@ def split(gm: torch.fx.GraphModule, n: torch.fx.Node, parts: list[list[int]]) ->
     every list and the bases they write; the items of `n`'s result move to the part that writes
     their base."""
     kw = dict(n.kwargs)
-    op = n.args[0]
-    lists = _mutable_lists(op)
-    plain = {a.name for a in op._schema.arguments if isinstance(a.type, torch.ListType)} - set(lists)
     bases = kw["_all_bases"]
     old_val = n.meta.get("val")
     items = {u.args[1]: u for u in n.users if u.target is operator.getitem}
@@ -90,13 +88,13 @@ def split(gm: torch.fx.GraphModule, n: torch.fx.Node, parts: list[list[int]]) ->
             return where[old]
 
         for key, value in kw.items():
-            if key in plain:
+            if key in _READ:
                 new_kw[key] = [value[i] for i in part]
             elif key.startswith("_") and (_ELEMENT_KEY.match(key) or key.endswith("_length") or key == "_all_bases"):
                 continue  # rebuilt below
             else:
                 new_kw[key] = value
-        for name in lists:
+        for name in _WRITTEN:
             length = kw[f"_{name}_length"]
             new_kw[f"_{name}_length"] = len(part) if length else 0
             if length:
@@ -123,7 +121,7 @@ def split(gm: torch.fx.GraphModule, n: torch.fx.Node, parts: list[list[int]]) ->
 def run(gm: torch.fx.GraphModule, ctx) -> dict:
     splits = []
     for n in list(gm.graph.nodes):
-        if not _is_list_update(n) or not _splittable(n, _mutable_lists(n.args[0])):
+        if not _is_list_update(n) or not _splittable(n):
             continue
         kw = n.kwargs
         towers: dict[str, list[int]] = {}  # by the parameter's tower: its gradient reaches the join, so is labelled one
