@@ -43,6 +43,8 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
                    NOTE: Small parameters share a launch)
     apollo-step-opt-per-param  apollo-step-opt with an update op for every parameter, the small ones
                    too, on every device (``fused_update.FOREACH_NUMEL = 0``; by default so on CUDA)
+    apollo-step-opt-lists-all  apollo-step-opt-lists with every parameter, the large weights too, in
+                   its tower's list: torch's multi-tensor kernel for the whole update, a few launches
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
@@ -89,7 +91,7 @@ from common import fmt, log  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
             "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-lists",
-            "apollo-step-opt-per-param")
+            "apollo-step-opt-per-param", "apollo-step-opt-lists-all")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -211,10 +213,11 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 
 
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
-                 "apollo-step-opt-lists", "apollo-step-opt-per-param")
+                 "apollo-step-opt-lists", "apollo-step-opt-per-param", "apollo-step-opt-lists-all")
 # where the update's small parameters go (fused_update.py, NOTE: Small parameters share a launch), per variant
 UPDATE_LAYOUT = {"apollo-step-opt-lists": {"FOREACH_DEVICES": frozenset({"cpu", "cuda"})},
-                 "apollo-step-opt-per-param": {"FOREACH_NUMEL": 0}}
+                 "apollo-step-opt-per-param": {"FOREACH_NUMEL": 0},
+                 "apollo-step-opt-lists-all": {"FOREACH_DEVICES": frozenset({"cpu", "cuda"}), "FOREACH_NUMEL": 1 << 62}}
 
 
 def updates_inside(variant: str) -> bool:
