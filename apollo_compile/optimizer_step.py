@@ -14,10 +14,11 @@ to find at fixed addresses: the optimizer's state created as ``Adam`` would crea
 counters of a parameter group in one tensor per device, every state tensor marked static, and the
 learning rate of each parameter group as a device tensor (refreshed from ``param_groups`` when a scheduler
 changed it; the other hyperparameters are Python numbers, and Dynamo recompiles if one changes).
-Inside the traced step the step counters advance on the device (no ``.item()``) and each parameter
-gets one ``apollo::adam_step`` call, which reads its counter and the learning rate there; the small
-ones share an ``apollo::adam_step_foreach`` per group on the CPU, split by tower in the graph
-(``fused_update.py``, NOTE: Small parameters share a launch). With the option
+Inside the traced step the step counters advance on the device (no ``.item()``) and the parameters
+of a group share an ``apollo::adam_step_foreach``, which reads their counters and the learning rate
+there, split by tower and cut into parts in the graph (``fused_update.py``, NOTE: Small parameters
+share a launch); a parameter left out of the lists (``fused_update.FOREACH_NUMEL``,
+``FOREACH_DEVICES``) gets an ``apollo::adam_step`` of its own. With the option
 ``optimizer_update="inductor"`` the update is Adam's formula as elementwise ops instead
 (:func:`adam_update`), which Inductor fuses with the ops around it, at the price of a compile ~3x
 as long.
@@ -221,9 +222,9 @@ class InGraphAdam:
 
     def apply(self) -> None:
         """The update, traced into the step after ``loss.backward()``: the parameters with a
-        gradient, as ``optimizer.step()`` would update them (one ``fused_update.adam_step`` each,
-        the small ones one ``adam_step_foreach`` per device and dtype where ``FOREACH_DEVICES``
-        says, or :func:`adam_update`'s formula with ``optimizer_update="inductor"``), then
+        gradient, as ``optimizer.step()`` would update them (one ``adam_step_foreach`` per device
+        and dtype, with a ``fused_update.adam_step`` each for those ``FOREACH_NUMEL`` and
+        ``FOREACH_DEVICES`` leave out, or :func:`adam_update`'s formula with ``optimizer_update="inductor"``), then
         ``.grad = None`` for every parameter, as ``optimizer.zero_grad(set_to_none=True)``.
 
         [NOTE] The step consumes its gradients. Left in ``.grad``, every gradient is an output of

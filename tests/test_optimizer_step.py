@@ -552,6 +552,44 @@ def test_a_list_update_is_split_by_tower():
     assert lanes == plan(0).decisions["lanes"].lanes
 
 
+def test_a_towers_list_is_cut_in_the_order_of_its_gradients(monkeypatch):
+    """passes/update_lists.py, NOTE: A list is cut where one launch ends: with parts of at most
+    LIST_NUMEL elements, each tower's list becomes several, each of one tower, at most that size
+    (or one parameter), reading gradients all made before the next part's, and placed right after
+    the last of them, between the tower's backward ops; the step trains as eager (4 AdamW steps)."""
+    from apollo_compile.passes import update_lists
+    from apollo_compile.passes.modality import traced_from_autograd
+
+    limit = 4096
+    monkeypatch.setattr(update_lists, "LIST_NUMEL", limit)
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    apollo_compile.clear_plans()
+    train_with_update_inside(TwoTower(layers=1), adamw, EAGER)
+    graph = apollo_compile.last_plan().inference
+    nodes = list(graph.gm.graph.nodes)
+    lists = [n for n in nodes if n.op == "call_function" and n.args
+             and n.args[0] is torch.ops.apollo.adam_step_foreach.default]
+    (decision,) = graph.decisions["update_lists"]["lists"]
+    assert decision["parts"] == len(lists) > 4
+    by_tower: dict[str, list] = {}
+    for n in lists:
+        kw = n.kwargs
+        params = [kw["_all_bases"][kw[f"_params_{i}_base_index"]] for i in range(kw["_params_length"])]
+        assert {info(p).modality for p in params} == {info(n).modality}
+        sizes = [p.meta["val"].numel() for p in params]
+        assert sum(sizes) <= limit or len(sizes) == 1, sizes
+        made = [nodes.index(g) for g in kw["grads"]]
+        assert not any(traced_from_autograd(x) for x in nodes[max(made) + 1:nodes.index(n)])  # right after
+        by_tower.setdefault(info(n).modality, []).append((min(made), max(made)))
+    assert {"vision", "text"} <= set(by_tower)
+    for spans in by_tower.values():  # in the order the backward makes the gradients
+        assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), spans
+    first_gradient = min(nodes.index(g) for n in lists for g in n.kwargs["grads"] if info(n).modality == "vision")
+    last_backward = max(i for i, x in enumerate(nodes) if traced_from_autograd(x) and info(x).modality == "vision")
+    assert any(first_gradient < nodes.index(n) < last_backward for n in lists)  # interleaved with the backward
+
+
 def test_the_update_reads_a_weights_gradient_as_the_matmul_made_it(monkeypatch):
     """passes/gradients.py, NOTE: The update reads the gradient as it was computed: under bf16
     autocast each weight's update op reads its matmul's bf16 output, not a float32 copy of it, and

@@ -1,12 +1,15 @@
-"""Update-lists pass: a list update (``apollo::adam_step_foreach``) whose parameters belong to several
-towers is split into one list per tower, so no tower's backward waits for another's.
+"""Update-lists pass: a list update (``apollo::adam_step_foreach``) is split into one list per tower,
+so no tower's backward waits for another's, and each tower's into parts of at most
+:data:`LIST_NUMEL` elements in the order its gradients are made, so each part runs as soon as its
+gradients are complete and their float32 copies live only until then.
 
 Reads the modality labels of the parameters (``passes/modality.py``: a parameter takes its
 forward readers' tower, where its gradient, which reaches the join, is labelled ``fusion``);
 rewrites the graph, then places the new updates (``passes/updates.py``) and labels the graph
-again (``passes/modality.py``). Returns how many lists it split, and each one's parts by tower.
+again (``passes/modality.py``). Returns how many lists it split, and for each its parameters by
+tower and its number of parts.
 
-``compile_step(..., optimizer=)`` traces the small parameters' updates as one op per parameter
+``compile_step(..., optimizer=)`` traces the parameters' updates as one list op per parameter
 group (``fused_update.py``, NOTE: Small parameters share a launch): at trace time nothing says
 which tower a parameter belongs to. That op reads a gradient of every tower, so the modality
 pass labels it a join (``fusion``), the updates pass places it after the last of its gradients,
@@ -14,7 +17,18 @@ and the lanes pass puts it on the main lane after both towers' backwards: on the
 the backward of both towers then ran as one subgraph on one lane, and on HF CLIP B/16 the graph
 took 8.01 ms with lanes against 7.80 with an update op per parameter (H200, session 35, one
 process). Split by its parameters' towers, each list is its tower's and runs right after that
-tower's last small gradient, on its lane.
+tower's last gradient, on its lane.
+
+[NOTE] A list is cut where one launch ends. With every parameter in its tower's list (the default
+since session 37: ``fused_update.py``, NOTE: Small parameters share a launch), one list per tower
+ran after that tower's whole backward, and it read float32 copies of the tower's bf16 gradients
+(torch's fused kernel takes one dtype per list), all alive at once: on HF CLIP B/16 the peak rose
+from 2.70 to 3.04 GiB (H200, session 36, one process). Cut in the order the backward makes the
+gradients, a part runs after the last gradient it reads, interleaved with the rest of its tower's
+backward as an update op per parameter was, and only its own copies are alive. A part holds at
+most :data:`LIST_NUMEL` elements, what one launch of torch's multi-tensor kernel covers (320
+thread blocks of 65536 elements: ``depth_to_max_blocks`` and ``kChunkSize`` in ATen's
+``MultiTensorApply.cuh``), so the cut adds about no launches; a larger parameter is a part alone.
 
 AOTAutograd hands the op over functionalized: ``auto_functionalized_v2(op, grads=[...], ...,
 _params_length=n, _params_0_base_index=i, ..., _all_bases=[...])``, whose result's item 1 + j is
@@ -37,6 +51,7 @@ from ..annotations import KEY, info
 from ..fused_update import adam_step_foreach
 from . import modality, updates
 
+LIST_NUMEL = 320 * 65536  # elements of one part (NOTE: A list is cut where one launch ends)
 _ELEMENT_KEY = re.compile(r"^_(?P<arg>\w+?)_(?P<k>\d+)_(?P<what>\w+)$")  # _params_3_base_index
 
 
@@ -118,8 +133,23 @@ def split(gm: torch.fx.GraphModule, n: torch.fx.Node, parts: list[list[int]]) ->
     return made
 
 
+def parts_of(sizes: list[int], limit: int) -> list[list[int]]:
+    """Consecutive runs of `sizes`' indices, each of at most `limit` elements in all (a larger
+    size is a run alone)."""
+    parts: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not parts or total + size > limit:
+            parts.append([])
+            total = 0
+        parts[-1].append(i)
+        total += size
+    return parts
+
+
 def run(gm: torch.fx.GraphModule, ctx) -> dict:
     splits = []
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in list(gm.graph.nodes):
         if not _is_list_update(n) or not _splittable(n):
             continue
@@ -127,14 +157,19 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
         towers: dict[str, list[int]] = {}  # by the parameter's tower: its gradient reaches the join, so is labelled one
         for i in range(kw["_params_length"]):
             towers.setdefault(info(kw["_all_bases"][kw[f"_params_{i}_base_index"]]).modality, []).append(i)
-        if len(towers) < 2:
+        parts = []
+        for members in towers.values():
+            members.sort(key=lambda i: position[kw["grads"][i]])  # in the order the backward makes them
+            sizes = [kw["_all_bases"][kw[f"_params_{i}_base_index"]].meta["val"].numel() for i in members]
+            parts += [[members[k] for k in ks] for ks in parts_of(sizes, LIST_NUMEL)]
+        if len(parts) < 2:
             continue
-        splits.append({"node": n.name, "towers": {t: len(ix) for t, ix in towers.items()}})
-        split(gm, n, list(towers.values()))
+        splits.append({"node": n.name, "towers": {t: len(ix) for t, ix in towers.items()}, "parts": len(parts)})
+        split(gm, n, parts)
     if not splits:
         return {"split": 0}
     gm.graph.lint()
     gm.recompile()
-    ctx.decisions["updates"] = updates.run(gm, ctx)  # each part right after its tower's last gradient
+    ctx.decisions["updates"] = updates.run(gm, ctx)  # each part right after the last gradient it reads
     ctx.decisions["modality"] = modality.run(gm, ctx)  # and labelled with that tower
     return {"split": len(splits), "lists": splits}
