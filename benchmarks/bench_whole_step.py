@@ -35,16 +35,17 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
                    optimizer stays outside it
     apollo-step-opt  the same with the optimizer's update inside the graph
                    (``compile_step(step, optimizer=opt)``): the loop calls no ``optimizer.step()``;
-                   each parameter's update one op (``fused_update.py``)
+                   every parameter in its tower's list (torch's multi-tensor kernel), each list cut
+                   into parts run as their gradients complete (``fused_update.py``, NOTE: Small
+                   parameters share a launch; ``passes/update_lists.py``)
     apollo-step-opt-inductor  the same with the update as Adam's formula for Inductor to fuse
                    (option ``optimizer_update="inductor"``: a faster graph, a longer compile)
-    apollo-step-opt-lists  apollo-step-opt with the small parameters' updates in one op per tower
-                   on every device (``fused_update.FOREACH_DEVICES``; by default only on the CPU:
-                   NOTE: Small parameters share a launch)
-    apollo-step-opt-per-param  apollo-step-opt with an update op for every parameter, the small ones
-                   too, on every device (``fused_update.FOREACH_NUMEL = 0``; by default so on CUDA)
-    apollo-step-opt-lists-all  apollo-step-opt-lists with every parameter, the large weights too, in
-                   its tower's list: torch's multi-tensor kernel for the whole update, a few launches
+    apollo-step-opt-uncut  apollo-step-opt with each tower's list whole, after its backward
+                   (``update_lists.LIST_NUMEL`` unbounded; session 36's layout)
+    apollo-step-opt-lists-small  apollo-step-opt with only the small parameters (<= 65536 elements)
+                   in lists, a Triton op per larger weight (``fused_update.FOREACH_NUMEL = 65536``)
+    apollo-step-opt-per-param  apollo-step-opt with an update op for every parameter (a Triton
+                   kernel each on CUDA: ``fused_update.FOREACH_NUMEL = 0``; session 35's layout)
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
@@ -57,7 +58,8 @@ Per model and batch size: ``--warmup`` steps (compile, CUDA-graph capture; "comp
 ``--steps`` steps, each from an idle GPU (``common.time_steps``): median, p10, p90; then the same
 steps queued back to back without reading the loss (``common.time_back_to_back``: "b2b ms").
 Memory: the peak allocated and reserved over the whole variant, from the model's copy to the
-device through compile, capture and the timed steps (a CUDA graph's pool is allocated while it is
+device through compile, capture and the timed steps, less what was still allocated / reserved
+when the variant started (what earlier variants left: ``common.left_over``, in the log and JSON) (a CUDA graph's pool is allocated while it is
 captured, so this is what training needs); the timed steps' own peak ("steps' peak"); and what
 the allocator holds between steps, pool by pool (``common.memory_held``, in the log and JSON). Numerics as bench_step.py's: one step on another batch against
 eager, PASS / PASS* by ``common.compare``.
@@ -73,6 +75,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -90,8 +93,8 @@ import common  # noqa: E402  (the method every benchmark here shares)
 from common import fmt, log  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
-            "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-lists",
-            "apollo-step-opt-per-param", "apollo-step-opt-lists-all")
+            "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-uncut",
+            "apollo-step-opt-lists-small", "apollo-step-opt-per-param")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -213,11 +216,12 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 
 
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
-                 "apollo-step-opt-lists", "apollo-step-opt-per-param", "apollo-step-opt-lists-all")
-# where the update's small parameters go (fused_update.py, NOTE: Small parameters share a launch), per variant
-UPDATE_LAYOUT = {"apollo-step-opt-lists": {"FOREACH_DEVICES": frozenset({"cpu", "cuda"})},
-                 "apollo-step-opt-per-param": {"FOREACH_NUMEL": 0},
-                 "apollo-step-opt-lists-all": {"FOREACH_DEVICES": frozenset({"cpu", "cuda"}), "FOREACH_NUMEL": 1 << 62}}
+                 "apollo-step-opt-uncut", "apollo-step-opt-lists-small", "apollo-step-opt-per-param")
+# how the update is laid out (fused_update.py, NOTE: Small parameters share a launch), per variant:
+# "module.NAME" of apollo_compile -> the value it has while the variant's step is traced
+UPDATE_LAYOUT = {"apollo-step-opt-uncut": {"passes.update_lists.LIST_NUMEL": sys.maxsize},
+                 "apollo-step-opt-lists-small": {"fused_update.FOREACH_NUMEL": 65536},
+                 "apollo-step-opt-per-param": {"fused_update.FOREACH_NUMEL": 0}}
 
 
 def updates_inside(variant: str) -> bool:
@@ -263,16 +267,16 @@ class WholeStep:
             with torch._dynamo.config.patch(trace_autograd_ops=True):
                 return self.step(pixels, ids)
         if self.layout:  # read where the step is traced: at its first call, and at any recompile
-            from apollo_compile import fused_update
-
-            held = {name: getattr(fused_update, name) for name in self.layout}
+            where = {key: (importlib.import_module("apollo_compile." + key.rpartition(".")[0]), key.rpartition(".")[2])
+                     for key in self.layout}
+            held = {key: getattr(module, name) for key, (module, name) in where.items()}
             try:
-                for name, value in self.layout.items():
-                    setattr(fused_update, name, value)
+                for key, (module, name) in where.items():
+                    setattr(module, name, self.layout[key])
                 return self.step(pixels, ids)
             finally:
-                for name, value in held.items():
-                    setattr(fused_update, name, value)
+                for key, (module, name) in where.items():
+                    setattr(module, name, held[key])
         return self.step(pixels, ids)
 
 
@@ -353,6 +357,10 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
                 device: torch.device) -> dict:
     row: dict[str, Any] = {"variant": variant, "status": "ok"}
     with common.diagnostics_for(row, variant, variant.startswith("apollo")) as keep, strategy_for(variant):
+        row["left_over"] = left = common.left_over(device)  # earlier variants' memory, not this one's
+        if left is not None and left["allocated_gib"] > 0.01:
+            log(f"  [{variant}] left over from earlier variants: {left['allocated_gib']:.2f} GiB allocated, "
+                f"{left['reserved_gib']:.2f} reserved; largest tensors {left['largest_tensors']}")
         common.reset_peaks(device)
         model = copy.deepcopy(base).to(device)
         cuda = device.type == "cuda"
@@ -385,9 +393,12 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
         b2b = common.time_back_to_back(functools.partial(whole_step, False), args.steps, device)
         row.update(back_to_back_ms=b2b["ms"], back_to_back_rounds_ms=b2b["rounds_ms"], back_to_back_host_ms=b2b["host_ms"])
         row["steady_peak_alloc_gib"], row["steady_peak_reserved_gib"] = common.read_peaks(device)
-        if row["peak_alloc_gib"] is not None:  # the whole run's peak: compile, capture and the timed steps
-            row["peak_alloc_gib"] = max(row["peak_alloc_gib"], row["steady_peak_alloc_gib"])
-            row["peak_reserved_gib"] = max(row["peak_reserved_gib"], row["steady_peak_reserved_gib"])
+        if row["peak_alloc_gib"] is not None:  # the whole run's peak: compile, capture and the timed steps,
+            for kind in ("alloc", "reserved"):  # less what earlier variants left (as if run alone)
+                before = left["allocated_gib" if kind == "alloc" else "reserved_gib"]
+                for key in (f"peak_{kind}_gib", f"steady_peak_{kind}_gib"):
+                    row[key] -= before
+                row[f"peak_{kind}_gib"] = max(row[f"peak_{kind}_gib"], row[f"steady_peak_{kind}_gib"])
         row["held"] = common.memory_held(device)
         log(f"  [{variant}] {args.steps} steps: {common.spread_text(row)}; back to back {b2b['ms']:.2f} ms "
             f"(host {b2b['host_ms']:.2f})"

@@ -337,6 +337,34 @@ def memory_cap(device: torch.device, limit_gib: float | None):
         torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
+def left_over(device: torch.device) -> dict[str, Any] | None:
+    """What is still allocated and reserved before a variant starts (after :func:`free_device_memory`):
+    what earlier variants of the process left, which the variant's peaks would count, and the
+    largest CUDA tensors the garbage collector still sees, with the type of what refers to each,
+    to find who holds them. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    live = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on deprecated module attributes
+        for obj in gc.get_objects():
+            try:
+                if (isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) and obj.is_cuda
+                        and obj.untyped_storage().nbytes() >= 1 << 20):  # Dynamo's fakes hold no memory
+                    live.append(obj)
+            except Exception:  # an object that fails isinstance or a storage without data
+                continue
+    live.sort(key=lambda t: -t.untyped_storage().nbytes())
+    largest = [{"shape": list(t.shape), "dtype": str(t.dtype), "mib": t.untyped_storage().nbytes() / 2**20,
+                "held_by": sorted({type(r).__name__ for r in gc.get_referrers(t)} - {"list", "frame"})[:4]}
+               for t in live[:5]]
+    del live
+    return {"allocated_gib": torch.cuda.memory_allocated(device) / GiB,
+            "reserved_gib": torch.cuda.memory_reserved(device) / GiB, "largest_tensors": largest}
+
+
 def free_device_memory(device: torch.device) -> None:
     """Between variants: Dynamo's caches (and CUDA-graph trees) dropped, garbage collected, each
     stream's cuBLAS workspace (~32 MiB) and the allocator's cache released."""
