@@ -98,7 +98,7 @@ GRAPH_PASSES: list[tuple[str, Pass]] = [
     ("gradients", gradients.run),  # whole step: a new .grad is the gradient itself, not a copy
     ("updates", updates.run),  # whole step with its optimizer: each update right after its gradient
     ("modality", modality.run),  # label every node by tower: vision, text, ..., fusion for joins
-    ("update_lists", update_lists.run),  # whole step: a list update of several towers' parameters split by tower
+    ("update_lists", update_lists.run),  # whole step: a list update split by tower, cut into launch-sized parts
     ("saved", checkpoint.mark_saved),  # forward values handed to the backward (with a memory_budget)
     ("offload", offload.label),  # the copies of offloaded saved values, to the host and back
     ("cost", cost.run),          # FLOPs, bytes, compute/memory bound, roofline time per node

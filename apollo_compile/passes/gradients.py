@@ -12,9 +12,10 @@ would have, the output is ``g`` itself. A gradient in another layout keeps its c
 Where ``.grad`` exists, ``p.grad + copy(empty_like(p), g)`` becomes ``p.grad + g``.
 
 With the optimizer inside the step (``optimizer_step.py``), the copy's reader is the parameter's
-update (``apollo::adam_step``), which reads a gradient of any floating dtype in the parameter's
-layout: there ``copy(empty_like(p), _to_copy(g, float32))`` becomes ``g`` itself, the bf16 matmul
-output of a weight under autocast (NOTE: The update reads the gradient as it was computed).
+update; an ``apollo::adam_step`` of its own (a parameter the lists leave out) reads a gradient
+of any floating dtype in the parameter's layout: there ``copy(empty_like(p), _to_copy(g,
+float32))`` becomes ``g`` itself, the bf16 matmul output of a weight under autocast (NOTE: The
+update reads the gradient as it was computed).
 
 A gradient that is a *view* in the parameter's layout (a weight's ``t(t(mm(...)))``, a bias's
 ``view(sum(...), [n])``: half of a two-tower model's gradients) is not handed out as that view:
@@ -112,7 +113,10 @@ def _update_reads_as_computed(copy: torch.fx.Node, returned: dict[torch.fx.Node,
     update read a float32 copy of it: on HF CLIP B/16 the copies were 146 kernels of their own,
     0.52 ms of GPU time per step, and a float32 buffer per weight (H200, session 35,
     ``probes/step_kernels.py``). The update's kernels cast as they load (``fused_update.py``), so
-    the copy goes; the values are the same (a bf16 value is exact in float32)."""
+    the copy goes; the values are the same (a bf16 value is exact in float32). A list update
+    (``apollo::adam_step_foreach``, the default layout since session 37) keeps its copies:
+    torch's multi-tensor kernel takes one dtype per list (``fused_update.py``, NOTE: Small
+    parameters share a launch, says what that costs)."""
     if copy.target is not aten.copy.default or len(copy.users) != 1 or returned.get(copy, 0):
         return None
     (update,) = copy.users
