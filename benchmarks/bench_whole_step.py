@@ -360,7 +360,8 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
         row["left_over"] = left = common.left_over(device)  # earlier variants' memory, not this one's
         if left is not None and left["allocated_gib"] > 0.01:
             log(f"  [{variant}] left over from earlier variants: {left['allocated_gib']:.2f} GiB allocated, "
-                f"{left['reserved_gib']:.2f} reserved; largest tensors {left['largest_tensors']}")
+                f"{left['reserved_gib']:.2f} reserved; largest tensors {left['largest_tensors']}; live blocks "
+                f"{left['allocated_blocks']}")
         common.reset_peaks(device)
         model = copy.deepcopy(base).to(device)
         cuda = device.type == "cuda"

@@ -341,7 +341,8 @@ def left_over(device: torch.device) -> dict[str, Any] | None:
     """What is still allocated and reserved before a variant starts (after :func:`free_device_memory`):
     what earlier variants of the process left, which the variant's peaks would count, and the
     largest CUDA tensors the garbage collector still sees, with the type of what refers to each,
-    to find who holds them. None off CUDA."""
+    and the allocator's live blocks of >= 1 MiB by size and stream (what no Python object holds:
+    a side stream's cuBLAS workspace, say), to find who holds them. None off CUDA."""
     if device.type != "cuda":
         return None
     from torch._subclasses.fake_tensor import FakeTensor
@@ -361,8 +362,18 @@ def left_over(device: torch.device) -> dict[str, Any] | None:
                 "held_by": sorted({type(r).__name__ for r in gc.get_referrers(t)} - {"list", "frame"})[:4]}
                for t in live[:5]]
     del live
+    blocks: dict[tuple[float, int], int] = {}  # (MiB, stream) -> how many: tensors Python does not see show here
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", device.index or 0) != (device.index or 0):
+            continue
+        for block in seg.get("blocks", []):
+            if block.get("state") == "active_allocated" and block["size"] >= 1 << 20:
+                key = (round(block["size"] / 2**20, 2), seg.get("stream", 0))
+                blocks[key] = blocks.get(key, 0) + 1
+    ranked = sorted(blocks.items(), key=lambda kv: -kv[0][0] * kv[1])[:6]
     return {"allocated_gib": torch.cuda.memory_allocated(device) / GiB,
-            "reserved_gib": torch.cuda.memory_reserved(device) / GiB, "largest_tensors": largest}
+            "reserved_gib": torch.cuda.memory_reserved(device) / GiB, "largest_tensors": largest,
+            "allocated_blocks": [{"mib": mib, "stream": stream, "count": n} for (mib, stream), n in ranked]}
 
 
 def free_device_memory(device: torch.device) -> None:
