@@ -223,8 +223,12 @@ def _gradient_outputs(gm: torch.fx.GraphModule, kind: str, backward: set[torch.f
     return [(o, None) for o in dict.fromkeys(returned + writes)]
 
 
-def _tower_of_gradient(out: torch.fx.Node, backward: set[torch.fx.Node]) -> str | None:
-    """A gradient output's tower from the nodes around it (see the module docstring, rule 2)."""
+def _tower_of_gradient(out: torch.fx.Node, backward: set[torch.fx.Node],
+                       memo: dict[tuple[torch.fx.Node, int], str | None]) -> str | None:
+    """A gradient output's tower from the nodes around it (see the module docstring, rule 2).
+    `memo` keeps what the search found from a lone node at a depth, for the other outputs whose
+    search passes there (the three writes of a parameter's update, and every parameter of a list
+    update, meet at that update: a whole step's 1200 writes walked its gradients again each)."""
     # the input it is allocated like or updates: copy(empty_like(p), g), p.grad's new value
     stack, seen, found = [out], set(), []
     while stack:
@@ -240,14 +244,24 @@ def _tower_of_gradient(out: torch.fx.Node, backward: set[torch.fx.Node]) -> str 
     if label := _merge(found):
         return label
     # the forward activations the last library kernel before it reads (a weight's gradient)
-    frontier, depth = [out], 0
+    # breadth first, each node once (a list update's fan-in multiplied the paths); from a lone node
+    # at a depth the rest of the search is taken as that node's, and kept for the next output
+    frontier, depth, met, starts, label = [out], 0, {out}, [], None
     while frontier and depth < 8:
+        if len(frontier) == 1:
+            if (frontier[0], depth) in memo:
+                label = memo[frontier[0], depth]
+                break
+            starts.append((frontier[0], depth))
         kernels = [n for n in frontier if is_library_kernel(n)]
         if kernels:
-            return _merge(info(a).modality for k in kernels for a in k.all_input_nodes if a not in backward)
-        frontier = [a for n in frontier for a in n.all_input_nodes if a in backward]
+            label = _merge(info(a).modality for k in kernels for a in k.all_input_nodes if a not in backward)
+            break
+        frontier = [a for n in frontier for a in n.all_input_nodes if a in backward and a not in met]
+        met.update(frontier)
         depth += 1
-    return None
+    memo.update(dict.fromkeys(starts, label))
+    return label
 
 
 def _grouped_gradients(gm: torch.fx.GraphModule, backward: set[torch.fx.Node], outs: list[torch.fx.Node]
@@ -286,8 +300,9 @@ def backward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.
     """Rule 2: each backward node's label from the towers of the parameter gradients it reaches."""
     sinks: dict[torch.fx.Node, set[str]] = {}
     outputs = _gradient_outputs(gm, kind, backward, forward_inputs)
+    memo: dict[tuple[torch.fx.Node, int], str | None] = {}
     for out, label in outputs:
-        label = label if label not in (None, FUSION) else _tower_of_gradient(out, backward)
+        label = label if label not in (None, FUSION) else _tower_of_gradient(out, backward, memo)
         if label is not None and label != FUSION:
             sinks.setdefault(out, set()).add(label)
     if not sinks and compiling_autograd_graph():  # no forward names a gradient's tower: group them
