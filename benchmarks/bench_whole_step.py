@@ -58,11 +58,12 @@ Per model and batch size: ``--warmup`` steps (compile, CUDA-graph capture; "comp
 ``--steps`` steps, each from an idle GPU (``common.time_steps``): median, p10, p90; then the same
 steps queued back to back without reading the loss (``common.time_back_to_back``: "b2b ms").
 Memory: the peak allocated and reserved over the whole variant, from the model's copy to the
-device through compile, capture and the timed steps, less what was still allocated / reserved
-when the variant started (what earlier variants left: ``common.left_over``, in the log and JSON) (a CUDA graph's pool is allocated while it is
-captured, so this is what training needs); the timed steps' own peak ("steps' peak"); and what
-the allocator holds between steps, pool by pool (``common.memory_held``, in the log and JSON). Numerics as bench_step.py's: one step on another batch against
-eager, PASS / PASS* by ``common.compare``.
+device through compile, capture and the timed steps (a CUDA graph's pool is allocated while it is
+captured, so this is what training needs), less what was still allocated / reserved when the
+variant started (what earlier variants left: ``common.left_over``, in the log and JSON); the
+timed steps' own peak ("steps' peak"); and what the allocator holds between steps, pool by pool
+(``common.memory_held``, in the log and JSON). Numerics as bench_step.py's: one step on another
+batch against eager, PASS / PASS* by ``common.compare``.
 
     PYTHONPATH=. python benchmarks/bench_whole_step.py --models hf-clip --batch 8 32
     python benchmarks/bench_whole_step.py --device cpu --models hf-clip-tiny --batch 2 --steps 2 --warmup 1 \\
