@@ -234,10 +234,11 @@ def in_graph_order(nodes: Iterable[torch.fx.Node]) -> list[torch.fx.Node]:
     nodes = list(nodes)
     if len(nodes) < 2:
         return nodes
-    if hasattr(nodes[0], "_sort_key"):
+    if _HAS_SORT_KEY:
         return sorted(nodes, key=_SORT_KEY)
     order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
     return sorted(nodes, key=order.__getitem__)
 
 
+_HAS_SORT_KEY = hasattr(torch.fx.Node, "_sort_key")  # kept in order by FX's node insertions
 _SORT_KEY = operator.attrgetter("_sort_key")
