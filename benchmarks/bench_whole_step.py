@@ -261,23 +261,23 @@ class WholeStep:
             inside = {"optimizer": optimizer} if self.optimizer is not None else {}
             self.step = apollo_compile.compile_step(step, options={**options, **extra}, **inside)
             self.trace_backward = False  # compile_step turns it on itself
-        self.layout = UPDATE_LAYOUT.get(variant, {})
+        # "module.NAME" -> (the apollo_compile module, NAME, the value), looked up once, not per step
+        self.layout = [(importlib.import_module("apollo_compile." + key.rpartition(".")[0]), key.rpartition(".")[2],
+                        value) for key, value in UPDATE_LAYOUT.get(variant, {}).items()]
 
     def __call__(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.trace_backward:
             with torch._dynamo.config.patch(trace_autograd_ops=True):
                 return self.step(pixels, ids)
         if self.layout:  # read where the step is traced: at its first call, and at any recompile
-            where = {key: (importlib.import_module("apollo_compile." + key.rpartition(".")[0]), key.rpartition(".")[2])
-                     for key in self.layout}
-            held = {key: getattr(module, name) for key, (module, name) in where.items()}
+            held = [getattr(module, name) for module, name, _ in self.layout]
             try:
-                for key, (module, name) in where.items():
-                    setattr(module, name, self.layout[key])
+                for module, name, value in self.layout:
+                    setattr(module, name, value)
                 return self.step(pixels, ids)
             finally:
-                for key, (module, name) in where.items():
-                    setattr(module, name, held[key])
+                for (module, name, _), value in zip(self.layout, held):
+                    setattr(module, name, value)
         return self.step(pixels, ids)
 
 

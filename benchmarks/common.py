@@ -293,6 +293,11 @@ def memory_ratio(row: dict, base: dict | None, key: str) -> float | None:
     return row[key] / base[key]
 
 
+def device_segments(device: torch.device) -> list[dict[str, Any]]:
+    """The caching allocator's segments on `device` (``torch.cuda.memory_snapshot``)."""
+    return [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", device.index or 0) == (device.index or 0)]
+
+
 def memory_held(device: torch.device) -> dict[str, Any] | None:
     """What the allocator holds now, between steps: allocated GiB, and reserved / allocated GiB per
     memory pool ("default", or a CUDA graph's private pool by its id), largest first. A variant's
@@ -300,9 +305,7 @@ def memory_held(device: torch.device) -> dict[str, Any] | None:
     if device.type != "cuda":
         return None
     pools: dict[str, list[float]] = {}
-    for seg in torch.cuda.memory_snapshot():
-        if seg.get("device", device.index or 0) != (device.index or 0):
-            continue
+    for seg in device_segments(device):
         pool = tuple(seg.get("segment_pool_id") or (0, 0))
         key = "default" if pool == (0, 0) else f"graph pool {pool[0]}.{pool[1]}"
         held = pools.setdefault(key, [0.0, 0.0])
@@ -363,9 +366,7 @@ def left_over(device: torch.device) -> dict[str, Any] | None:
                for t in live[:5]]
     del live
     blocks: dict[tuple[float, int], int] = {}  # (MiB, stream) -> how many: tensors Python does not see show here
-    for seg in torch.cuda.memory_snapshot():
-        if seg.get("device", device.index or 0) != (device.index or 0):
-            continue
+    for seg in device_segments(device):
         for block in seg.get("blocks", []):
             if block.get("state") == "active_allocated" and block["size"] >= 1 << 20:
                 key = (round(block["size"] / 2**20, 2), seg.get("stream", 0))

@@ -155,13 +155,14 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
         if not _is_list_update(n) or not _splittable(n):
             continue
         kw = n.kwargs
+        params = [kw["_all_bases"][kw[f"_params_{i}_base_index"]] for i in range(kw["_params_length"])]
         towers: dict[str, list[int]] = {}  # by the parameter's tower: its gradient reaches the join, so is labelled one
-        for i in range(kw["_params_length"]):
-            towers.setdefault(info(kw["_all_bases"][kw[f"_params_{i}_base_index"]]).modality, []).append(i)
+        for i, p in enumerate(params):
+            towers.setdefault(info(p).modality, []).append(i)
         parts = []
         for members in towers.values():
             members.sort(key=lambda i: position[kw["grads"][i]])  # in the order the backward makes them
-            sizes = [kw["_all_bases"][kw[f"_params_{i}_base_index"]].meta["val"].numel() for i in members]
+            sizes = [params[i].meta["val"].numel() for i in members]
             parts += [[members[k] for k in ks] for ks in parts_of(sizes, LIST_NUMEL)]
         if len(parts) < 2:
             continue
