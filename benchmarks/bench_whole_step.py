@@ -46,6 +46,9 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
                    in lists, a Triton op per larger weight (``fused_update.FOREACH_NUMEL = 65536``)
     apollo-step-opt-per-param  apollo-step-opt with an update op for every parameter (a Triton
                    kernel each on CUDA: ``fused_update.FOREACH_NUMEL = 0``; session 35's layout)
+    apollo-step-opt-narrow  apollo-step-opt with the weights' gradients made by bf16 matmuls and
+                   cast to float32 for the lists (``passes.gradients.WIDE_MATMUL_DEVICES`` empty;
+                   the layout before session 38)
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
@@ -95,7 +98,7 @@ from common import fmt, log  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
             "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-uncut",
-            "apollo-step-opt-lists-small", "apollo-step-opt-per-param")
+            "apollo-step-opt-lists-small", "apollo-step-opt-per-param", "apollo-step-opt-narrow")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -217,12 +220,15 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 
 
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
-                 "apollo-step-opt-uncut", "apollo-step-opt-lists-small", "apollo-step-opt-per-param")
-# how the update is laid out (fused_update.py, NOTE: Small parameters share a launch), per variant:
+                 "apollo-step-opt-uncut", "apollo-step-opt-lists-small", "apollo-step-opt-per-param",
+                 "apollo-step-opt-narrow")
+# how the update and its gradients are laid out (fused_update.py, NOTE: Small parameters share a launch;
+# passes/gradients.py, NOTE: A weight's gradient leaves its matmul in float32), per variant:
 # "module.NAME" of apollo_compile -> the value it has while the variant's step is traced
 UPDATE_LAYOUT = {"apollo-step-opt-uncut": {"passes.update_lists.LIST_NUMEL": sys.maxsize},
                  "apollo-step-opt-lists-small": {"fused_update.FOREACH_NUMEL": 65536},
-                 "apollo-step-opt-per-param": {"fused_update.FOREACH_NUMEL": 0}}
+                 "apollo-step-opt-per-param": {"fused_update.FOREACH_NUMEL": 0},
+                 "apollo-step-opt-narrow": {"passes.gradients.WIDE_MATMUL_DEVICES": frozenset()}}
 
 
 def updates_inside(variant: str) -> bool:

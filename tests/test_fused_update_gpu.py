@@ -112,3 +112,53 @@ def test_the_step_with_the_update_inside_trains_like_eager_on_the_gpu(options, l
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-5, msg=lambda m: f"step {i} param {name}: {m}")
     assert compiled.fallback_reason is None
+
+
+@pytest.mark.parametrize("options", [{}, {"subgraph_compiler": "eager"}])
+def test_under_bf16_autocast_the_weights_gradients_leave_their_matmuls_in_float32(options):
+    """passes/gradients.py, NOTE: A weight's gradient leaves its matmul in float32, on CUDA (its
+    default there), with the update lists inside the step: each linear weight's gradient is an
+    aten::mm.dtype node (cuBLAS writing float32), lowered by Inductor or run as the ATen op, and the
+    step trains as eager AdamW(fused=True) under the same autocast. Tolerances as
+    tests/test_optimizer_step.py's CPU twin of this test says: after the first step every parameter
+    within lr * 2**-8 = 3.9e-5 (the gradients differ by bf16's rounding of the matmul's output,
+    plus cuBLAS's accumulation order); then bf16's noise takes over, and the losses stay within 1e-2."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import apollo_compile
+    from models import TwoTower, two_tower_inputs
+
+    def step_of(m):
+        def step(images, tokens):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = m(images, tokens)
+            loss.backward()
+            return loss.detach()
+
+        return step
+
+    torch.manual_seed(0)
+    model = TwoTower(layers=2).cuda()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.05, fused=True)
+                    for m in (model, ref))
+    torch._dynamo.reset()
+    apollo_compile.clear_plans()
+    compiled = apollo_compile.compile_step(step_of(model), optimizer=opt, options=options)
+    losses, ref_losses = [], []
+    for i in range(3):
+        inputs = [x.cuda() for x in two_tower_inputs(seed=i)]
+        losses.append(compiled(*inputs))
+        ref_losses.append(step_of(ref)(*inputs))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        if i == 0:
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=0, atol=4e-5, msg=lambda m: f"param {name}: {m}")
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-2, atol=0)
+    assert compiled.fallback_reason is None
+    gm = apollo_compile.last_plan().inference.gm
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert sum(n.target is torch.ops.aten.mm.dtype for n in gm.graph.nodes) == linears

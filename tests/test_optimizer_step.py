@@ -632,6 +632,115 @@ def test_the_update_reads_a_weights_gradient_as_the_matmul_made_it(monkeypatch):
         assert torch.equal(p, q), name
 
 
+@pytest.fixture
+def wide_matmul_on_the_cpu(monkeypatch):
+    """passes/gradients.py, NOTE: A weight's gradient leaves its matmul in float32, on the CPU: ATen's
+    aten::mm.dtype has CUDA kernels only, so here a CPU kernel of the same product (bf16 operands are
+    exact in float32, and the product accumulates in float32, as cuBLAS's does) for as long as the
+    test runs, and the pass may use it on the CPU."""
+    from apollo_compile.passes import gradients
+
+    if gradients._WIDE_MM is None:
+        pytest.skip("this torch has no aten::mm.dtype")
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("mm.dtype", lambda a, b, out_dtype: torch.mm(a.to(out_dtype), b.to(out_dtype)), "CPU")
+    monkeypatch.setattr(gradients, "WIDE_MATMUL_DEVICES", frozenset({"cpu", "cuda"}))
+    yield
+    library._destroy()
+
+
+def _autocast_step(model):
+    def step(images, tokens):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(images, tokens)
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def _wide_matmuls(gm) -> list:
+    return [n for n in gm.graph.nodes if n.target is getattr(torch.ops.aten.mm, "dtype", None)]
+
+
+def test_a_list_reads_each_weights_gradient_from_a_matmul_writing_float32(wide_matmul_on_the_cpu, monkeypatch):
+    """passes/gradients.py, NOTE: A weight's gradient leaves its matmul in float32: under bf16
+    autocast the update lists read each linear weight's gradient from its matmul writing float32
+    (no cast, no copy), the activations' gradients keep their casts, and the step trains as with
+    the casts. After the first step every parameter is within 4e-5 of the casts' (measured 9e-6):
+    the gradients differ by bf16's rounding of the matmul output (<= 2**-8 relative), and AdamW's
+    first step is lr * g / (|g| + eps), which that moves by at most lr * 2**-8 = 3.9e-5, where a
+    wrong or missing product moves a parameter by ~lr = 1e-2. Later steps only keep the losses
+    within 1e-2 (measured 1e-3): once the weights differ at all, their bf16 casts round
+    differently here and there and bf16's noise takes over (after step 2 parameters were 5e-3
+    apart, as any two bf16 runs whose weights differ by 1e-5 would be)."""
+    from apollo_compile.passes import gradients
+
+    def trained(wide: bool):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        apollo_compile.clear_plans()
+        model = TwoTower(layers=1)
+        opt = adamw(model)
+        with pytest.MonkeyPatch.context() as m:
+            if not wide:
+                m.setattr(gradients, "WIDE_MATMUL_DEVICES", frozenset())
+            compiled = apollo_compile.compile_step(_autocast_step(model), optimizer=opt, options=EAGER)
+            losses = [compiled(*two_tower_inputs(seed=0))]
+            after_one = [p.detach().clone() for p in model.parameters()]
+            losses += [compiled(*two_tower_inputs(seed=i)) for i in (1, 2)]
+        return after_one, losses, apollo_compile.last_plan().inference.gm
+
+    params, losses, gm = trained(wide=True)
+    lists = [n for n in gm.graph.nodes if n.op == "call_function" and n.args
+             and n.args[0] is torch.ops.apollo.adam_step_foreach.default]
+    read = [g for n in lists for g in n.kwargs["grads"]]
+    wide = _wide_matmuls(gm)
+    assert len(wide) == 10  # the test model's linear weights
+    assert {g.args[0] if g.target is torch.ops.aten._unsafe_view.default else g for g in read} >= set(wide)
+    assert not any(g.target is torch.ops.aten.copy.default for g in read)
+    assert all(g.meta["val"].dtype == torch.float32 for g in read)
+    casts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default
+             and n.meta["val"].dtype == torch.float32 and n.args[0].target is torch.ops.aten.view.default
+             and n.args[0].args[0].target is torch.ops.aten.mm.default]
+    assert casts  # an activation's gradient: its cast fuses into the backward's next op
+    ref_params, ref_losses, ref_gm = trained(wide=False)
+    assert not _wide_matmuls(ref_gm)
+    assert losses[0] == ref_losses[0]
+    for (name, _), p, q in zip(TwoTower(layers=1).named_parameters(), params, ref_params):
+        torch.testing.assert_close(p, q, rtol=0, atol=4e-5, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-2, atol=0)
+
+
+def test_a_new_grad_from_a_bf16_matmul_is_its_float32_product(wide_matmul_on_the_cpu):
+    """The same rewrite where the step leaves the gradients in .grad (no optimizer inside): each
+    linear weight's .grad is the float32 product, not a bf16 value cast up, and within bf16's
+    rounding of eager autocast's (2**-8 relative: its matmul output rounded to bf16, plus float32
+    accumulation order); the other gradients as eager's."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    apollo_compile.clear_plans()
+    model = TwoTower(layers=1)
+    ref = copy.deepcopy(model)
+    compiled = apollo_compile.compile_step(_autocast_step(model), options=EAGER)
+    inputs = two_tower_inputs(seed=0)
+    loss = compiled(*inputs)
+    ref_loss = _autocast_step(ref)(*inputs)
+    assert len(_wide_matmuls(apollo_compile.last_plan().inference.gm)) == 10
+    torch.testing.assert_close(loss, ref_loss, **TOLERANCE["eager"])
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    weights = 0
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if id(p) in linear:
+            assert torch.equal(q.grad, q.grad.bfloat16().float()), f"{name}: eager's is a bf16 value cast up"
+            assert not torch.equal(p.grad, p.grad.bfloat16().float()), f"{name}: not the float32 product"
+            torch.testing.assert_close(p.grad, q.grad, rtol=2**-8, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            weights += 1
+        else:
+            torch.testing.assert_close(p.grad, q.grad, **TOLERANCE["eager"], msg=lambda m: f"{name}: {m}")
+    assert weights == 10
+
+
 def test_each_formula_update_reads_scalars_of_its_own():
     """optimizer_step.py, NOTE: The update's scalars are foreach outputs: the counters (after their
     advance) and the learning rate are read by foreach ops only, never by a parameter's update

@@ -24,6 +24,11 @@ view chain's result is contiguous, starts at offset 0 and covers its whole base,
 contiguous and read by that chain alone, it reads the base's memory in the base's own order, so
 ``_unsafe_view(base, shape)`` is the same values as a tensor of its own (what functionalization
 emits for a reshape that must not alias), and the copy goes.
+
+A list update (``apollo::adam_step_foreach``, torch's multi-tensor kernel) reads its gradients
+as a new ``.grad`` is read: a copy it alone reads goes by the same rules. Where what it reads (or
+a new ``.grad``) is the float32 cast of a bf16/fp16 matmul's output, the matmul writes float32
+itself (NOTE: A weight's gradient leaves its matmul in float32).
 """
 
 from __future__ import annotations
@@ -31,9 +36,15 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..fused_update import adam_step
+from torch._guards import detect_fake_mode
+
+from ..fused_update import adam_step, adam_step_foreach
 
 aten = torch.ops.aten
+# aten::mm.dtype: a bf16/fp16 matmul with a float32 output (torch >= 2.8); ATen has CUDA kernels only
+_WIDE_MM = getattr(aten.mm, "dtype", None)
+WIDE_MATMUL_DEVICES = frozenset({"cuda"})  # where the gradients' matmuls write float32 (tests add the CPU)
+_LOW = (torch.bfloat16, torch.float16)
 # what empty_like(p) becomes: as traced, or under Inductor's decompositions
 _ALLOCATIONS = (aten.empty_like.default, aten.empty.memory_format, aten.empty_strided.default)
 
@@ -49,15 +60,16 @@ def _owns_its_storage(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and not (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
 
 
-def _contiguous_view_base(grad: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
-    """The tensor a chain of views ending at `grad` reads, where the chain reads all of it in its
-    own memory order (see the module docstring) and nothing else reads it or the chain; else None."""
+def _views_base(grad: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
+    """The computed tensor a chain of views ending at `grad` (maybe none) reads, where nothing else
+    reads it or the chain and the chain reads all of it in its own memory order (see the module
+    docstring); else None."""
     base = grad
     while not _owns_its_storage(base) and base.op == "call_function":  # up the views
         if len(base.users) != 1 or returned.get(base, 0) or not isinstance(base.args[0], torch.fx.Node):
             return None
         base = base.args[0]
-    if base is grad or base.op != "call_function" or len(base.users) != 1 or returned.get(base, 0):
+    if base.op != "call_function" or len(base.users) != 1 or returned.get(base, 0):
         return None
     g, b = _val(grad), _val(base)
     if g is None or b is None or g.dtype != b.dtype or g.device != b.device:
@@ -68,6 +80,82 @@ def _contiguous_view_base(grad: torch.fx.Node, returned: dict[torch.fx.Node, int
     except Exception:  # a symbolic size that cannot be decided: keep the copy
         return None
     return base if same_memory else None
+
+
+def _contiguous_view_base(grad: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
+    """:func:`_views_base` where `grad` is a view."""
+    base = _views_base(grad, returned)
+    return None if base is grad else base
+
+
+def _as_own_tensor(base: torch.fx.Node, like: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
+    """``_unsafe_view(base, shape of like)``, before `before`: the values of `like` (a contiguous view
+    chain over all of `base`) as a tensor of its own."""
+    with before.graph.inserting_before(before):
+        own = before.graph.call_function(aten._unsafe_view.default, (base, list(_val(like).shape)))
+    own.meta.update({k: v for k, v in like.meta.items() if k != "apollo"})
+    return own
+
+
+def _widened(cast: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
+    """For `cast`, the float32 cast of (a chain of views of) a bf16/fp16 ``mm``'s output, read
+    through that chain alone: the same product as ``aten::mm.dtype`` writing float32, in the
+    chain's shape; else None.
+
+    [NOTE] A weight's gradient leaves its matmul in float32. Under bf16 autocast a weight's
+    gradient is ``mm`` in bf16, read by its update (or kept as ``.grad``) as a float32 copy made
+    by a cast kernel of its own: Inductor cannot fuse a cast into an ATen matmul. On HF CLIP B/16
+    those were 147 kernels, 0.51 ms of a 9.77 ms step's GPU time (H200, session 36,
+    ``probes/step_kernels.py``), with a bf16 buffer per weight besides the float32 one. cuBLAS
+    writes the float32 result of a bf16 product itself (``aten::mm.dtype``, which Inductor lowers
+    to ``mm_dtype_out``: ``probes/wide_matmul.py``), so the cast and the bf16 buffer go. The
+    values are the product before its rounding to bf16: within bf16's rounding (2**-9 relative)
+    of eager autocast's gradient, and closer to the float32 one. Only the gradients the cast
+    copies whole (a new ``.grad``, a list update's read): a cast read by the backward's other
+    ops fuses into them."""
+    if _WIDE_MM is None or cast.target not in _CASTS or len(cast.users) != 1 or returned.get(cast, 0):
+        return None
+    out, chain = _val(cast), cast.args[0]
+    if (out is None or out.dtype != torch.float32 or out.device.type not in WIDE_MATMUL_DEVICES
+            or not isinstance(chain, torch.fx.Node)):
+        return None
+    mm = _views_base(chain, returned)
+    if mm is None or mm.target is not aten.mm.default or mm.kwargs or _val(mm) is None or _val(mm).dtype not in _LOW:
+        return None
+    try:
+        if not out.is_contiguous() or out.shape != _val(chain).shape:
+            return None
+    except Exception:  # a symbolic size that cannot be decided
+        return None
+    a, b = mm.args
+    fake_mode = detect_fake_mode([_val(a), _val(b)])
+    if fake_mode is None:
+        return None
+    with cast.graph.inserting_before(cast):
+        wide = cast.graph.call_function(_WIDE_MM, (a, b, torch.float32))
+    wide.meta.update({k: v for k, v in mm.meta.items() if k not in ("apollo", "val", "tensor_meta")})
+    with fake_mode:
+        wide.meta["val"] = _WIDE_MM(_val(a), _val(b), torch.float32)
+    if chain is mm:
+        return wide
+    own = _as_own_tensor(wide, cast, cast)
+    with fake_mode:
+        own.meta["val"] = aten._unsafe_view.default(wide.meta["val"], list(out.shape))
+    return own
+
+
+def _read_by_list_updates_alone(copy: torch.fx.Node) -> bool:
+    """Whether every reader of `copy` is a list update (``apollo::adam_step_foreach``) reading it
+    as one of its gradients, and as nothing else."""
+    for update in copy.users:
+        if not (update.target is torch.ops.higher_order.auto_functionalized_v2 and update.args
+                and update.args[0] is adam_step_foreach):
+            return False
+        for key, value in update.kwargs.items():
+            times = sum(x is copy for x in value) if isinstance(value, (list, tuple)) else int(value is copy)
+            if times != (key == "grads"):
+                return False
+    return bool(copy.users)
 
 
 def _stealable(copy: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
@@ -84,18 +172,14 @@ def _stealable(copy: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch
     out, g = _val(copy), _val(grad)
     if out is None or g is None or (out.dtype, out.device, out.shape) != (g.dtype, g.device, g.shape):
         return None
-    if returned.get(copy, 0):  # a new .grad: it must also own its memory in the parameter's layout
+    if returned.get(copy, 0) or _read_by_list_updates_alone(copy):
+        # a new .grad, or a list's: it must also own its memory in the parameter's layout
         if out.stride() != g.stride():
             return None
         if _owns_its_storage(grad):
-            return grad
+            return _widened(grad, returned) or grad
         base = _contiguous_view_base(grad, returned)
-        if base is None:
-            return None
-        with copy.graph.inserting_before(copy):  # the same values, as a tensor of its own
-            own = copy.graph.call_function(aten._unsafe_view.default, (base, list(g.shape)))
-        own.meta.update({k: v for k, v in grad.meta.items() if k != "apollo"})
-        return own
+        return None if base is None else _as_own_tensor(base, grad, copy)  # the same values, as a tensor of its own
     # the existing .grad plus the new gradient: the sum reads values, whatever their layout
     return grad if copy.users and all(u.target is aten.add.Tensor for u in copy.users) else None
 
