@@ -486,11 +486,12 @@ def reference(loss: float, grads: dict, fp32: tuple[float, dict] | None = None) 
     """The reference `compare` reads: eager's loss and gradients and, from an eager fp32 step
     (`fp32` = its loss and gradients) where the variants run under bf16 autocast, the fp32
     gradients and bf16's noise floor ("noise_summary" for the report)."""
-    ref = {"loss": loss, "grads": grads, "grads_fp32": None, "noise_floor": None, "noise_summary": None}
+    ref = {"loss": loss, "grads": grads, "loss_fp32": None, "grads_fp32": None, "noise_floor": None,
+           "noise_summary": None}
     if fp32 is not None:
         loss32, grads32 = fp32
         floor, worst = noise_floor(grads, grads32)
-        ref.update(grads_fp32=grads32, noise_floor=floor, noise_summary={
+        ref.update(loss_fp32=loss32, grads_fp32=grads32, noise_floor=floor, noise_summary={
             "loss_abs_diff": abs(loss - loss32), "grad_rel_err_max": floor[worst], "grad_rel_err_worst_param": worst})
     return ref
 
@@ -527,6 +528,13 @@ def compare(loss: float, grads: dict, ref: dict, precision: str) -> dict:
                 over_tol.append(name)
     loss_diff = abs(loss - ref["loss"])
     loss_ok = bool(np.isfinite(loss)) and loss_diff <= LOSS_RTOL[precision] * max(1.0, abs(ref["loss"]))
+    if not loss_ok and np.isfinite(loss) and ref.get("loss_fp32") is not None:
+        # the same rule as a gradient's: no further from the fp32 loss than NOISE_MULTIPLIER x eager bf16
+        # (timm ViT-B + BERT at batch 8: eager bf16's loss 3.6e-2 from fp32's, every compiler's 5-9e-2 from eager's)
+        loss_floor = abs(ref["loss"] - ref["loss_fp32"])
+        if abs(loss - ref["loss_fp32"]) <= NOISE_MULTIPLIER * loss_floor:
+            loss_ok = True
+            excused.append("loss")
     ok = loss_ok and not problems and not over_tol
     return {
         "pass": bool(ok),
@@ -565,8 +573,8 @@ def numerics_cell(n: dict) -> str:
 def tolerance_text(precision: str) -> str:
     """The rule `compare` applies, for a report's header."""
     return (f"PASS if max per-param relative grad error <= {GRAD_RTOL[precision]:g} and |dloss| <= "
-            f"{LOSS_RTOL[precision]:g} * max(1, |loss|); PASS*: some params over it, but no further from the "
-            f"fp32 gradient than {NOISE_MULTIPLIER:g}x eager bf16 is; a gradient under {VANISHING:g}x the "
+            f"{LOSS_RTOL[precision]:g} * max(1, |loss|); PASS*: some params (or the loss) over it, but no further "
+            f"from the fp32 gradient (loss) than {NOISE_MULTIPLIER:g}x eager bf16 is; a gradient under {VANISHING:g}x the "
             f"largest one's norm is judged by its error relative to that norm")
 
 

@@ -417,6 +417,12 @@ def test_common_judges_gradients_against_eager_and_bf16_noise():
     assert common.verdict(n) == "PASS*" and n["params_within_bf16_noise"] == ["w"]
     assert noisy["noise_summary"]["grad_rel_err_worst_param"] == "w"
     assert common.verdict(common.compare(1.2, ones, noisy, "bf16")) == "FAIL"  # the loss 20% off
+    # the loss by the same rule: eager bf16's 2.00 is 0.04 from fp32's 2.04; 2.07 is 0.03 from it (within 2x),
+    # 2.15 is 0.11 from it (not), both over LOSS_RTOL's 1e-2 * 2.00 from eager bf16
+    noisy_loss = common.reference(2.0, ones, fp32=(2.04, ones))
+    within = common.compare(2.07, ones, noisy_loss, "bf16")
+    assert common.verdict(within) == "PASS*" and within["params_within_bf16_noise"] == ["loss"]
+    assert common.verdict(common.compare(2.15, ones, noisy_loss, "bf16")) == "FAIL"
     assert common.numerics_cell(n) == "PASS* (dloss 0.0e+00, grad 5.0e-02)"
 
     assert common.spread([3.0, 1.0, 2.0])["median_ms"] == 2.0
