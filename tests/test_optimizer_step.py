@@ -489,6 +489,29 @@ def test_a_parameter_without_a_gradient_keeps_its_count():
     torch.testing.assert_close(unused, ref_unused)
 
 
+def test_a_parameter_frozen_and_unfrozen_between_steps_trains_like_eager():
+    """InGraphAdam.prepare lays the update out again when a parameter's requires_grad changes: frozen
+    at the first call, it is left out of the update's lists; unfrozen, it is laid out and updated, as
+    eager AdamW's (without the new layout it was never updated again); frozen again, it keeps its
+    state and count."""
+    torch.manual_seed(0)
+    model = TwoTower(layers=1)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model), adamw(ref)
+    compiled = apollo_compile.compile_step(step_of(model), optimizer=opt, options=EAGER)
+    frozen = (model.vision.blocks[0].fc1.weight, ref.vision.blocks[0].fc1.weight)
+    for i, trainable in enumerate((False, True, False, True)):
+        for p in frozen:
+            p.requires_grad_(trainable)
+        compiled(*two_tower_inputs(seed=i))
+        ref_opt.zero_grad(set_to_none=True)
+        ref(*two_tower_inputs(seed=i)).backward()
+        ref_opt.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **PARAMS, msg=lambda m: f"step {i} {name}: {m}")
+    assert float(opt.state[frozen[0]]["step"]) == float(ref_opt.state[frozen[1]]["step"]) == 2
+
+
 def test_each_update_is_one_fused_op(monkeypatch):
     """fused_update.py, NOTE: The update is one op: each parameter's update is one apollo::adam_step
     in the graph (Inductor generates no kernel for it), which reads the learning rate and its own
