@@ -764,6 +764,39 @@ def test_a_new_grad_from_a_bf16_matmul_is_its_float32_product(wide_matmul_on_the
     assert weights == 10
 
 
+def test_a_module_compiled_backward_returns_its_weights_gradients_from_float32_matmuls(wide_matmul_on_the_cpu):
+    """The same rewrite on the module path (torch.compile(model, backend="apollo")): the backward
+    graph returns each linear weight's gradient as its matmul's float32 product, which lands in
+    .grad within bf16's rounding of eager autocast's (2**-8 relative), the rest as eager's; the
+    eager ATen backward of the fallback is not involved (no fallback)."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    apollo_compile.clear_plans()
+    model = TwoTower(layers=1)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="apollo", options=EAGER)
+    inputs = two_tower_inputs(seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(*inputs)
+        loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = ref(*inputs)
+    ref_loss.backward()
+    backward = apollo_compile.last_plan().backward
+    assert backward.fallback is None and len(_wide_matmuls(backward.gm)) == 10
+    assert backward.decisions["gradients"]["widened"] == 10
+    torch.testing.assert_close(loss, ref_loss, **TOLERANCE["eager"])
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if id(p) in linear:
+            assert not torch.equal(p.grad, p.grad.bfloat16().float()), f"{name}: not the float32 product"
+            torch.testing.assert_close(p.grad, q.grad, rtol=2**-8, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        else:
+            torch.testing.assert_close(p.grad, q.grad, **TOLERANCE["eager"], msg=lambda m: f"{name}: {m}")
+
+
 def test_each_formula_update_reads_scalars_of_its_own():
     """optimizer_step.py, NOTE: The update's scalars are foreach outputs: the counters (after their
     advance) and the learning rate are read by foreach ops only, never by a parameter's update

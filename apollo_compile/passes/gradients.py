@@ -1,6 +1,7 @@
 """Gradients pass: a whole step's new ``.grad`` is the gradient itself, not a copy of it.
 
-Reads and rewrites the graph (no annotations); returns how many copies it removed.
+Reads and rewrites the graph (no annotations); returns how many copies it removed (``stolen``) and,
+for a backward graph, how many gradients it widened.
 
 Dynamo traces ``loss.backward()`` into a whole-step graph as ``torch.autograd.grad`` plus
 ``accumulate_grad_`` per parameter; functionalized, a parameter whose ``.grad`` is None gets
@@ -27,8 +28,9 @@ emits for a reshape that must not alias), and the copy goes.
 
 A list update (``apollo::adam_step_foreach``, torch's multi-tensor kernel) reads its gradients
 as a new ``.grad`` is read: a copy it alone reads goes by the same rules. Where what it reads (or
-a new ``.grad``) is the float32 cast of a bf16/fp16 matmul's output, the matmul writes float32
-itself (NOTE: A weight's gradient leaves its matmul in float32).
+a new ``.grad``, or a gradient a backward graph returns, on the module path) is the float32 cast of
+a bf16/fp16 matmul's output, the matmul writes float32 itself (NOTE: A weight's gradient leaves
+its matmul in float32).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def _as_own_tensor(base: torch.fx.Node, like: torch.fx.Node, before: torch.fx.No
     return own
 
 
-def _widened(cast: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
+def _widened(cast: torch.fx.Node, returned: dict[torch.fx.Node, int], *, output: bool = False) -> torch.fx.Node | None:
     """For `cast`, the float32 cast of (a chain of views of) a bf16/fp16 ``mm``'s output, read
     through that chain alone: the same product as ``aten::mm.dtype`` writing float32, in the
     chain's shape; else None.
@@ -111,9 +113,12 @@ def _widened(cast: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch.f
     to ``mm_dtype_out``: ``probes/wide_matmul.py``), so the cast and the bf16 buffer go. The
     values are the product before its rounding to bf16: within bf16's rounding (2**-9 relative)
     of eager autocast's gradient, and closer to the float32 one. Only the gradients the cast
-    copies whole (a new ``.grad``, a list update's read): a cast read by the backward's other
-    ops fuses into them."""
-    if _WIDE_MM is None or cast.target not in _CASTS or len(cast.users) != 1 or returned.get(cast, 0):
+    copies whole (a new ``.grad``, a list update's read, or with `output` a backward graph's
+    output, which AOTAutograd hands to ``.grad``): a cast read by the backward's other ops fuses
+    into them."""
+    if _WIDE_MM is None or cast.target not in _CASTS or len(cast.users) != 1:
+        return None
+    if returned.get(cast, 0) != (1 if output else 0):
         return None
     out, chain = _val(cast), cast.args[0]
     if (out is None or out.dtype != torch.float32 or out.device.type not in WIDE_MATMUL_DEVICES
@@ -223,8 +228,23 @@ def _update_reads_as_computed(copy: torch.fx.Node, returned: dict[torch.fx.Node,
     return grad if same_layout else None
 
 
+def _widen_outputs(gm: torch.fx.GraphModule, returned: dict[torch.fx.Node, int]) -> int:
+    """A backward graph's gradients that are float32 casts of low-precision matmuls, made by the
+    matmul in float32 (NOTE: A weight's gradient leaves its matmul in float32); returns how many."""
+    widened = 0
+    for out in list(returned):
+        wide = _widened(out, returned, output=True)
+        if wide is not None:
+            out.replace_all_uses_with(wide)
+            widened += 1
+    if widened:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return widened
+
+
 def run(gm: torch.fx.GraphModule, ctx) -> dict:
-    if ctx.kind != "inference":
+    if ctx.kind not in ("inference", "backward"):
         return {"stolen": 0}
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = output.args[0]
@@ -234,6 +254,8 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
     for o in outs:
         if isinstance(o, torch.fx.Node):
             returned[o] = returned.get(o, 0) + 1
+    if ctx.kind == "backward":
+        return {"stolen": 0, "widened": _widen_outputs(gm, returned)}
     stolen = 0
     for copy in [n for n in gm.graph.nodes if n.target is aten.copy.default]:
         if returned.get(copy, 0) > 1:
