@@ -112,7 +112,9 @@ def _widened(cast: torch.fx.Node, returned: dict[torch.fx.Node, int], *, output:
     writes the float32 result of a bf16 product itself (``aten::mm.dtype``, which Inductor lowers
     to ``mm_dtype_out``: ``probes/wide_matmul.py``), so the cast and the bf16 buffer go. The
     values are the product before its rounding to bf16: within bf16's rounding (2**-9 relative)
-    of eager autocast's gradient, and closer to the float32 one. Only the gradients the cast
+    of eager autocast's gradient, and closer to the float32 one (under fp16 with a GradScaler, a
+    weight's scaled gradient that would overflow fp16 stays finite in float32; the scaler still
+    sees every other gradient overflow). Only the gradients the cast
     copies whole (a new ``.grad``, a list update's read, or with `output` a backward graph's
     output, which AOTAutograd hands to ``.grad``): a cast read by the backward's other ops fuses
     into them."""
