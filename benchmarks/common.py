@@ -492,7 +492,8 @@ def reference(loss: float, grads: dict, fp32: tuple[float, dict] | None = None) 
         loss32, grads32 = fp32
         floor, worst = noise_floor(grads, grads32)
         ref.update(loss_fp32=loss32, grads_fp32=grads32, noise_floor=floor, noise_summary={
-            "loss_abs_diff": abs(loss - loss32), "grad_rel_err_max": floor[worst], "grad_rel_err_worst_param": worst})
+            "loss_abs_diff": abs(loss - loss32), "loss_fp32": loss32, "grad_rel_err_max": floor[worst],
+            "grad_rel_err_worst_param": worst})
     return ref
 
 
