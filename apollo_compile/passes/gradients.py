@@ -230,7 +230,7 @@ def _update_reads_as_computed(copy: torch.fx.Node, returned: dict[torch.fx.Node,
     return grad if same_layout else None
 
 
-def _widen_outputs(gm: torch.fx.GraphModule, returned: dict[torch.fx.Node, int]) -> int:
+def _widen_outputs(returned: dict[torch.fx.Node, int]) -> int:
     """A backward graph's gradients that are float32 casts of low-precision matmuls, made by the
     matmul in float32 (NOTE: A weight's gradient leaves its matmul in float32); returns how many."""
     widened = 0
@@ -239,10 +239,21 @@ def _widen_outputs(gm: torch.fx.GraphModule, returned: dict[torch.fx.Node, int])
         if wide is not None:
             out.replace_all_uses_with(wide)
             widened += 1
-    if widened:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
     return widened
+
+
+def _steal_copies(gm: torch.fx.GraphModule, returned: dict[torch.fx.Node, int]) -> int:
+    """A whole step's gradient copies that can go, gone (see the module docstring); returns how many."""
+    stolen = 0
+    for copy in [n for n in gm.graph.nodes if n.target is aten.copy.default]:
+        if returned.get(copy, 0) > 1:
+            continue
+        grad = _stealable(copy, returned) or _update_reads_as_computed(copy, returned)
+        if grad is not None:
+            copy.replace_all_uses_with(grad)
+            returned[grad] = returned.pop(copy, 0)
+            stolen += 1
+    return stolen
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> dict:
@@ -257,17 +268,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
         if isinstance(o, torch.fx.Node):
             returned[o] = returned.get(o, 0) + 1
     if ctx.kind == "backward":
-        return {"stolen": 0, "widened": _widen_outputs(gm, returned)}
-    stolen = 0
-    for copy in [n for n in gm.graph.nodes if n.target is aten.copy.default]:
-        if returned.get(copy, 0) > 1:
-            continue
-        grad = _stealable(copy, returned) or _update_reads_as_computed(copy, returned)
-        if grad is not None:
-            copy.replace_all_uses_with(grad)
-            returned[grad] = returned.pop(copy, 0)
-            stolen += 1
-    if stolen:
+        decision = {"stolen": 0, "widened": _widen_outputs(returned)}
+    else:
+        decision = {"stolen": _steal_copies(gm, returned)}
+    if any(decision.values()):  # what the rewrites left unread goes
         gm.graph.eliminate_dead_code()
         gm.recompile()
-    return {"stolen": stolen}
+    return decision
