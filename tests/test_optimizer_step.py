@@ -613,6 +613,17 @@ def test_a_towers_list_is_cut_in_the_order_of_its_gradients(monkeypatch):
     assert any(first_gradient < nodes.index(n) < last_backward for n in lists)  # interleaved with the backward
 
 
+def _autocast_step(model):
+    """test_whole_step.backward_step under bf16 autocast."""
+    def step(images, tokens):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(images, tokens)
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
 def test_the_update_reads_a_weights_gradient_as_the_matmul_made_it(monkeypatch):
     """passes/gradients.py, NOTE: The update reads the gradient as it was computed: under bf16
     autocast each weight's update op reads its matmul's bf16 output, not a float32 copy of it, and
@@ -628,17 +639,10 @@ def test_the_update_reads_a_weights_gradient_as_the_matmul_made_it(monkeypatch):
         apollo_compile.clear_plans()
         model = TwoTower(layers=1)
         opt = adamw(model)
-
-        def step(images, tokens):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(images, tokens)
-            loss.backward()
-            return loss.detach()
-
         with pytest.MonkeyPatch.context() as m:
             if copies:
                 m.setattr(gradients, "_update_reads_as_computed", lambda copy, returned: None)
-            compiled = apollo_compile.compile_step(step, optimizer=opt, options=EAGER)
+            compiled = apollo_compile.compile_step(_autocast_step(model), optimizer=opt, options=EAGER)
             losses = [compiled(*two_tower_inputs(seed=i)) for i in range(2)]
         return model, losses, apollo_compile.last_plan().inference.gm
 
@@ -672,18 +676,26 @@ def wide_matmul_on_the_cpu(monkeypatch):
     library._destroy()
 
 
-def _autocast_step(model):
-    def step(images, tokens):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(images, tokens)
-        loss.backward()
-        return loss.detach()
-
-    return step
-
-
 def _wide_matmuls(gm) -> list:
     return [n for n in gm.graph.nodes if n.target is getattr(torch.ops.aten.mm, "dtype", None)]
+
+
+def _linear_weights_have_float32_products(model, ref) -> int:
+    """Checks `model`'s gradients against eager autocast's (`ref`'s): each linear weight's is the
+    float32 product, where eager's is a bf16 value cast up, within 2**-8 relative of it (eager's
+    rounding to bf16, plus float32 accumulation order); every other gradient as eager's. Returns how
+    many linear weights it checked."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    weights = 0
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if id(p) in linear:
+            assert torch.equal(q.grad, q.grad.bfloat16().float()), f"{name}: eager's is a bf16 value cast up"
+            assert not torch.equal(p.grad, p.grad.bfloat16().float()), f"{name}: not the float32 product"
+            torch.testing.assert_close(p.grad, q.grad, rtol=2**-8, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            weights += 1
+        else:
+            torch.testing.assert_close(p.grad, q.grad, **TOLERANCE["eager"], msg=lambda m: f"{name}: {m}")
+    return weights
 
 
 def test_a_list_reads_each_weights_gradient_from_a_matmul_writing_float32(wide_matmul_on_the_cpu, monkeypatch):
@@ -751,17 +763,7 @@ def test_a_new_grad_from_a_bf16_matmul_is_its_float32_product(wide_matmul_on_the
     ref_loss = _autocast_step(ref)(*inputs)
     assert len(_wide_matmuls(apollo_compile.last_plan().inference.gm)) == 10
     torch.testing.assert_close(loss, ref_loss, **TOLERANCE["eager"])
-    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    weights = 0
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        if id(p) in linear:
-            assert torch.equal(q.grad, q.grad.bfloat16().float()), f"{name}: eager's is a bf16 value cast up"
-            assert not torch.equal(p.grad, p.grad.bfloat16().float()), f"{name}: not the float32 product"
-            torch.testing.assert_close(p.grad, q.grad, rtol=2**-8, atol=1e-6, msg=lambda m: f"{name}: {m}")
-            weights += 1
-        else:
-            torch.testing.assert_close(p.grad, q.grad, **TOLERANCE["eager"], msg=lambda m: f"{name}: {m}")
-    assert weights == 10
+    assert _linear_weights_have_float32_products(model, ref) == 10
 
 
 def test_a_module_compiled_backward_returns_its_weights_gradients_from_float32_matmuls(wide_matmul_on_the_cpu):
@@ -788,13 +790,7 @@ def test_a_module_compiled_backward_returns_its_weights_gradients_from_float32_m
     assert backward.fallback is None and len(_wide_matmuls(backward.gm)) == 10
     assert backward.decisions["gradients"]["widened"] == 10
     torch.testing.assert_close(loss, ref_loss, **TOLERANCE["eager"])
-    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        if id(p) in linear:
-            assert not torch.equal(p.grad, p.grad.bfloat16().float()), f"{name}: not the float32 product"
-            torch.testing.assert_close(p.grad, q.grad, rtol=2**-8, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        else:
-            torch.testing.assert_close(p.grad, q.grad, **TOLERANCE["eager"], msg=lambda m: f"{name}: {m}")
+    assert _linear_weights_have_float32_products(model, ref) == 10
 
 
 def test_each_formula_update_reads_scalars_of_its_own():
