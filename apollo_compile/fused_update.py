@@ -49,6 +49,34 @@ Its fallback kernel marks the buffer after registering itself, so the realized r
 scheduled after the write and read the updated weight (torch 2.13, found on the CPU: the input
 gradient of a layer norm, and through it the position embedding's update, off by a few percent).
 :func:`register_inductor_lowering` marks the written inputs mutated before the kernel is created.
+
+[NOTE] The moments are not graph inputs. An update op takes its parameters and gradients as
+tensors but Adam's moments by name: the :class:`AdamMoments` of its parameter group (laid out by
+``InGraphAdam``, the same tensors as ``optimizer.state``) and the parameters' positions in it. As
+tensor arguments the two moments of every parameter were two graph inputs each, two thirds of the
+optimizer-inside step's 1200 (HF CLIP B/16), and each input costs host time before every call,
+where the loss is read every step: Dynamo's compiled frame loads it, AOTAutograd bumps the
+version of each input the graph writes, apollo's CUDA-graph runner checks it is where it was
+captured (session 31, H200: 3.35 ms from ``zero_grad`` to the replay with 1597 inputs, most of it
+growing with them; RESULTS.md). Nothing else in the graph reads the moments, so the graph loses
+nothing by not seeing them: the op still declares what else it writes (the parameters), its
+cost counts their bytes (:func:`state_bytes`), and a captured CUDA graph replays the addresses
+the op found at capture. Those stay put: ``InGraphAdam`` copies a loaded checkpoint into the
+same tensors, and lays the state out anew only with new step-counter tensors, a graph input the
+graph writes in place, so a captured graph then finds that input moved and runs un-graphed (its
+runner's check) rather than replay moments no longer the optimizer's. A runner that replays
+the graph to time its candidates puts the moments back with its written inputs
+(:func:`written_state`). HF CLIP B/16's step went from 1200 graph inputs to about 400 (the
+parameters, a counter tensor, the learning rate, the batch). Measured on
+this project's 2-core CPU (HF CLIP's layout at width 32, 398 parameters, Inductor's C++
+subgraphs, medians of 100 steps, before/after alternating, one process each): host time from
+``zero_grad`` to apollo's runtime 2.30-2.37 ms -> 1.92-2.15, the step 18.0-18.3 ms -> 15.4-16.6
+(one more run after it read 30.0 ms: not understood), the warm-cache compile 36-42 s -> 27-29.
+On the H200 (session 39, torch 2.11, batch 8, each model one process and machine; bench_whole_step):
+from an idle GPU HF CLIP B/16 ran 1.14x reduce-overhead's whole step and HF SigLIP base 1.13x,
+where session 38 measured 0.98x and 1.06x (other machines: CLIP's was a slow host); back to back
+1.19x and 1.12x (1.17x and 1.13x), so the graphs' own time stayed and what the host spends before
+their launch shrank.
 """
 
 from __future__ import annotations
@@ -56,26 +84,56 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from typing import Optional
+import weakref
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["FOREACH_DEVICES", "FOREACH_NUMEL", "adam_step", "adam_step_foreach", "fused_kernel_devices",
-           "register_inductor_lowering"]
+__all__ = ["FOREACH_DEVICES", "FOREACH_NUMEL", "AdamMoments", "adam_step", "adam_step_foreach", "fused_kernel_devices",
+           "register_inductor_lowering", "state_bytes", "written_state"]
+
+
+class AdamMoments:
+    """One parameter group's Adam moments, by the parameter's position in the group's list, under
+    a name the update ops take in place of the tensors (NOTE: The moments are not graph inputs).
+    `max_exp_avg_sqs` is None unless amsgrad. Registered while this object lives: the ops look
+    it up through a weak reference, so the moments belong to whoever holds this (``InGraphAdam``)."""
+
+    def __init__(self, name: str, exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+                 max_exp_avg_sqs: Optional[list[torch.Tensor]] = None) -> None:
+        self.name, self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs = name, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
+        _MOMENTS[name] = self
+
+    def of(self, index: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """The moments of the parameters at `index` (the third list empty unless amsgrad)."""
+        amsgrad = self.max_exp_avg_sqs
+        return ([self.exp_avgs[i] for i in index], [self.exp_avg_sqs[i] for i in index],
+                [amsgrad[i] for i in index] if amsgrad is not None else [])
+
+
+_MOMENTS: "weakref.WeakValueDictionary[str, AdamMoments]" = weakref.WeakValueDictionary()
+
+
+def _moments(state: str) -> AdamMoments:
+    moments = _MOMENTS.get(state)
+    if moments is None:
+        raise RuntimeError(f"apollo: the optimizer state {state!r} this compiled update reads is gone (the "
+                           "compile_step(..., optimizer=) that laid it out was freed while its graph still runs)")
+    return moments
+
 
 _LIBRARY = torch.library.Library("apollo", "FRAGMENT")
 _LIBRARY.define(
-    "adam_step(Tensor(a0!) param, Tensor grad, Tensor(a2!) exp_avg, Tensor(a3!) exp_avg_sq, "
-    "Tensor(a4!)? max_exp_avg_sq, Tensor step, Tensor lr, float beta1, float beta2, float weight_decay, "
-    "float eps, bool maximize, bool decoupled) -> ()")
+    "adam_step(Tensor(a0!) param, Tensor grad, str state, int index, Tensor step, Tensor lr, float beta1, "
+    "float beta2, float weight_decay, float eps, bool maximize, bool decoupled) -> ()")
 
 
-def _adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               max_exp_avg_sq: Optional[torch.Tensor], step: torch.Tensor, lr: torch.Tensor, beta1: float,
-               beta2: float, weight_decay: float, eps: float, maximize: bool, decoupled: bool) -> None:
+def _adam_step(param: torch.Tensor, grad: torch.Tensor, state: str, index: int, step: torch.Tensor,
+               lr: torch.Tensor, beta1: float, beta2: float, weight_decay: float, eps: float, maximize: bool,
+               decoupled: bool) -> None:
     """Adam (AdamW when `decoupled`) on one parameter, in place, as ``optimizer.step()`` with
-    ``fused=True`` computes it; `step` is its counter already advanced to this step, `lr` a 0-d
-    tensor, `max_exp_avg_sq` given for amsgrad.
+    ``fused=True`` computes it; its moments are those at `index` of the :class:`AdamMoments`
+    named `state`, `step` is its counter already advanced to this step, `lr` a 0-d tensor.
 
     [NOTE] The op is defined with torch.library's low-level API. ``torch.library.custom_op`` wraps
     a kernel in Python layers (autograd, view tracking, argument checks) that cost 67-96 us a call
@@ -85,9 +143,11 @@ def _adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     13.75 to 8.91 ms. Every step pays it per parameter wherever the graph is not replayed as a
     CUDA graph (on the CPU; on CUDA without CUDA graphs)."""
     if not (param.device.type == "cuda" and param.is_contiguous() and _has_triton()):
-        _adam_step_foreach([param], [grad], [exp_avg], [exp_avg_sq], [] if max_exp_avg_sq is None else [max_exp_avg_sq],
-                           [step], lr, beta1, beta2, weight_decay, eps, maximize, decoupled)
+        _adam_step_foreach([param], [grad], state, [index], [step], lr, beta1, beta2, weight_decay, eps, maximize,
+                           decoupled)
         return
+    (exp_avg,), (exp_avg_sq,), max_exp_avg_sq = _moments(state).of([index])
+    max_exp_avg_sq = max_exp_avg_sq[0] if max_exp_avg_sq else None
     if grad.stride() != param.stride():  # the kernel walks the tensors as flat buffers
         grad = torch.empty_like(param).copy_(grad)
     _adam_triton(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, weight_decay, eps,
@@ -107,20 +167,18 @@ def _register(name: str, kernel) -> torch._ops.OpOverload:
 adam_step = _register("adam_step", _adam_step)
 
 _LIBRARY.define(
-    "adam_step_foreach(Tensor(a0!)[] params, Tensor[] grads, Tensor(a2!)[] exp_avgs, Tensor(a3!)[] exp_avg_sqs, "
-    "Tensor(a4!)[] max_exp_avg_sqs, Tensor[] steps, Tensor lr, float beta1, float beta2, float weight_decay, "
-    "float eps, bool maximize, bool decoupled) -> ()")
+    "adam_step_foreach(Tensor(a0!)[] params, Tensor[] grads, str state, int[] index, Tensor[] steps, Tensor lr, "
+    "float beta1, float beta2, float weight_decay, float eps, bool maximize, bool decoupled) -> ()")
 
 FOREACH_NUMEL = sys.maxsize  # the largest parameter updated in a list: all (NOTE: Small parameters share a launch)
 FOREACH_DEVICES = frozenset({"cpu", "cuda"})  # where parameters share a list (same NOTE); elsewhere an op each
 
 
-def _adam_step_foreach(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                       exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor],
+def _adam_step_foreach(params: list[torch.Tensor], grads: list[torch.Tensor], state: str, index: list[int],
                        steps: list[torch.Tensor], lr: torch.Tensor, beta1: float, beta2: float, weight_decay: float,
                        eps: float, maximize: bool, decoupled: bool) -> None:
-    """:func:`_adam_step` for a list of parameters of one device and dtype (`max_exp_avg_sqs` empty
-    unless amsgrad), in one call of torch's fused Adam kernel.
+    """:func:`_adam_step` for a list of parameters of one device and dtype (at positions `index`
+    of the moments named `state`), in one call of torch's fused Adam kernel.
 
     [NOTE] Small parameters share a launch, and so do the large ones. A launch costs a few
     microseconds whatever its size: on HF CLIP B/16 the Triton update (an :func:`adam_step` per
@@ -145,6 +203,7 @@ def _adam_step_foreach(params: list[torch.Tensor], grads: list[torch.Tensor], ex
     graph). Hence every parameter in a list by default, on every device (:data:`FOREACH_NUMEL`,
     :data:`FOREACH_DEVICES`); on the CPU, where each op call costs host time, the small ones' list
     already halved the step of HF CLIP tiny with eager subgraphs (12.6 against 27.5 ms)."""
+    exp_avgs, exp_avg_sqs, max_exp_avg_sqs = _moments(state).of(index)
     grads = [g if g.dtype == p.dtype and g.stride() == p.stride() else torch.empty_like(p).copy_(g)  # flat, alike
              for p, g in zip(params, grads)]
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -221,6 +280,40 @@ def _triton_kernel():
         tl.store(exp_avg_sq_ptr + offsets, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
 
     return adam_kernel
+
+
+def _update_of(node) -> bool:
+    return (node.op == "call_function" and node.target is torch.ops.higher_order.auto_functionalized_v2
+            and bool(node.args) and node.args[0] in (adam_step, adam_step_foreach))
+
+
+def written_state(gm: torch.fx.GraphModule) -> "Callable[[], list[torch.Tensor]] | None":
+    """What `gm`'s update ops write besides its inputs, the moments they find by name, as a function
+    that looks them up when called (at a capture: the tensors a CUDA graph would replay); None
+    where `gm` has no update op. A runner that replays the graph to time it puts these back too
+    (runtime/cudagraph.py, NOTE: A graph that writes its inputs)."""
+    where = [(n.kwargs["state"], [n.kwargs["index"]] if n.args[0] is adam_step else list(n.kwargs["index"]))
+             for n in gm.graph.nodes if _update_of(n)]
+    if not where:
+        return None
+
+    def tensors() -> list[torch.Tensor]:
+        return [t for state, index in where for ts in _moments(state).of(index) for t in ts]
+
+    return tensors
+
+
+def state_bytes(node) -> int:
+    """Bytes of the moments an update node (an ``apollo::adam_step``/``adam_step_foreach`` under
+    ``auto_functionalized_v2``) reads and writes beside its inputs and outputs, which the cost
+    pass cannot see (NOTE: The moments are not graph inputs): two moments per parameter (three
+    with amsgrad) of its parameter's size, each read and written; 0 for any other node."""
+    if not _update_of(node):
+        return 0
+    moments = _MOMENTS.get(node.kwargs.get("state"))
+    per_param = 2 if moments is None or moments.max_exp_avg_sqs is None else 3
+    params = [b.meta.get("val") for b in node.kwargs.get("_all_bases", ())]  # the op writes its parameters alone
+    return 2 * per_param * sum(p.numel() * p.element_size() for p in params if isinstance(p, torch.Tensor))
 
 
 def fused_kernel_devices() -> list[str]:

@@ -10,11 +10,12 @@ write), so a tower whose backward finishes early updates its weights while the o
 backward still runs.
 
 :class:`InGraphAdam` prepares, outside the graph before every call, what a CUDA-graph replay needs
-to find at fixed addresses: the optimizer's state created as ``Adam`` would create it, the step
-counters of a parameter group in one tensor per device, every state tensor marked static, and the
-learning rate of each parameter group as a device tensor (refreshed from ``param_groups`` when a scheduler
-changed it; the other hyperparameters are Python numbers, and Dynamo recompiles if one changes).
-Inside the traced step the step counters advance on the device (no ``.item()``) and the parameters
+to find at fixed addresses: the optimizer's state created as ``Adam`` would create it, each group's
+moments named for the update ops (``fused_update.AdamMoments``; NOTE: The moments are not graph
+inputs), the step counters of a parameter group in one tensor per device, every state tensor
+marked static, and the learning rate of each parameter group as a device tensor (refreshed from
+``param_groups`` when a scheduler changed it; the other hyperparameters are Python numbers, and
+Dynamo recompiles if one changes). Inside the traced step the step counters advance on the device (no ``.item()``) and the parameters
 of a group share an ``apollo::adam_step_foreach``, which reads their counters and the learning rate
 there, split by tower and cut into parts in the graph (``fused_update.py``, NOTE: Small parameters
 share a launch); a parameter left out of the lists (``fused_update.FOREACH_NUMEL``,
@@ -28,6 +29,7 @@ schedulers work, and an eager ``optimizer.step()`` after a fallback continues fr
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from typing import Any, Sequence
@@ -35,11 +37,12 @@ from typing import Any, Sequence
 import torch
 
 from . import fused_update
-from .fused_update import adam_step, adam_step_foreach, fused_kernel_devices, register_inductor_lowering
+from .fused_update import AdamMoments, adam_step, adam_step_foreach, fused_kernel_devices, register_inductor_lowering
 
 __all__ = ["InGraphAdam", "unsupported_reason"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_NAMES = itertools.count()  # each InGraphAdam's moments get names of their own (fused_update.AdamMoments)
 
 
 def unsupported_reason(optimizer: Any) -> str | None:
@@ -87,6 +90,7 @@ class InGraphAdam:
         self._layout: tuple | None = None  # what `_groups` was laid out for
         self._lr_value: list[Any] = []  # per group: the lr its tensors hold
         self._static: dict[int, weakref.ref] = {}  # the tensors marked static (the state and lr), by id
+        self._name = f"adam{next(_NAMES)}"  # the update ops find each group's moments by it (fused_update.py)
         if hasattr(optimizer, "register_load_state_dict_post_hook"):
             optimizer.register_load_state_dict_post_hook(lambda opt: self._keep_addresses())
 
@@ -94,8 +98,9 @@ class InGraphAdam:
         """After ``optimizer.load_state_dict`` (resuming from a checkpoint): the loaded values are
         copied into the state tensors the graph reads in place, which go back into
         ``optimizer.state``; a CUDA graph captured on them stays valid. Where a loaded tensor does
-        not fit (another shape or dtype), the state is laid out again from what was loaded (a
-        captured graph then finds its inputs moved, and runs un-graphed, with its warning)."""
+        not fit (another shape or dtype), the state is laid out again from what was loaded (with new
+        step-counter tensors: a captured graph then finds that input moved, and runs un-graphed, with
+        its warning; fused_update.py, NOTE: The moments are not graph inputs)."""
         state = self.optimizer.state
         for g in self._groups:
             for j, p in enumerate(g["params"]):
@@ -193,11 +198,12 @@ class InGraphAdam:
                 lr[device] = torch.zeros((), dtype=torch.float32, device=device)
                 self._static_address(lr[device])
             beta1, beta2 = group["betas"]
+            exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+            max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states] if amsgrad else None
+            moments = AdamMoments(f"{self._name}/{len(self._groups)}", exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
             self._groups.append({
-                "params": params, "exp_avgs": [s["exp_avg"] for s in states],
-                "exp_avg_sqs": [s["exp_avg_sq"] for s in states],
-                "max_exp_avg_sqs": [s["max_exp_avg_sq"] for s in states] if amsgrad else None,
-                "steps": [s["step"] for s in states], "counters": counters,
+                "params": params, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs,
+                "moments": moments, "state": moments.name, "steps": [s["step"] for s in states], "counters": counters,
                 "lr": lr, "amsgrad": amsgrad, "beta1": beta1, "beta2": beta2,
                 "weight_decay": group["weight_decay"], "eps": group["eps"], "maximize": group["maximize"]})
             self._lr_value.append(None)
@@ -247,7 +253,8 @@ class InGraphAdam:
         (loading it), AOTAutograd (bumping the version of each input the graph writes) and the
         runner (checking it is where the graph was captured). With AdamW inside, HF CLIP B/16's
         step had 1597 inputs and 3.35 ms of host time before its replay on the H200 (session 31,
-        ``benchmarks/probes/step_host.py``); one counter tensor per group leaves 1200. Before that
+        ``benchmarks/probes/step_host.py``); one counter tensor per group leaves 1200 (and the moments,
+        found by name, about 400: fused_update.py, NOTE: The moments are not graph inputs). Before that
         (sessions 30-31) the per-parameter counters advanced in one ``_foreach_add_``, and before
         that in a ``step.add_(1)`` each, a kernel and a CUDA-graph node per parameter. On the H200
         (session 32, another machine than session 31's, so compare ratios) the step from an idle
@@ -264,21 +271,17 @@ class InGraphAdam:
                         if j not in stepped:
                             continue
                         p = g["params"][j]
-                        max_exp_avg_sq = g["max_exp_avg_sqs"][j] if g["amsgrad"] else None
                         if not self.kernel:
-                            adam_update(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j], max_exp_avg_sq,
-                                        *scalars[j], g)
+                            adam_update(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j],
+                                        g["max_exp_avg_sqs"][j] if g["amsgrad"] else None, *scalars[j], g)
                         elif p.numel() <= fused_update.FOREACH_NUMEL and p.device.type in fused_update.FOREACH_DEVICES:
                             # fused_update.py, NOTE: Small parameters share a launch
                             small.setdefault((p.device, p.dtype), []).append((j, flat[k]))
-                        else:
-                            adam_step(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j], max_exp_avg_sq, flat[k],
-                                      g["lr"][p.device], *self._hyper(g))
+                        else:  # its moments by name and position (fused_update.py, NOTE: The moments are not graph inputs)
+                            adam_step(p, p.grad, g["state"], j, flat[k], g["lr"][p.device], *self._hyper(g))
                 for (device, _), members in small.items():
                     js = [j for j, _ in members]
-                    adam_step_foreach([g["params"][j] for j in js], [g["params"][j].grad for j in js],
-                                      [g["exp_avgs"][j] for j in js], [g["exp_avg_sqs"][j] for j in js],
-                                      [g["max_exp_avg_sqs"][j] for j in js] if g["amsgrad"] else [],
+                    adam_step_foreach([g["params"][j] for j in js], [g["params"][j].grad for j in js], g["state"], js,
                                       [step for _, step in members], g["lr"][device], *self._hyper(g))
         for g in self._groups:
             for p in g["params"]:

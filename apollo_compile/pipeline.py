@@ -64,6 +64,7 @@ from . import calibration, dump, logs
 from .annotations import KEY, info
 from .devices import DeviceSpec
 from .fallback import ApolloFallbackWarning, warn_fallback
+from .fused_update import written_state
 from .nodes import graph_outputs
 from .options import ApolloOptions
 from .passes import (casts, checkpoint, codegen, cost, gradients, lanes, memory, modality, offload, quotas, sync_free,
@@ -475,7 +476,7 @@ def cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_n
                            max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None,
                            donated_idxs=donated, capture_near_limit=ctx.options.cudagraphs is True,
                            symbolic=symbolic, lent_outputs=lent, written_idxs=written,
-                           predicted=predicted_plain(ctx))
+                           predicted=predicted_plain(ctx), written_state=written_state(gm))
 
 
 def predicted_plain(ctx: GraphContext) -> str | None:

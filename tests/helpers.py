@@ -84,7 +84,10 @@ def fake_cuda_graphs(monkeypatch) -> None:
     def capture_one(self, fn, pool, inputs=None):
         inputs = list(self.static_inputs) if inputs is None else inputs
         # a capture runs nothing: undo what running it wrote into its inputs (an optimizer's update)
-        before = [(x, x.detach().clone()) for x in inputs if isinstance(x, torch.Tensor)]
+        # and into the optimizer's moments, which the update finds by name (fused_update.written_state)
+        written = [x for x in inputs if isinstance(x, torch.Tensor)]
+        written += self.written_state() if self.written_state is not None else []
+        before = [(x, x.detach().clone()) for x in written]
         outputs = fn(inputs)
         with torch.no_grad():
             for x, value in before:

@@ -22,12 +22,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("decoupled,amsgrad,maximize,weight_decay",
                          [(True, False, False, 0.01), (False, True, True, 0.05), (True, True, False, 0.0)])
 def test_the_triton_update_is_torchs_fused_update(shape, dtype, decoupled, amsgrad, maximize, weight_decay):
-    from apollo_compile.fused_update import adam_step
+    from apollo_compile.fused_update import AdamMoments, adam_step
 
     g = torch.Generator(device="cuda").manual_seed(0)
     p = torch.randn(shape, device="cuda", generator=g).to(dtype)
     state = {k: torch.zeros_like(p) for k in ("m", "v", "vmax")}
     ref_p, ref_state = p.clone(), copy.deepcopy(state)
+    moments = AdamMoments("test-triton", [state["m"]], [state["v"]], [state["vmax"]] if amsgrad else None)
     step, ref_step = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
     lr = torch.tensor(1e-2, device="cuda")
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -35,8 +36,7 @@ def test_the_triton_update_is_torchs_fused_update(shape, dtype, decoupled, amsgr
         grad = torch.randn(shape, device="cuda", generator=g).to(dtype)
         step += 1
         ref_step += 1
-        adam_step(p, grad, state["m"], state["v"], state["vmax"] if amsgrad else None, step, lr, 0.9, 0.999,
-                  weight_decay, 1e-8, maximize, decoupled)
+        adam_step(p, grad, moments.name, 0, step, lr, 0.9, 0.999, weight_decay, 1e-8, maximize, decoupled)
         kernel([ref_p], [grad], [ref_state["m"]], [ref_state["v"]], [ref_state["vmax"]] if amsgrad else [],
                [ref_step], lr=lr, beta1=0.9, beta2=0.999, weight_decay=weight_decay, eps=1e-8, amsgrad=amsgrad,
                maximize=maximize)
@@ -50,19 +50,19 @@ def test_the_triton_update_is_torchs_fused_update(shape, dtype, decoupled, amsgr
 def test_the_triton_update_reads_a_bf16_gradient_as_its_float32_copy(shape):
     """passes/gradients.py, NOTE: The update reads the gradient as it was computed: a float32
     parameter's update from a bf16 gradient is its update from that gradient cast to float32."""
-    from apollo_compile.fused_update import adam_step
+    from apollo_compile.fused_update import AdamMoments, adam_step
 
     g = torch.Generator(device="cuda").manual_seed(0)
     p = torch.randn(shape, device="cuda", generator=g)
     state = {k: torch.zeros_like(p) for k in ("m", "v")}
     ref_p, ref_state = p.clone(), copy.deepcopy(state)
+    moments = AdamMoments("test-bf16-grad", [state["m"], ref_state["m"]], [state["v"], ref_state["v"]])
     step, lr = torch.zeros((), device="cuda"), torch.tensor(1e-2, device="cuda")
     for _ in range(3):
         grad = torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
         step += 1
-        adam_step(p, grad, state["m"], state["v"], None, step, lr, 0.9, 0.999, 0.01, 1e-8, False, True)
-        adam_step(ref_p, grad.float(), ref_state["m"], ref_state["v"], None, step, lr, 0.9, 0.999, 0.01, 1e-8,
-                  False, True)
+        adam_step(p, grad, moments.name, 0, step, lr, 0.9, 0.999, 0.01, 1e-8, False, True)
+        adam_step(ref_p, grad.float(), moments.name, 1, step, lr, 0.9, 0.999, 0.01, 1e-8, False, True)
     torch.testing.assert_close(p, ref_p, rtol=0, atol=0)
     for key in ("m", "v"):
         torch.testing.assert_close(state[key], ref_state[key], rtol=0, atol=0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import warnings
 
 import pytest
@@ -105,12 +106,15 @@ def test_the_update_inside_the_step_trains_like_eager(compiler, update, foreach_
     (plan,) = [p for p in apollo_compile.plans() if "inference" in p.graphs]
     graph = plan.inference
     assert graph.fallback is None
-    # every parameter, its two moments and the group's one counter tensor are written inside the graph,
-    # none copied back after it, and no gradient is returned: the loss is the one output
+    # every parameter (its two moments too, where the formula updates them) and the group's one counter
+    # tensor are written inside the graph, none copied back after it, and no gradient is returned: the loss
+    # is the one output. The update ops find the moments by name (fused_update.py, NOTE: The moments are not
+    # graph inputs).
     params = sum(1 for _ in TwoTower(layers=1).parameters())
     assert len([n for n in graph.gm.graph.nodes if n.op == "output"][0].args[0]) == 1
     writes = [n for n in graph.gm.graph.nodes if written_inputs(n)]
-    assert len({x for n in writes for x in written_inputs(n)}) == 3 * params + 1
+    moments = 2 * params if update == "inductor" else 0
+    assert len({x for n in writes for x in written_inputs(n)}) == params + moments + 1
     # each tower's update on its tower's lane: the text tower's weights are updated beside the vision backward
     lanes = graph.decisions["lanes"]
     assert len(lanes.lanes) == 2
@@ -452,7 +456,7 @@ def test_the_step_counters_are_one_tensor_advanced_by_one_op(monkeypatch):
     gm = apollo_compile.last_plan().inference.gm
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert sum(1 for n in inputs if tuple(n.meta["val"].shape) == (len(params),)) == 1
-    assert len(inputs) == 3 * len(params) + 1 + 1 + 2  # parameters and moments, the counters, the lr, the batch
+    assert len(inputs) == len(params) + 1 + 1 + 2  # the parameters, the counters, the lr, the batch (not the moments)
     adds = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.add.Tensor
             and n.args[0].op == "placeholder" and tuple(n.args[0].meta["val"].shape) == (len(params),)]
     assert len(adds) == 1, adds
@@ -464,6 +468,44 @@ def test_the_step_counters_are_one_tensor_advanced_by_one_op(monkeypatch):
     last_gradient = max(where[n] for n in nodes if traced_from_autograd(n))
     assert len(writes) == 1 and where[writes[0]] < last_gradient
     assert info(writes[0]).subgraph == info(adds[0]).subgraph
+
+
+def test_the_update_ops_find_the_moments_by_name():
+    """fused_update.py, NOTE: The moments are not graph inputs: an update op names its group's
+    AdamMoments and positions in it; it updates those moments in place, as the list of tensors did,
+    and says so when the moments it names are gone. A new layout of the state (a parameter frozen)
+    always comes with new step-counter tensors, which a captured CUDA graph writes in place: its
+    runner then finds that input moved and runs the graph un-graphed, so no capture replays moments
+    that were laid out again."""
+    from apollo_compile.fused_update import AdamMoments, adam_step_foreach
+
+    torch.manual_seed(0)
+    p, grad = torch.randn(3, 2), torch.randn(3, 2)
+    m, v = torch.zeros(3, 2), torch.zeros(3, 2)
+    ref_p, ref_m, ref_v = p.clone(), m.clone(), v.clone()
+    moments = AdamMoments("test-by-name", [torch.ones(1), m], [torch.ones(1), v])
+    lr, step = torch.tensor(0.1), torch.tensor(1.0)
+    adam_step_foreach([p], [grad], moments.name, [1], [step], lr, 0.9, 0.999, 0.01, 1e-8, False, True)
+    torch._fused_adamw_([ref_p], [grad], [ref_m], [ref_v], [], [step], lr=lr, beta1=0.9, beta2=0.999,
+                        weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    for got, want in ((p, ref_p), (m, ref_m), (v, ref_v)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    del moments
+    gc.collect()
+    with pytest.raises(RuntimeError, match="'test-by-name'.*is gone"):
+        adam_step_foreach([p], [grad], "test-by-name", [0], [step], lr, 0.9, 0.999, 0.01, 1e-8, False, True)
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    update = InGraphAdam(adamw(model))
+    update.prepare()
+    (group,) = update._groups
+    (counters, _), = group["counters"].values()
+    model[0].weight.requires_grad_(False)
+    update.prepare()
+    (relaid,) = update._groups
+    (new_counters, _), = relaid["counters"].values()
+    assert relaid["state"] == group["state"] and relaid["moments"] is not group["moments"]
+    assert len(relaid["moments"].exp_avgs) == 3 and new_counters.data_ptr() != counters.data_ptr()
 
 
 def test_a_parameter_without_a_gradient_keeps_its_count():

@@ -50,6 +50,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..annotations import info
 from ..devices import DeviceSpec
+from ..fused_update import state_bytes
 from ..nodes import input_nodes, is_library_kernel, is_library_kernel_name, op_name, tensors
 from ..shapes import concrete_int as _int
 from ..shapes import concrete_numel as _numel
@@ -256,6 +257,7 @@ def node_cost(node: torch.fx.Node, spec: DeviceSpec) -> Cost:
     try:
         in_vals = [_val(n) for n in input_nodes(node)]
         nbytes = sum(_nbytes(t) for v in in_vals for t in tensors(v)) + sum(_nbytes(t) for t in tensors(out))
+        nbytes += state_bytes(node)  # an update's optimizer state, found by name, not an input
         flops = _flops(node, name, out, in_vals)
         dtype = _first_float_dtype(*in_vals) or _first_float_dtype(out)
     except Exception:

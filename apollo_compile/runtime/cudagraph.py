@@ -123,14 +123,16 @@ log = logging.getLogger("apollo_compile")
 
 # [NOTE] A graph that writes its inputs: with the optimizer inside a whole step
 # (``compile_step(..., optimizer=)``) AOTAutograd keeps the updates in the graph as ``copy_`` into
-# the parameters and the optimizer's state, which the replay reads and writes in place (they are
-# static: parameters by Dynamo, the state by ``optimizer_step``). Any other written input is copied
-# into the graph's buffer before a replay and back out after it. Each replay that times a candidate
-# applies the update once more, so the inputs it writes in place are copied to the host before the
-# candidates are timed and put back after (``graph_io.WrittenInputs``: on the host, since a second
-# device copy of the parameters and the optimizer's state would set the run's peak). Where that
-# copy would not fit in a quarter of the host's free memory, the graph is not timed and replays
-# the planner's fastest plain candidate (lanes or one lane), never an SM quota: a quota is only
+# the parameters and the step counters, which the replay reads and writes in place (they are
+# static: parameters by Dynamo, the counters by ``optimizer_step``); the update ops write Adam's
+# moments too, which they find by name, not as inputs (``fused_update.py``, NOTE: The moments are
+# not graph inputs). Any other written input is copied into the graph's buffer before a replay
+# and back out after it. Each replay that times a candidate applies the update once more, so the
+# inputs it writes in place and the moments (``fused_update.written_state``) are copied to the
+# host before the candidates are timed and put back after (``graph_io.WrittenInputs``: on the
+# host, since a second device copy of the parameters and the optimizer's state would set the run's
+# peak). Where that copy would not fit in a quarter of the host's free memory, the graph is not
+# timed and replays the planner's fastest plain candidate (lanes or one lane), never an SM quota: a quota is only
 # ever replayed once measured (DESIGN.md measured every fixed split slower than plain streams).
 # Until session 30 such a graph was never timed and replayed the planner's overall prediction:
 # HF CLIP B/16's whole step with AdamW inside then replayed "quota:1=56" unmeasured on the H200,
@@ -178,7 +180,8 @@ class CudaGraphRunner:
                  max_memory_ratio: float | None = None, donated_idxs: set[int] | None = None,
                  capture_near_limit: bool = False, symbolic: bool = False, strategy: Strategy | None = None,
                  lent_outputs: set[int] | None = None, written_idxs: set[int] | None = None,
-                 predicted: str | None = None) -> None:
+                 predicted: str | None = None,
+                 written_state: Callable[[], list[torch.Tensor]] | None = None) -> None:
         self.candidates, self.name, self.kind, self.family = candidates, name, kind, family
         self.strategy = strategy  # which candidate replays; None: `choice.in_effect()` at capture
         # sizes that vary between calls (dynamic shapes): replayed only at the captured ones
@@ -216,6 +219,9 @@ class CudaGraphRunner:
         # inputs the graph writes (a whole step's optimizer update: NOTE: A graph that writes its inputs)
         self.written_idxs = written_idxs or set()
         self.written_copied: list[int] = []  # ... of them copied in: copied back after each replay
+        # what else it writes in place, not an input (an optimizer's moments, found by name): a function
+        # that gives those tensors now (fused_update.written_state)
+        self.written_state = written_state
         self.predicted = predicted  # the planner's fastest plain candidate, replayed where timing cannot be
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -440,8 +446,11 @@ class CudaGraphRunner:
         graph = self.facts()
         pick = strategy.unmeasured(graph)
         written: WrittenInputs | None = None
-        if pick is None and (in_place := sorted(self.written_idxs.intersection(self.fixed_ptrs))):
-            written = WrittenInputs.keep([self.static_inputs[i] for i in in_place])
+        in_place = [self.static_inputs[i] for i in sorted(self.written_idxs.intersection(self.fixed_ptrs))]
+        if self.written_state is not None:
+            in_place += self.written_state()
+        if pick is None and in_place:
+            written = WrittenInputs.keep(in_place)
             if written is None:
                 chosen = self.predicted if self.predicted in self.candidates else (
                     "lanes" if "lanes" in self.candidates else next(iter(self.candidates)))
