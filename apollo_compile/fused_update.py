@@ -67,8 +67,7 @@ graph writes in place, so a captured graph then finds that input moved and runs 
 runner's check) rather than replay moments no longer the optimizer's. A runner that replays
 the graph to time its candidates puts the moments back with its written inputs
 (:func:`written_state`). HF CLIP B/16's step went from 1200 graph inputs to about 400 (the
-parameters, a counter tensor, the learning rate, the batch). Measured on
-this project's 2-core CPU (HF CLIP's layout at width 32, 398 parameters, Inductor's C++
+parameters, a counter tensor, the learning rate, the batch). Measured on this project's 2-core CPU (HF CLIP's layout at width 32, 398 parameters, Inductor's C++
 subgraphs, medians of 100 steps, before/after alternating, one process each): host time from
 ``zero_grad`` to apollo's runtime 2.30-2.37 ms -> 1.92-2.15, the step 18.0-18.3 ms -> 15.4-16.6
 (one more run after it read 30.0 ms: not understood), the warm-cache compile 36-42 s -> 27-29.
@@ -89,8 +88,8 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["FOREACH_DEVICES", "FOREACH_NUMEL", "AdamMoments", "adam_step", "adam_step_foreach", "fused_kernel_devices",
-           "register_inductor_lowering", "state_bytes", "written_state"]
+__all__ = ["FOREACH_DEVICES", "FOREACH_NUMEL", "AdamMoments", "adam_step", "adam_step_foreach",
+           "fused_kernel_devices", "register_inductor_lowering", "state_bytes", "written_state"]
 
 
 class AdamMoments:

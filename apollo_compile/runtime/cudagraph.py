@@ -132,8 +132,8 @@ log = logging.getLogger("apollo_compile")
 # host before the candidates are timed and put back after (``graph_io.WrittenInputs``: on the
 # host, since a second device copy of the parameters and the optimizer's state would set the run's
 # peak). Where that copy would not fit in a quarter of the host's free memory, the graph is not
-# timed and replays the planner's fastest plain candidate (lanes or one lane), never an SM quota: a quota is only
-# ever replayed once measured (DESIGN.md measured every fixed split slower than plain streams).
+# timed and replays the planner's fastest plain candidate (lanes or one lane), never an SM quota:
+# a quota is only ever replayed once measured (DESIGN.md measured every fixed split slower than plain streams).
 # Until session 30 such a graph was never timed and replayed the planner's overall prediction:
 # HF CLIP B/16's whole step with AdamW inside then replayed "quota:1=56" unmeasured on the H200,
 # 8.05 ms back to back where lanes had run 7.56 in session 29.
