@@ -50,32 +50,32 @@ scheduled after the write and read the updated weight (torch 2.13, found on the 
 gradient of a layer norm, and through it the position embedding's update, off by a few percent).
 :func:`register_inductor_lowering` marks the written inputs mutated before the kernel is created.
 
-[NOTE] The moments are not graph inputs. An update op takes its parameters and gradients as
-tensors but Adam's moments by name: the :class:`AdamMoments` of its parameter group (laid out by
+[NOTE] The moments are not graph inputs. An update op takes its parameters and gradients as tensors
+but Adam's moments by name: the :class:`AdamMoments` of its parameter group (laid out by
 ``InGraphAdam``, the same tensors as ``optimizer.state``) and the parameters' positions in it. As
 tensor arguments the two moments of every parameter were two graph inputs each, two thirds of the
-optimizer-inside step's 1200 (HF CLIP B/16), and each input costs host time before every call,
-where the loss is read every step: Dynamo's compiled frame loads it, AOTAutograd bumps the
-version of each input the graph writes, apollo's CUDA-graph runner checks it is where it was
-captured (session 31, H200: 3.35 ms from ``zero_grad`` to the replay with 1597 inputs, most of it
-growing with them; RESULTS.md). Nothing else in the graph reads the moments, so the graph loses
-nothing by not seeing them: the op still declares what else it writes (the parameters), its
-cost counts their bytes (:func:`state_bytes`), and a captured CUDA graph replays the addresses
-the op found at capture. Those stay put: ``InGraphAdam`` copies a loaded checkpoint into the
-same tensors, and lays the state out anew only with new step-counter tensors, a graph input the
-graph writes in place, so a captured graph then finds that input moved and runs un-graphed (its
-runner's check) rather than replay moments no longer the optimizer's. A runner that replays
-the graph to time its candidates puts the moments back with its written inputs
-(:func:`written_state`). HF CLIP B/16's step went from 1200 graph inputs to about 400 (the
-parameters, a counter tensor, the learning rate, the batch). Measured on this project's 2-core CPU (HF CLIP's layout at width 32, 398 parameters, Inductor's C++
+optimizer-inside step's 1200 (HF CLIP B/16), and each input costs host time before every call, where
+the loss is read every step: Dynamo's compiled frame loads it, AOTAutograd bumps the version of each
+input the graph writes, apollo's CUDA-graph runner checks it is where it was captured (session 31,
+H200: 3.35 ms from ``zero_grad`` to the replay with 1597 inputs, most of it growing with them;
+RESULTS.md). Nothing else in the graph reads the moments, so the graph loses nothing by not seeing
+them: the op still declares what else it writes (the parameters), its cost counts their bytes
+(:func:`state_bytes`), and a captured CUDA graph replays the addresses the op found at capture.
+Those stay put: ``InGraphAdam`` copies a loaded checkpoint into the same tensors, and lays the state
+out anew only with new step-counter tensors, a graph input the graph writes in place, so a captured
+graph then finds that input moved and runs un-graphed (its runner's check) rather than replay
+moments no longer the optimizer's. A runner that replays the graph to time its candidates puts the
+moments back with its written inputs (:func:`written_state`). HF CLIP B/16's step went from 1200
+graph inputs to about 400 (the parameters, a counter tensor, the learning rate, the batch). Measured
+on this project's 2-core CPU (HF CLIP's layout at width 32, 398 parameters, Inductor's C++
 subgraphs, medians of 100 steps, before/after alternating, one process each): host time from
-``zero_grad`` to apollo's runtime 2.30-2.37 ms -> 1.92-2.15, the step 18.0-18.3 ms -> 15.4-16.6
-(one more run after it read 30.0 ms: not understood), the warm-cache compile 36-42 s -> 27-29.
-On the H200 (session 39, torch 2.11, batch 8, each model one process and machine; bench_whole_step):
-from an idle GPU HF CLIP B/16 ran 1.14x reduce-overhead's whole step and HF SigLIP base 1.13x,
-where session 38 measured 0.98x and 1.06x (other machines: CLIP's was a slow host); back to back
-1.19x and 1.12x (1.17x and 1.13x), so the graphs' own time stayed and what the host spends before
-their launch shrank.
+``zero_grad`` to apollo's runtime 2.30-2.37 ms -> 1.92-2.15, the step 18.0-18.3 ms -> 15.4-16.6 (one
+more run after it read 30.0 ms: not understood), the warm-cache compile 36-42 s -> 27-29. On the
+H200 (session 39, torch 2.11, batch 8, each model one process and machine; bench_whole_step): from
+an idle GPU HF CLIP B/16 ran 1.14x reduce-overhead's whole step and HF SigLIP base 1.13x, where
+session 38 measured 0.98x and 1.06x (other machines: CLIP's was a slow host); back to back 1.19x and
+1.12x (1.17x and 1.13x), so the graphs' own time stayed and what the host spends before their launch
+shrank.
 """
 
 from __future__ import annotations

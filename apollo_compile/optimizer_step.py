@@ -12,17 +12,17 @@ backward still runs.
 :class:`InGraphAdam` prepares, outside the graph before every call, what a CUDA-graph replay needs
 to find at fixed addresses: the optimizer's state created as ``Adam`` would create it, each group's
 moments named for the update ops (``fused_update.AdamMoments``; NOTE: The moments are not graph
-inputs), the step counters of a parameter group in one tensor per device, every state tensor
-marked static, and the learning rate of each parameter group as a device tensor (refreshed from
+inputs), the step counters of a parameter group in one tensor per device, every state tensor marked
+static, and the learning rate of each parameter group as a device tensor (refreshed from
 ``param_groups`` when a scheduler changed it; the other hyperparameters are Python numbers, and
 Dynamo recompiles if one changes). Inside the traced step the step counters advance on the device
 (no ``.item()``) and the parameters of a group share an ``apollo::adam_step_foreach``, which reads
-their counters and the learning rate there, split by tower and cut into parts in the graph (``fused_update.py``, NOTE: Small parameters
-share a launch); a parameter left out of the lists (``fused_update.FOREACH_NUMEL``,
-``FOREACH_DEVICES``) gets an ``apollo::adam_step`` of its own. With the option
-``optimizer_update="inductor"`` the update is Adam's formula as elementwise ops instead
-(:func:`adam_update`), which Inductor fuses with the ops around it, at the price of a compile ~3x
-as long.
+their counters and the learning rate there, split by tower and cut into parts in the graph
+(``fused_update.py``, NOTE: Small parameters share a launch); a parameter left out of the lists
+(``fused_update.FOREACH_NUMEL``, ``FOREACH_DEVICES``) gets an ``apollo::adam_step`` of its own. With
+the option ``optimizer_update="inductor"`` the update is Adam's formula as elementwise ops instead
+(:func:`adam_update`), which Inductor fuses with the ops around it, at the price of a compile ~3x as
+long.
 The optimizer object stays the user's: its state is the one updated, ``state_dict()`` and
 schedulers work, and an eager ``optimizer.step()`` after a fallback continues from it.
 """
@@ -251,14 +251,15 @@ class InGraphAdam:
         parameter's counter as an element of that one input. A counter per parameter was a graph
         input per parameter: every input costs host time before each replay, in Dynamo's frame
         (loading it), AOTAutograd (bumping the version of each input the graph writes) and the
-        runner (checking it is where the graph was captured). With AdamW inside, HF CLIP B/16's
-        step had 1597 inputs and 3.35 ms of host time before its replay on the H200 (session 31,
+        runner (checking it is where the graph was captured). With AdamW inside, HF CLIP B/16's step
+        had 1597 inputs and 3.35 ms of host time before its replay on the H200 (session 31,
         ``benchmarks/probes/step_host.py``); one counter tensor per group leaves 1200 (and the
-        moments, found by name, about 400: fused_update.py, NOTE: The moments are not graph
-        inputs). Before that (sessions 30-31) the per-parameter counters advanced in one ``_foreach_add_``, and before
-        that in a ``step.add_(1)`` each, a kernel and a CUDA-graph node per parameter. On the H200
-        (session 32, another machine than session 31's, so compare ratios) the step from an idle
-        GPU went from 1.04x to 1.11x reduce-overhead's whole step; back to back it stayed 1.20x."""
+        moments, found by name, about 400: fused_update.py, NOTE: The moments are not graph inputs).
+        Before that (sessions 30-31) the per-parameter counters advanced in one ``_foreach_add_``,
+        and before that in a ``step.add_(1)`` each, a kernel and a CUDA-graph node per parameter. On
+        the H200 (session 32, another machine than session 31's, so compare ratios) the step from an
+        idle GPU went from 1.04x to 1.11x reduce-overhead's whole step; back to back it stayed
+        1.20x."""
         with torch.no_grad():
             for g in self._groups:
                 stepped = {j for j, p in enumerate(g["params"]) if p.grad is not None}
