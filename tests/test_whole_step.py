@@ -11,6 +11,7 @@ import copy
 import warnings
 from collections import Counter
 
+import networkx as nx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -325,6 +326,21 @@ def _tiny_hf(kind: str):
     return transformers.SiglipModel(transformers.SiglipConfig(text_config=text, vision_config=vision))
 
 
+def assert_forwards_side_by_side(cut) -> None:
+    """No tower's first subgraph (its forward) waits for a subgraph of another tower: HF CLIP's
+    ``t(t(image_embeds))``, read by the text tower's gradient, made the text tower's forward wait
+    for the vision tower's (lanes.py, NOTE: A lane waits for another where it reads it)."""
+    towers = {sg.id: {info(n).modality for n in sg.nodes} - {"fusion"} for sg in cut.subgraphs}
+    first: dict[str, int] = {}
+    for sg in cut.subgraphs:
+        for m in sorted(towers[sg.id]):
+            first.setdefault(m, sg.id)
+    assert len(first) >= 2, towers
+    for m, i in first.items():
+        waits_for = {o for a in nx.ancestors(cut.dag, i) for o in towers[a]} - {m}
+        assert not waits_for, (m, i, waits_for)
+
+
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_hugging_face_whole_step_trains_like_eager(kind):
     """Called as HF models are, by keyword, with the loss from the model's output object."""
@@ -345,6 +361,7 @@ def test_hugging_face_whole_step_trains_like_eager(kind):
     for plan in apollo_compile.plans():
         assert plan.inference.fallback is None
         assert len(plan.inference.decisions["lanes"].lanes) >= 2, plan.inference.decisions["lanes"].lanes
+        assert_forwards_side_by_side(plan.inference.decisions["lanes"])
         if kind == "clip":  # quick_gelu's sigmoid is made again in the backward's subgraph, not handed to it
             cut = plan.inference.decisions["lanes"]
             assert cut.recomputed["recomputed"] >= 2, cut.recomputed

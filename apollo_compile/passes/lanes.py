@@ -40,6 +40,17 @@ Nodes are visited in graph order (a topological order); a node joins its lane's 
 unless one of its inputs lives in a subgraph that the open one reaches, in which case the lane
 opens a new subgraph after the old one (program order on one stream).
 
+[NOTE] A lane waits for another where it reads it. The graph's order is one topological order,
+not the lanes': in a whole step the transposed image features that the text tower's gradient
+reads (``t(t(image_embeds))`` for ``logits_per_text``'s matmul) come before any of the text
+tower's backward, while the text lane's open subgraph was still its forward. Joined there, the
+node made the text tower's forward wait for the vision tower's, and the two forwards ran one
+after the other (HF CLIP's layout on the CPU, session 40). :func:`segment` therefore holds back a
+pure node that reads another lane's value and is read only on its own lane, and places it where
+its first reader is placed: the wait moves to where the value is needed (the backward, which
+waits for the joins anyway). A held node is placed before any write or side effect that follows
+it in the graph, so readers still precede writes.
+
 [NOTE] A write into an input comes after its readers. A graph that keeps its input mutations (a
 whole step with the optimizer inside: ``compile_step(..., optimizer=)``) ends with ``copy_`` into
 each parameter and optimizer state. Data edges order the copy after the value it writes, not after
@@ -79,7 +90,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbol_binding_fx_node
 
 from ..annotations import FUSION, info
-from ..nodes import readers_of, written_inputs
+from ..nodes import is_random, readers_of, written_inputs
 from . import boundary
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -191,38 +202,85 @@ def assign_lanes(nodes: list[torch.fx.Node], max_lanes: int | None) -> tuple[dic
 
 def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[Subgraph], nx.DiGraph]:
     """Cut the graph into per-lane subgraphs with an acyclic dependency DAG (see [NOTE]); `wire`
-    then gives them their inputs and outputs."""
+    then gives them their inputs and outputs. A node that reads another lane's value only for its
+    own lane's later use is placed with that use ([NOTE] A lane waits for another where it reads it)."""
     subgraphs: list[Subgraph] = []
     dag = nx.DiGraph()
     open_sg: dict[int, Subgraph] = {}
-    for n in nodes:
-        if n.op not in COMPUTE_OPS:
-            continue
+    held: dict[torch.fx.Node, None] = {}  # placed with their first reader, graph order
+
+    def take_held(n: torch.fx.Node, chain: list[torch.fx.Node]) -> None:
+        """The held nodes `n` reads, transitively, each after those it reads, out of `held`."""
+        for a in n.all_input_nodes:
+            if a in held:
+                del held[a]
+                take_held(a, chain)
+                chain.append(a)
+
+    def place(n: torch.fx.Node) -> None:
         if (producer := multi_output_producer(n)) is not None:  # [NOTE] An item stays with its tuple
             home = subgraphs[info(producer).subgraph]
             home.nodes.append(n)
             info(n).lane, info(n).subgraph = home.lane, home.id
-            continue
+            return
+        chain: list[torch.fx.Node] = []
+        take_held(n, chain)
         lane = lane_of.get(info(n).modality, 0)
         deps = {info(a).subgraph for a in n.all_input_nodes if info(a).subgraph is not None}
+        through_held = {info(a).subgraph for h in chain for a in h.all_input_nodes if info(a).subgraph is not None}
         # a write into a graph input waits for every earlier reader of that input ([NOTE] A write
         # into an input comes after its readers)
         deps |= {info(r).subgraph for x in written_inputs(n) for r in readers_of(x)
                  if r is not n and info(r).subgraph is not None}
+        deps |= through_held
         cur = open_sg.get(lane)
-        if cur is None or any(d != cur.id and nx.has_path(dag, cur.id, d) for d in deps):
+        if (cur is None or any(d != cur.id and nx.has_path(dag, cur.id, d) for d in deps)
+                # what the held nodes wait for starts a new subgraph rather than hold up the open one
+                or any(d != cur.id and not nx.has_path(dag, d, cur.id) for d in through_held)):
             new = Subgraph(len(subgraphs), lane)
             subgraphs.append(new)
             dag.add_node(new.id)
             if cur is not None:
                 dag.add_edge(cur.id, new.id)
             cur = open_sg[lane] = new
-        cur.nodes.append(n)
-        info(n).lane, info(n).subgraph = lane, cur.id
+        for m in (*chain, n):
+            cur.nodes.append(m)
+            info(m).lane, info(m).subgraph = lane, cur.id
         for d in deps:
             if d != cur.id:
                 dag.add_edge(d, cur.id)
+
+    def place_held(h: torch.fx.Node) -> None:
+        if h in held:
+            del held[h]
+            place(h)
+
+    for n in nodes:
+        if n.op not in COMPUTE_OPS:
+            continue
+        if held and (n.is_impure() or written_inputs(n)):  # every reader before a write, as in the graph
+            for h in list(held):
+                place_held(h)
+        if waits_across_lanes(n, lane_of):
+            held[n] = None
+        else:
+            place(n)
+    for h in list(held):  # read by nothing that comes later (the graph's outputs only)
+        place_held(h)
     return subgraphs, dag
+
+
+def waits_across_lanes(n: torch.fx.Node, lane_of: dict[str, int]) -> bool:
+    """Whether `n` reads a value another lane makes and only its own lane reads `n` (see [NOTE] A
+    lane waits for another where it reads it): a pure op with one tensor value, not a join (which
+    waits for its towers whatever it reads)."""
+    lane = lane_of.get(info(n).modality, 0)
+    if (info(n).modality == FUSION or n.op != "call_function" or n.target is operator.getitem or n.is_impure() or is_random(n) or written_inputs(n)
+            or not isinstance(n.meta.get("val"), torch.Tensor) or not n.users):
+        return False
+    if any(u.op not in COMPUTE_OPS or lane_of.get(info(u).modality, 0) != lane for u in n.users):
+        return False
+    return any(a.op in COMPUTE_OPS and lane_of.get(info(a).modality, 0) != lane for a in n.all_input_nodes)
 
 
 def wire(subgraphs: list[Subgraph], nodes: list[torch.fx.Node], dag: nx.DiGraph) -> nx.DiGraph:
