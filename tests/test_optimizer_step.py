@@ -470,6 +470,24 @@ def test_the_step_counters_are_one_tensor_advanced_by_one_op(monkeypatch):
     assert info(writes[0]).subgraph == info(adds[0]).subgraph
 
 
+def test_a_groups_indices_are_one_guard():
+    """optimizer_step.py, NOTE: A group's indices are one guard: the traced step reads its
+    counters' parameter indices as a range, which Dynamo guards once, not once per parameter."""
+    get_entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if get_entries is None:
+        pytest.skip("this torch does not list a frame's compiled entries")
+    torch.manual_seed(0)
+    model = TwoTower(layers=2)
+    params = list(model.parameters())
+    opt = adamw(model)
+    compiled = apollo_compile.compile_step(step_of(model), optimizer=opt, options=EAGER)
+    compiled(*two_tower_inputs(seed=0))
+    entry = get_entries(apollo_compile.whole_step.CompiledStep._with_update.__code__)[0]  # the newest first
+    on_indices = [line for line in str(entry.guard_manager).splitlines() if "['counters']" in line]
+    per_index = [line for line in on_indices if "][1][" in line]  # an item of the indices: one per parameter
+    assert on_indices and not per_index and len(on_indices) < 20 < len(params), per_index or on_indices
+
+
 def test_the_update_ops_find_the_moments_by_name():
     """fused_update.py, NOTE: The moments are not graph inputs: an update op names its group's
     AdamMoments and positions in it; it updates those moments in place, as the list of tensors did,
