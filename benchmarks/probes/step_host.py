@@ -13,6 +13,9 @@ after ``--warmup`` steps, the median over ``--steps`` steps each from an idle GP
 - ``gpu from replay``: from a CUDA event recorded just before the step's first replay to the
   step's end: the graph's own time from an idle GPU (``step`` minus it is the host's time before
   the GPU starts the graph, as the GPU sees it);
+- with ``--skip-guards-too``, the same steps again under ``torch.compiler.set_stance(
+  skip_guard_eval_unsafe=True)``: what Dynamo's guard checks cost of the host's time (measured
+  only; training under that stance would run a stale graph after a change it no longer checks);
 - then the same steps under cProfile: the top functions by own time (cProfile slows Python calls:
   read the shares, not the times).
 
@@ -89,11 +92,9 @@ def training_step(variant: str, name: str, base, batch, args, device) -> tuple:
     return step, (f, model, optimizer)
 
 
-def run(variant: str, name: str, base, batch, args, device) -> dict:
-    step, held = training_step(variant, name, base, batch, args, device)
-    for _ in range(args.warmup):
-        step().item()
-    rows = {"to launch": [], "launch": [], "after": [], "step": [], "gpu from replay": []}
+def timed(step, args, device) -> dict[str, list[float]]:
+    """The host and GPU times of `args.steps` steps, each from an idle GPU (the module docstring)."""
+    rows: dict[str, list[float]] = {"to launch": [], "launch": [], "after": [], "step": [], "gpu from replay": []}
     with ReplayStamps() as stamps:
         for _ in range(args.steps):
             common.synchronize(device)
@@ -117,6 +118,20 @@ def run(variant: str, name: str, base, batch, args, device) -> dict:
             if stamps.first_event is not None and end_event is not None:
                 rows["gpu from replay"].append(stamps.first_event.elapsed_time(end_event))
                 stamps.first_event = None
+    return rows
+
+
+def run(variant: str, name: str, base, batch, args, device) -> dict:
+    step, held = training_step(variant, name, base, batch, args, device)
+    for _ in range(args.warmup):
+        step().item()
+    out = {k: statistics.median(v) for k, v in timed(step, args, device).items() if v}
+    if args.skip_guards_too:
+        # what Dynamo's guard checks cost in the step, measured only: the stance is unsafe for training
+        # (a changed shape, flag or module would run the stale graph), so no benchmark row uses it
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            skipped = timed(step, args, device)
+        out |= {f"{k} (guards skipped)": statistics.median(v) for k, v in skipped.items() if v}
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.steps):
@@ -125,7 +140,6 @@ def run(variant: str, name: str, base, batch, args, device) -> dict:
     profile.disable()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
-    out = {k: statistics.median(v) for k, v in rows.items() if v}
     out["profile"] = text.getvalue()
     del step, held
     common.free_device_memory(device)
@@ -142,6 +156,8 @@ def parse_step_args(argv, doc: str, variants: list[str], steps: int):
     p.add_argument("--variants", nargs="+", default=variants, choices=bws.STEP_VARIANTS)
     p.add_argument("--apollo-options", type=json.loads, default={})
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--skip-guards-too", action="store_true",
+                   help="time the steps again with Dynamo's guard checks skipped (measured only: unsafe to train with)")
     common.add_run_args(p, steps=steps, warmup=5)
     args = common.parse_run_args(p, argv)
     if (setup := common.device_and_out_dir(args)) is None:
@@ -165,6 +181,8 @@ def main(argv=None) -> int:
             table.append({"model": name, "variant": variant, **result})
             (out_dir / "step_host.json").write_text(json.dumps(table, indent=1))  # a cut run keeps what it measured
     cols = ["to launch", "launch", "after", "step", "gpu from replay"]
+    if args.skip_guards_too:
+        cols += ["to launch (guards skipped)", "step (guards skipped)"]
     common.log(common.markdown(["model", "variant", *cols],
                                [[r["model"], r["variant"], *(f"{r[c]:.3f}" if c in r else "-" for c in cols)]
                                 for r in table]))
