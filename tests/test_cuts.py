@@ -1,7 +1,7 @@
 """What crosses a cut between subgraphs (passes/lanes.py, passes/boundary.py): the boundary
 recompute (a cheap elementwise value read across a cut is computed again where it is read, only
-when that hands nothing new across, and the graph still computes the same), and the items of a
-multi-output op, which stay with it."""
+when that hands nothing new across, and the graph still computes the same), the items of a
+multi-output op, which stay with it, and a read of another lane's value, placed where it is used."""
 
 from __future__ import annotations
 
@@ -157,3 +157,64 @@ def test_the_items_of_a_multi_output_op_stay_in_its_subgraph():
     assert {info(item).subgraph for item in items} == {home}
     assert subgraphs[home].outputs == items and foreach not in subgraphs[home].outputs
     assert {info(u).lane for item in items for u in item.users} == {1, 2}
+
+
+def _label(gm: torch.fx.GraphModule, towers: dict[str, str]) -> list[torch.fx.Node]:
+    """The graph's nodes, each op labelled with the tower its name's prefix maps to (else a join)."""
+    nodes = list(gm.graph.nodes)
+    for n in nodes:
+        if n.op == "call_function":
+            info(n).modality = next((m for prefix, m in towers.items() if n.name.startswith(prefix)), "fusion")
+    return nodes
+
+
+def test_a_read_across_lanes_waits_where_it_is_used():
+    """lanes.py, NOTE: A lane waits for another where it reads it: a text node that reads a vision
+    value, standing in graph order while the text tower's subgraph is open, is placed with its
+    reader. The text subgraph before it waits for nothing of the vision lane; the reader's does."""
+    def f(v, t, w):
+        fv = torch.relu(v @ w)  # vision
+        ft = t @ w  # text
+        x = fv * 2.0  # text, reading vision's value, read only by text below
+        ft = torch.tanh(ft)  # text goes on
+        y = torch.sigmoid(ft + x)  # x's reader
+        return fv.sum() + y.sum()
+
+    gm = make_fx(f)(torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
+    nodes = _label(gm, {"mm_1": "text", "mul": "text", "tanh": "text", "add": "text", "sigmoid": "text",
+                        "mm": "vision", "relu": "vision"})
+    by_name = {n.name: n for n in nodes}
+    add = next(n for n in nodes if n.name.startswith("add") and by_name["sigmoid"] in n.users)
+    info(add).modality = "text"
+    final = [n for n in nodes if n.op == "call_function" and n.name.startswith(("sum", "add")) and n is not add]
+    for n in final:
+        info(n).modality = "fusion"
+    subgraphs, dag = lanes.segment(nodes, {"fusion": 0, "vision": 1, "text": 2})
+    sg = {name: info(by_name[name]).subgraph for name in ("mm", "relu", "mm_1", "mul", "tanh", "sigmoid")}
+    assert sg["mm_1"] == sg["tanh"] and sg["mul"] == info(add).subgraph == sg["sigmoid"] != sg["mm_1"], sg
+    assert sg["relu"] not in lanes.nx.ancestors(dag, sg["mm_1"])
+    assert sg["relu"] in lanes.nx.ancestors(dag, sg["mul"])
+
+
+def test_a_held_read_of_an_input_is_placed_before_its_write():
+    """A node held for its reader (NOTE: A lane waits for another where it reads it) that reads a
+    graph input is placed before a later write into that input, as the graph has it."""
+    def f(v, t, w):
+        fv = torch.relu(v @ w)  # vision
+        x = fv * w  # text, reading vision's value and the old w
+        w.add_(1.0)  # text, a write into the input w (an update)
+        return torch.sigmoid(t + x).sum()  # x's reader, text; the sum a join
+
+    gm = make_fx(f)(torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
+    nodes = _label(gm, {"mm": "vision", "relu": "vision", "mul": "text", "add_": "text", "add": "text",
+                        "sigmoid": "text"})
+    write = next(n for n in nodes if n.op == "call_function" and n.target is torch.ops.aten.add_.Tensor)
+    mul = next(n for n in nodes if n.op == "call_function" and n.target is torch.ops.aten.mul.Tensor)
+    lane_of = {"fusion": 0, "vision": 1, "text": 2}
+    assert lanes.waits_across_lanes(mul, lane_of)  # held: only text reads it
+    subgraphs, dag = lanes.segment(nodes, lane_of)
+    if info(mul).subgraph == info(write).subgraph:
+        order = subgraphs[info(write).subgraph].nodes
+        assert order.index(mul) < order.index(write)
+    else:
+        assert info(mul).subgraph in lanes.nx.ancestors(dag, info(write).subgraph)
