@@ -45,7 +45,8 @@ not the lanes': in a whole step the transposed image features that the text towe
 reads (``t(t(image_embeds))`` for ``logits_per_text``'s matmul) come before any of the text
 tower's backward, while the text lane's open subgraph was still its forward. Joined there, the
 node made the text tower's forward wait for the vision tower's, and the two forwards ran one
-after the other (HF CLIP's layout on the CPU, session 40). :func:`segment` therefore holds back a
+after the other (found in HF CLIP's plan on the CPU, session 40; once they overlapped, the H200 ran
+the lanes 1.22x faster than one lane at batch 8, against 1.14x before). :func:`segment` holds back a
 pure node that reads another lane's value and is read only on its own lane, and places it where
 its first reader is placed: the wait moves to where the value is needed (the backward, which
 waits for the joins anyway). A held node is placed before any write or side effect that follows
@@ -275,7 +276,8 @@ def waits_across_lanes(n: torch.fx.Node, lane_of: dict[str, int]) -> bool:
     lane waits for another where it reads it): a pure op with one tensor value, not a join (which
     waits for its towers whatever it reads)."""
     lane = lane_of.get(info(n).modality, 0)
-    if (info(n).modality == FUSION or n.op != "call_function" or n.target is operator.getitem or n.is_impure() or is_random(n) or written_inputs(n)
+    if (info(n).modality == FUSION or n.op != "call_function" or n.target is operator.getitem
+            or n.is_impure() or is_random(n) or written_inputs(n)
             or not isinstance(n.meta.get("val"), torch.Tensor) or not n.users):
         return False
     if any(u.op not in COMPUTE_OPS or lane_of.get(info(u).modality, 0) != lane for u in n.users):
