@@ -482,7 +482,8 @@ def test_whole_step_benchmark_runs_llava_on_the_cpu(tmp_path):
 def test_the_step_host_probe_runs_on_the_cpu(tmp_path):
     """probes/step_host.py (h200_session.sh step-host): the optimizer-inside step's host split, on
     the CPU without its CUDA-graph stamps: a row with the step's time and the profile, written as
-    each variant finishes."""
+    each variant finishes; with --skip-guards-too the same steps again under torch's stance that
+    skips Dynamo's guard checks."""
     import json
 
     import step_host
@@ -490,6 +491,7 @@ def test_the_step_host_probe_runs_on_the_cpu(tmp_path):
     out = tmp_path / "host"
     assert step_host.main(["--device", "cpu", "--models", "hf-clip-tiny", "--batch", "2", "--steps", "2", "--warmup",
                            "2", "--variants", "apollo-step-opt", "--apollo-options",
-                           '{"subgraph_compiler": "eager"}', "--top", "3", "--out", str(out)]) == 0
+                           '{"subgraph_compiler": "eager"}', "--top", "3", "--skip-guards-too", "--out", str(out)]) == 0
     (row,) = json.loads((out / "step_host.json").read_text())
     assert row["variant"] == "apollo-step-opt" and row["step"] > 0 and "ncalls" in row["profile"]
+    assert row["step (guards skipped)"] > 0
