@@ -103,10 +103,11 @@ class InGraphAdam:
         its warning; fused_update.py, NOTE: The moments are not graph inputs)."""
         state = self.optimizer.state
         for g in self._groups:
+            moments = g["moments"]
             for j, p in enumerate(g["params"]):
-                held = {"exp_avg": g["exp_avgs"][j], "exp_avg_sq": g["exp_avg_sqs"][j], "step": g["steps"][j]}
+                held = {"exp_avg": moments.exp_avgs[j], "exp_avg_sq": moments.exp_avg_sqs[j], "step": g["steps"][j]}
                 if g["amsgrad"]:
-                    held["max_exp_avg_sq"] = g["max_exp_avg_sqs"][j]
+                    held["max_exp_avg_sq"] = moments.max_exp_avg_sqs[j]
                 loaded = state.get(p, {})
                 if set(loaded) != set(held) or any(
                         not isinstance(loaded[k], torch.Tensor) and k != "step" for k in held):
@@ -198,12 +199,12 @@ class InGraphAdam:
                 lr[device] = torch.zeros((), dtype=torch.float32, device=device)
                 self._static_address(lr[device])
             beta1, beta2 = group["betas"]
-            exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-            max_exp_avg_sqs = [s["max_exp_avg_sq"] for s in states] if amsgrad else None
-            moments = AdamMoments(f"{self._name}/{len(self._groups)}", exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
+            moments = AdamMoments(f"{self._name}/{len(self._groups)}", [s["exp_avg"] for s in states],
+                                  [s["exp_avg_sq"] for s in states],
+                                  [s["max_exp_avg_sq"] for s in states] if amsgrad else None)
             self._groups.append({
-                "params": params, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs,
-                "moments": moments, "state": moments.name, "steps": [s["step"] for s in states], "counters": counters,
+                "params": params, "moments": moments, "state": moments.name, "steps": [s["step"] for s in states],
+                "counters": counters,
                 "lr": lr, "amsgrad": amsgrad, "beta1": beta1, "beta2": beta2,
                 "weight_decay": group["weight_decay"], "eps": group["eps"], "maximize": group["maximize"]})
             self._lr_value.append(None)
@@ -273,8 +274,9 @@ class InGraphAdam:
                             continue
                         p = g["params"][j]
                         if not self.kernel:
-                            adam_update(p, p.grad, g["exp_avgs"][j], g["exp_avg_sqs"][j],
-                                        g["max_exp_avg_sqs"][j] if g["amsgrad"] else None, *scalars[j], g)
+                            m = g["moments"]
+                            adam_update(p, p.grad, m.exp_avgs[j], m.exp_avg_sqs[j],
+                                        m.max_exp_avg_sqs[j] if g["amsgrad"] else None, *scalars[j], g)
                         elif p.numel() <= fused_update.FOREACH_NUMEL and p.device.type in fused_update.FOREACH_DEVICES:
                             # fused_update.py, NOTE: Small parameters share a launch
                             small.setdefault((p.device, p.dtype), []).append((j, flat[k]))

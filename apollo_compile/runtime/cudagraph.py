@@ -122,21 +122,21 @@ log = logging.getLogger("apollo_compile")
 # NOTE: A capture needs headroom: graph_pool.py, with CAPTURE_HEADROOM and the rule it explains.
 
 # [NOTE] A graph that writes its inputs: with the optimizer inside a whole step
-# (``compile_step(..., optimizer=)``) AOTAutograd keeps the updates in the graph as ``copy_`` into the parameters and the
-# step counters, which the replay reads and writes in place (they are static: parameters by Dynamo,
-# the counters by ``optimizer_step``); the update ops write Adam's moments too, which they find by
-# name, not as inputs (``fused_update.py``, NOTE: The moments are not graph inputs). Any other
-# written input is copied into the graph's buffer before a replay and back out after it. Each replay
-# that times a candidate applies the update once more, so the inputs it writes in place and the
-# moments (``fused_update.written_state``) are copied to the host before the candidates are timed
-# and put back after (``graph_io.WrittenInputs``: on the host, since a second device copy of the
-# parameters and the optimizer's state would set the run's peak). Where that copy would not fit in a
-# quarter of the host's free memory, the graph is not timed and replays the planner's fastest plain
-# candidate (lanes or one lane), never an SM quota: a quota is only ever replayed once measured
-# (DESIGN.md measured every fixed split slower than plain streams). Until session 30 such a graph
-# was never timed and replayed the planner's overall prediction: HF CLIP B/16's whole step with
-# AdamW inside then replayed "quota:1=56" unmeasured on the H200, 8.05 ms back to back where lanes
-# had run 7.56 in session 29.
+# (``compile_step(..., optimizer=)``) AOTAutograd keeps the updates in the graph as ``copy_`` into
+# the parameters and the step counters, which the replay reads and writes in place (they are static:
+# parameters by Dynamo, the counters by ``optimizer_step``); the update ops write Adam's moments
+# too, which they find by name, not as inputs (``fused_update.py``, NOTE: The moments are not graph
+# inputs). Any other written input is copied into the graph's buffer before a replay and back out
+# after it. Each replay that times a candidate applies the update once more, so the inputs it writes
+# in place and the moments (``fused_update.written_state``) are copied to the host before the
+# candidates are timed and put back after (``graph_io.WrittenInputs``: on the host, since a second
+# device copy of the parameters and the optimizer's state would set the run's peak). Where that copy
+# would not fit in a quarter of the host's free memory, the graph is not timed and replays the
+# planner's fastest plain candidate (lanes or one lane), never an SM quota: a quota is only ever
+# replayed once measured (DESIGN.md measured every fixed split slower than plain streams). Until
+# session 30 such a graph was never timed and replayed the planner's overall prediction: HF CLIP
+# B/16's whole step with AdamW inside then replayed "quota:1=56" unmeasured on the H200, 8.05 ms
+# back to back where lanes had run 7.56 in session 29.
 
 
 class GraphFamily:
