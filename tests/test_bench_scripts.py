@@ -495,3 +495,57 @@ def test_the_step_host_probe_runs_on_the_cpu(tmp_path):
     (row,) = json.loads((out / "step_host.json").read_text())
     assert row["variant"] == "apollo-step-opt" and row["step"] > 0 and "ncalls" in row["profile"]
     assert row["step (guards skipped)"] > 0
+
+
+class _Event:
+    """A profiler event as torch's kineto results give it, for step_kernels.timeline."""
+
+    def __init__(self, name, start, end, on_gpu, stream=7, annotation=False):
+        self._name, self._start, self._end, self._gpu, self._stream, self._annotation = (
+            name, start, end, on_gpu, stream, annotation)
+
+    def name(self):
+        return self._name
+
+    def start_ns(self):
+        return self._start
+
+    def end_ns(self):
+        return self._end
+
+    def duration_ns(self):
+        return self._end - self._start
+
+    def device_type(self):
+        return torch.autograd.DeviceType.CUDA if self._gpu else torch.autograd.DeviceType.CPU
+
+    def device_resource_id(self):
+        return self._stream
+
+    def is_user_annotation(self):
+        return self._annotation
+
+
+def test_the_step_timeline_counts_kernels_not_the_ranges_marked_on_the_gpu():
+    """probes/step_kernels.py's timeline: per step (the probe's CPU-side range), the span from the
+    first kernel to the last, the time some kernel runs (overlaps counted once), the summed kernel
+    time, the busiest stream and the sums by kind. The ranges the profiler also puts on the GPU's
+    timeline (the step's own mark, ``Optimizer.step#AdamW.step``) are no kernels: counted, they made
+    every step look busy from its start to its end (session 41, first call)."""
+    import step_kernels as sk
+
+    mark = sk.STEP_MARK
+    events = [_Event(f"{mark}0", 0, 10_000, False), _Event(f"{mark}0", 0, 10_000, True, annotation=True),
+              _Event("Optimizer.step#AdamW.step", 0, 9_000, True),
+              _Event("nvjet_sm90_tst_64x64_NNT", 1_000, 3_000, True, stream=7),
+              _Event("triton_poi_fused__to_copy_3", 2_000, 4_000, True, stream=9),
+              _Event("void multi_tensor_apply_kernel<FusedAdamMathFunctor>", 5_000, 6_000, True, stream=7),
+              _Event(f"{mark}1", 20_000, 30_000, False),
+              _Event("nvjet_sm90_tst_64x64_NNT", 21_000, 23_000, True, stream=7),
+              _Event("triton_poi_fused__to_copy_3", 21_000, 23_000, True, stream=9)]
+    row = sk.timeline(events)
+    # step 0: span 1-6 us, busy 1-4 and 5-6 (4 us), sum 5 us, stream 7 3 us; step 1: 2, 2, 4, 2
+    assert row["span"] == (5 + 2) / 2 and row["busy"] == (4 + 2) / 2 and row["sum"] == (5 + 4) / 2
+    assert row["busiest stream"] == (3 + 2) / 2 and row["streams"] == 2 and row["kernels"] == (3 + 2) / 2
+    assert row["matmul"] == 2 and row["triton"] == 2 and row["update"] == 0.5 and row["other"] == 0
+    assert sk.kind("Memcpy DtoD (Device -> Device)") == "copy" and sk.busy_ns([(0, 10), (5, 15), (20, 21)]) == 16

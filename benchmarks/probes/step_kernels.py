@@ -5,12 +5,21 @@ Session 34: with each parameter's update as one fused-Adam op (``fused_update.py
 ``compile_step`` with the optimizer inside ran HF CLIP's graph in 16.0 ms on one lane against
 8.2 ms with the update as Inductor's kernels; this says which kernels the time went to.
 
+Session 41: the timeline too (one row per variant): from the first kernel of a step to its last
+("span"), the time some kernel runs ("busy", the union over streams), the kernels' summed time
+("sum": sum / busy is how much the streams overlap), the busiest stream's sum, and the sums by kind
+(matmuls, attention, the optimizer's update, Inductor's Triton kernels, copies and the rest), the
+medians over the profiled steps, each run from an idle GPU. It says how much of a step's GPU time
+is left idle and what kind of kernel fills the rest.
+
     PYTHONPATH=. python benchmarks/probes/step_kernels.py --models hf-clip --batch 8 --variants apollo-step-opt
 """
 
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -24,22 +33,83 @@ import common  # noqa: E402
 import step_host  # noqa: E402  (the same training step and arguments)
 
 
+STEP_MARK = "step_kernels.step"
+KINDS = (("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|_mm_|splitk", re.I)),
+         ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
+         ("update", re.compile(r"adam|multi_tensor|foreach", re.I)),
+         ("triton", re.compile(r"^triton", re.I)),
+         ("copy", re.compile(r"^memcpy|^memset", re.I)))
+held_timeline: dict[str, dict] = {}
+
+
+def kind(kernel: str) -> str:
+    """The kind of a kernel, by its name (KINDS, first match; "other" else)."""
+    return next((k for k, pattern in KINDS if pattern.search(kernel)), "other")
+
+
+def is_kernel(e) -> bool:
+    """Whether a profiler event is GPU work (a kernel, copy or fill), not a range marked on the GPU's
+    timeline (this probe's steps, ``Optimizer.step#AdamW.step``)."""
+    return (e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+            and not e.is_user_annotation() and not e.name().startswith(STEP_MARK) and "#" not in e.name())
+
+
+def busy_ns(intervals: list[tuple[int, int]]) -> int:
+    """The length of the union of [start, end) intervals."""
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
+
+
+def timeline(events) -> dict[str, float]:
+    """Medians over the profiled steps (us): span, busy, sum, the busiest stream, the sums by kind,
+    and how many streams and kernels a step has (the module docstring)."""
+    marks = [(e.start_ns(), e.end_ns()) for e in events  # the host's ranges (the GPU's timeline has them too)
+             if e.name().startswith(STEP_MARK) and e.device_type() == torch.autograd.DeviceType.CPU]
+    gpu = [(e.start_ns(), e.end_ns(), e.device_resource_id(), e.name()) for e in events if is_kernel(e)]
+    rows = []
+    for lo, hi in marks:
+        mine = [g for g in gpu if lo <= g[0] < hi]
+        if not mine:
+            continue
+        streams: dict[int, int] = defaultdict(int)
+        kinds: dict[str, int] = defaultdict(int)
+        for a, b, stream, kernel in mine:
+            streams[stream] += b - a
+            kinds[kind(kernel)] += b - a
+        row = {"span": max(g[1] for g in mine) - min(g[0] for g in mine), "busy": busy_ns([g[:2] for g in mine]),
+               "sum": sum(streams.values()), "busiest stream": max(streams.values()),
+               "streams": len(streams) * 1000, "kernels": len(mine) * 1000}
+        row |= {k: kinds.get(k, 0) for k, _ in KINDS} | {"other": kinds.get("other", 0)}
+        rows.append(row)
+    if not rows:
+        return {}
+    return {k: statistics.median(r[k] for r in rows) / 1e3 for k in rows[0]}
+
+
 def kernels(variant: str, name: str, base, batch, args, device) -> list[dict]:
     """[{kernel, count, total_us}] per step, the costliest first."""
     step, held = step_host.training_step(variant, name, base, batch, args, device)
     for _ in range(args.warmup):
         step().item()
     common.synchronize(device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            step()
-        common.synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(args.steps):
+            with torch.profiler.record_function(f"{STEP_MARK}{i}"):  # from an idle GPU to the step's end
+                step()
+                common.synchronize(device)
+    held_timeline[f"{name} {variant}"] = timeline(prof.profiler.kineto_results.events())
     count: dict[str, int] = defaultdict(int)
     total: dict[str, float] = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            count[e.name] += 1
-            total[e.name] += e.device_time
+    for e in prof.profiler.kineto_results.events():
+        if is_kernel(e):
+            count[e.name()] += 1
+            total[e.name()] += e.duration_ns() / 1e3
     rows = [{"kernel": k, "count": count[k] / args.steps, "total_us": total[k] / args.steps} for k in count]
     del step, held
     common.free_device_memory(device)
@@ -67,6 +137,11 @@ def main(argv=None) -> int:
             common.log(common.markdown(["kernel", "per step", "us per step", "share"],
                                        [[r["kernel"][:90], f"{r['count']:.0f}", f"{r['total_us']:.0f}",
                                          f"{r['total_us'] / total:.1%}"] for r in rows[:args.top]]))
+    (out_dir / "step_timeline.json").write_text(json.dumps(held_timeline, indent=1))
+    cols = ["span", "busy", "sum", "busiest stream", *(k for k, _ in KINDS), "other", "streams", "kernels"]
+    common.log(f"--- timeline per step, batch {args.batch}, medians in us (streams, kernels: counts)")
+    common.log(common.markdown(["model variant", *cols], [[key, *(f"{row.get(c, 0):.0f}" for c in cols)]
+                                                          for key, row in held_timeline.items()]))
     return 0
 
 
