@@ -7,7 +7,8 @@ Stages, in the order a training step's graphs meet them (:data:`STAGES`):
 stage              works on                         does
 =================  ===============================  =============================================
 ``pre_grad``       Dynamo's FX graph (torch ops)    ``PRE_GRAD_PASSES``: casts (``precision``),
-                                                    traced through autograd afterwards
+                                                    attention masks laid out densely, traced
+                                                    through autograd afterwards
 (AOTAutograd)      -                                functionalizes and traces the joint graph
 ``inductor_joint`` the joint forward+backward graph Inductor's joint-graph passes (its own
                                                     cleanups, when Inductor compiles subgraphs)
@@ -67,8 +68,8 @@ from .fallback import ApolloFallbackWarning, warn_fallback
 from .fused_update import written_state
 from .nodes import graph_outputs
 from .options import ApolloOptions
-from .passes import (casts, checkpoint, codegen, cost, gradients, lanes, memory, modality, offload, quotas, sync_free,
-                     update_lists, updates)
+from .passes import (attention_masks, casts, checkpoint, codegen, cost, gradients, lanes, memory, modality, offload,
+                     quotas, sync_free, update_lists, updates)
 from .passes.quotas import MIN_GAIN
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
@@ -85,6 +86,7 @@ Pass = Callable[[torch.fx.GraphModule, "GraphContext"], Any]
 # through autograd, so gradients flow through it.
 PRE_GRAD_PASSES: list[tuple[str, Pass]] = [
     ("casts", casts.run),        # mixed precision: compute-bound ops in bf16/fp16, sensitive ops fp32
+    ("attention_masks", attention_masks.run),  # a broadcast mask laid out so SDPA can take a fused kernel
 ]
 
 # On the joint forward+backward graph, before the min-cut partitioner splits it.

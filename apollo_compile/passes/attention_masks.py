@@ -1,0 +1,97 @@
+"""Attention-masks pass: an attention mask whose last dimension is broadcast is laid out densely, so
+``scaled_dot_product_attention`` can run a fused kernel rather than its float32 math path.
+
+Reads Dynamo's graph (``node.meta["example_value"]``); rewrites the mask argument of each
+``scaled_dot_product_attention`` call whose mask has stride 0 in its last dimension; returns the
+masks it rewrote.
+
+[NOTE] A broadcast mask rules out the fused kernels. On CUDA, SDPA's memory-efficient and cuDNN
+kernels take a mask only if its last dimension has stride 1 (``check_last_dim_stride_equals_1_dense``
+in ATen's ``sdp_utils.cpp``; flash attention takes none), and otherwise SDPA runs its math path,
+which computes bf16 or fp16 attention in float32 (``_safe_softmax`` and float32 ``bmm``). A mask
+built by broadcasting a column, such as transformers' all-True bidirectional mask (``q_idx >= 0`` of
+shape (1, 1, Q, 1), expanded to (B, 1, Q, K): strides (0, Q, 1, 0)), is such a mask. Older
+transformers build that mask whenever the model is traced, even with no padding (eager passes
+none), so HF SigLIP's text tower ran 24 float32 GEMMs of each orientation and a float32 softmax in
+every compiled step, reduce-overhead's too, where eager ran cuDNN attention (H200, torch 2.11,
+session 41: ``benchmarks/probes/attention_ops.py``; 0.39 ms of the GEMMs alone in the step's 8.9 ms
+on one lane). This pass keeps the mask's values and shape and densifies only what the kernels
+check: it takes one slice of every other broadcast dimension, copies that (for SigLIP's text tower
+64 x 64 booleans, 4 KiB, where densifying all of (8, 1, 64, 64) would be 32), and broadcasts it back
+with ``expand_as``. SDPA then chooses among its kernels as it would for a mask the user had laid
+out so. A mask with a symbolic size or stride is left as it is (its strides cannot be read here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_symbols
+
+SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+MASK_POSITION = 3  # scaled_dot_product_attention(query, key, value, attn_mask=None, ...)
+
+
+def _example(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def mask_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The mask argument of an SDPA call, where it is a graph value."""
+    mask = node.kwargs.get("attn_mask", node.args[MASK_POSITION] if len(node.args) > MASK_POSITION else None)
+    return mask if isinstance(mask, torch.fx.Node) else None
+
+
+def broadcast_last_dim(val: torch.Tensor) -> bool:
+    """Whether `val`'s last dimension (of more than one element) is broadcast: stride 0, as the fused
+    kernels do not take it ([NOTE] A broadcast mask rules out the fused kernels)."""
+    if val.dim() == 0 or free_symbols(val.size()) or free_symbols(val.stride()):
+        return False
+    return val.size(-1) > 1 and val.stride(-1) != 1
+
+
+def densified(graph: torch.fx.Graph, mask: torch.fx.Node, val: torch.Tensor, before: torch.fx.Node) -> torch.fx.Node:
+    """`mask` with its last dimension dense: one slice of every other broadcast dimension, copied,
+    then broadcast back to `mask`'s shape."""
+    with graph.inserting_before(before):
+        small, small_val = mask, val
+        for dim in range(val.dim() - 1):
+            if val.stride(dim) == 0 and val.size(dim) > 1:
+                small = graph.call_method("narrow", (small, dim, 0, 1))
+                small_val = small_val.narrow(dim, 0, 1)
+                small.meta["example_value"] = small_val
+        small = graph.call_method("contiguous", (small,))
+        small.meta["example_value"] = small_val = small_val.contiguous()
+        dense = graph.call_method("expand_as", (small, mask))
+        dense.meta["example_value"] = small_val.expand_as(val)
+    for node in (dense, *dense.all_input_nodes):
+        for field in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if field in before.meta and field not in node.meta:  # labelled like the attention it feeds
+                node.meta[field] = before.meta[field]
+    return dense
+
+
+def run(gm: torch.fx.GraphModule, ctx: Any) -> dict:
+    """Densify the broadcast last dimension of every SDPA call's mask in Dynamo's graph `gm`; return
+    ``changed`` and ``masks`` (each rewritten mask: ``attention``, ``mask``, ``shape``, ``stride``)."""
+    done: dict[torch.fx.Node, torch.fx.Node] = {}  # a mask read by several attention calls: one copy
+    masks = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in SDPA_TARGETS:
+            continue
+        mask = mask_of(node)
+        val = _example(mask)
+        if val is None or not broadcast_last_dim(val):
+            continue
+        if mask not in done:
+            done[mask] = densified(gm.graph, mask, val, node)
+            masks.append({"attention": node.name, "mask": mask.name, "shape": list(val.shape),
+                          "stride": list(val.stride())})
+        node.replace_input_with(mask, done[mask])
+    if masks:
+        gm.graph.lint()
+        gm.recompile()
+    return {"changed": bool(masks), "masks": masks}
