@@ -159,3 +159,13 @@ def test_a_mask_of_symbolic_shape_is_left_as_it_is():
         x = inputs(batch, batch)
         torch.testing.assert_close(compiled(*x), ref(*x), **TOLERANCE["eager"])
     assert apollo_compile.last_plan().pre_grad["attention_masks"]["changed"] is False
+
+
+def test_which_masks_are_rewritten():
+    """A last dimension of stride 0 (broadcast) or of a transposed mask is not dense; a dense one,
+    or one key only, is left."""
+    dense = torch.ones(4, 1, TOKENS, TOKENS, dtype=torch.bool)
+    assert attention_masks.last_dim_not_dense(torch.ones(1, 1, TOKENS, 1, dtype=torch.bool).expand_as(dense))
+    assert attention_masks.last_dim_not_dense(dense.transpose(-1, -2))
+    assert not attention_masks.last_dim_not_dense(dense)
+    assert not attention_masks.last_dim_not_dense(torch.ones(4, 1, TOKENS, 1, dtype=torch.bool).expand(4, 2, TOKENS, 1))

@@ -2,8 +2,8 @@
 ``scaled_dot_product_attention`` can run a fused kernel rather than its float32 math path.
 
 Reads Dynamo's graph (``node.meta["example_value"]``); rewrites the mask argument of each
-``scaled_dot_product_attention`` call whose mask has stride 0 in its last dimension; returns the
-masks it rewrote.
+``scaled_dot_product_attention`` call whose mask's last dimension is not dense (stride 0, or a
+transposed mask's); returns the masks it rewrote.
 
 [NOTE] A broadcast mask rules out the fused kernels. On CUDA, SDPA's memory-efficient and cuDNN
 kernels take a mask only if its last dimension has stride 1 (``check_last_dim_stride_equals_1_dense``
@@ -30,7 +30,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+SDPA_TARGETS = (torch.nn.functional.scaled_dot_product_attention,)  # torch._C._nn's, as Dynamo records it
 MASK_POSITION = 3  # scaled_dot_product_attention(query, key, value, attn_mask=None, ...)
 
 
@@ -45,9 +45,10 @@ def mask_of(node: torch.fx.Node) -> torch.fx.Node | None:
     return mask if isinstance(mask, torch.fx.Node) else None
 
 
-def broadcast_last_dim(val: torch.Tensor) -> bool:
-    """Whether `val`'s last dimension (of more than one element) is broadcast: stride 0, as the fused
-    kernels do not take it ([NOTE] A broadcast mask rules out the fused kernels)."""
+def last_dim_not_dense(val: torch.Tensor) -> bool:
+    """Whether `val`'s last dimension (of more than one element) has a stride other than 1 (broadcast,
+    or transposed), which the fused kernels do not take ([NOTE] A broadcast mask rules out the fused
+    kernels)."""
     if val.dim() == 0 or free_symbols(val.size()) or free_symbols(val.stride()):
         return False
     return val.size(-1) > 1 and val.stride(-1) != 1
@@ -75,7 +76,7 @@ def densified(graph: torch.fx.Graph, mask: torch.fx.Node, val: torch.Tensor, bef
 
 
 def run(gm: torch.fx.GraphModule, ctx: Any) -> dict:
-    """Densify the broadcast last dimension of every SDPA call's mask in Dynamo's graph `gm`; return
+    """Make the last dimension of every SDPA call's mask dense in Dynamo's graph `gm`; return
     ``changed`` and ``masks`` (each rewritten mask: ``attention``, ``mask``, ``shape``, ``stride``)."""
     done: dict[torch.fx.Node, torch.fx.Node] = {}  # a mask read by several attention calls: one copy
     masks = []
@@ -84,7 +85,7 @@ def run(gm: torch.fx.GraphModule, ctx: Any) -> dict:
             continue
         mask = mask_of(node)
         val = _example(mask)
-        if val is None or not broadcast_last_dim(val):
+        if val is None or not last_dim_not_dense(val):
             continue
         if mask not in done:
             done[mask] = densified(gm.graph, mask, val, node)

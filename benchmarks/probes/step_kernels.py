@@ -81,14 +81,13 @@ def timeline(events) -> dict[str, float]:
         for a, b, stream, kernel in mine:
             streams[stream] += b - a
             kinds[kind(kernel)] += b - a
-        row = {"span": max(g[1] for g in mine) - min(g[0] for g in mine), "busy": busy_ns([g[:2] for g in mine]),
-               "sum": sum(streams.values()), "busiest stream": max(streams.values()),
-               "streams": len(streams) * 1000, "kernels": len(mine) * 1000}
-        row |= {k: kinds.get(k, 0) for k, _ in KINDS} | {"other": kinds.get("other", 0)}
-        rows.append(row)
+        ns = {"span": max(g[1] for g in mine) - min(g[0] for g in mine), "busy": busy_ns([g[:2] for g in mine]),
+              "sum": sum(streams.values()), "busiest stream": max(streams.values())}
+        ns |= {k: kinds.get(k, 0) for k, _ in KINDS} | {"other": kinds.get("other", 0)}
+        rows.append({k: v / 1e3 for k, v in ns.items()} | {"streams": len(streams), "kernels": len(mine)})
     if not rows:
         return {}
-    return {k: statistics.median(r[k] for r in rows) / 1e3 for k in rows[0]}
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
 def kernels(variant: str, name: str, base, batch, args, device) -> list[dict]:
