@@ -49,6 +49,9 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
     apollo-step-opt-narrow  apollo-step-opt with the weights' gradients made by bf16 matmuls and
                    cast to float32 for the lists (``passes.gradients.WIDE_MATMUL_DEVICES`` empty;
                    the layout before session 38)
+    apollo-step-opt-masks-as-traced  apollo-step-opt with attention masks left as the model traced
+                   them (no ``passes/attention_masks.py``: a broadcast mask sends SDPA to its float32
+                   math path; the tree before session 41)
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
@@ -98,7 +101,8 @@ from common import fmt, log  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
             "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-uncut",
-            "apollo-step-opt-lists-small", "apollo-step-opt-per-param", "apollo-step-opt-narrow")
+            "apollo-step-opt-lists-small", "apollo-step-opt-per-param", "apollo-step-opt-narrow",
+            "apollo-step-opt-masks-as-traced")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -221,14 +225,22 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
                  "apollo-step-opt-uncut", "apollo-step-opt-lists-small", "apollo-step-opt-per-param",
-                 "apollo-step-opt-narrow")
+                 "apollo-step-opt-narrow", "apollo-step-opt-masks-as-traced")
 # how the update and its gradients are laid out (fused_update.py, NOTE: Small parameters share a launch;
-# passes/gradients.py, NOTE: A weight's gradient leaves its matmul in float32), per variant:
+# passes/gradients.py, NOTE: A weight's gradient leaves its matmul in float32), or which passes run, per variant:
 # "module.NAME" of apollo_compile -> the value it has while the variant's step is traced
 UPDATE_LAYOUT = {"apollo-step-opt-uncut": {"passes.update_lists.LIST_NUMEL": sys.maxsize},
                  "apollo-step-opt-lists-small": {"fused_update.FOREACH_NUMEL": 65536},
                  "apollo-step-opt-per-param": {"fused_update.FOREACH_NUMEL": 0},
-                 "apollo-step-opt-narrow": {"passes.gradients.WIDE_MATMUL_DEVICES": frozenset()}}
+                 "apollo-step-opt-narrow": {"passes.gradients.WIDE_MATMUL_DEVICES": frozenset()},
+                 "apollo-step-opt-masks-as-traced": {"pipeline.PRE_GRAD_PASSES": "without:attention_masks"}}
+
+
+def layout_value(current: Any, value: Any) -> Any:
+    """An UPDATE_LAYOUT value: as given, or ``"without:NAME"``: the pass list `current` less pass NAME."""
+    if isinstance(value, str) and value.startswith("without:"):
+        return [entry for entry in current if entry[0] != value.removeprefix("without:")]
+    return value
 
 
 def updates_inside(variant: str) -> bool:
@@ -268,8 +280,10 @@ class WholeStep:
             self.step = apollo_compile.compile_step(step, options={**options, **extra}, **inside)
             self.trace_backward = False  # compile_step turns it on itself
         # "module.NAME" -> (the apollo_compile module, NAME, the value), looked up once, not per step
-        self.layout = [(importlib.import_module("apollo_compile." + key.rpartition(".")[0]), key.rpartition(".")[2],
-                        value) for key, value in UPDATE_LAYOUT.get(variant, {}).items()]
+        self.layout = [(module, name, layout_value(getattr(module, name), value))
+                       for module, name, value in ((importlib.import_module("apollo_compile." + key.rpartition(".")[0]),
+                                                    key.rpartition(".")[2], value)
+                                                   for key, value in UPDATE_LAYOUT.get(variant, {}).items())]
 
     def __call__(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.trace_backward:

@@ -58,7 +58,9 @@ case "${1:-}" in
              # on one lane, compile_step with the optimizer inside: apollo-step-opt); 6 compiles per batch, results kept per row;
              # VARIANTS="inductor-ro inductor-ro-step apollo-step-opt" picks some (apollo-step-opt compiled cold in 85 s, session 34;
              # apollo-step-opt-inductor, the update as a formula, in 281-351 s; apollo-step-opt-uncut, -lists-small and
-             # -per-param are the update's earlier layouts, to A/B against the default)
+             # -per-param are the update's earlier layouts, to A/B against the default; apollo-step-opt-masks-as-traced
+             # leaves out the attention_masks pass, e.g. VARIANTS="apollo-step-opt apollo-step-opt-masks-as-traced
+             # inductor-ro-step" on hf-siglip: its traced text tower's mask, session 41)
              model="${2:?whole-step needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 30 \
                --variants ${VARIANTS:-inductor-ro inductor-ro-step apollo-step-opt apollo-step apollo-step-1lane apollo} \

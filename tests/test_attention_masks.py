@@ -169,3 +169,37 @@ def test_which_masks_are_rewritten():
     assert attention_masks.last_dim_not_dense(dense.transpose(-1, -2))
     assert not attention_masks.last_dim_not_dense(dense)
     assert not attention_masks.last_dim_not_dense(torch.ones(4, 1, TOKENS, 1, dtype=torch.bool).expand(4, 2, TOKENS, 1))
+
+
+class _HFLoss(nn.Module):
+    """A Hugging Face two-tower model called as HF models are, by keyword, the loss off its output."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, pixels):
+        return self.model(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+
+
+def test_hugging_face_siglip_with_the_mask_older_transformers_trace():
+    """HF SigLIP with transformers made to build its bidirectional mask as versions before
+    huggingface/transformers#48925 did whenever the model is traced (an all-True column expanded,
+    strides (0, Q, 1, 0)): the pass lays out the text tower's mask, and training is eager's."""
+    masking = pytest.importorskip("transformers.masking_utils")
+    if not hasattr(masking, "_ignore_bidirectional_mask_sdpa"):
+        pytest.skip("this transformers decides its masks elsewhere")
+    from test_whole_step import _tiny_hf
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(masking, "_ignore_bidirectional_mask_sdpa", lambda *args, **kwargs: False)
+        torch._dynamo.reset()
+        apollo_compile.clear_plans()
+
+        def make_inputs(i):
+            g = torch.Generator().manual_seed(i)
+            return torch.randint(1, 99, (4, 16), generator=g), torch.randn(4, 3, 16, 16, generator=g)
+
+        assert_trains_like_eager(_HFLoss(_tiny_hf("siglip")), make_inputs, options=EAGER, steps=2)
+    decision = apollo_compile.last_plan().pre_grad["attention_masks"]
+    assert decision["changed"] and {tuple(m["stride"]) for m in decision["masks"]} == {(0, 16, 1, 0)}

@@ -549,3 +549,16 @@ def test_the_step_timeline_counts_kernels_not_the_ranges_marked_on_the_gpu():
     assert row["busiest stream"] == (3 + 2) / 2 and row["streams"] == 2 and row["kernels"] == (3 + 2) / 2
     assert row["matmul"] == 2 and row["triton"] == 2 and row["update"] == 0.5 and row["other"] == 0
     assert sk.kind("Memcpy DtoD (Device -> Device)") == "copy" and sk.busy_ns([(0, 10), (5, 15), (20, 21)]) == 16
+
+
+def test_the_masks_as_traced_variant_runs_without_the_attention_masks_pass():
+    """bench_whole_step's apollo-step-opt-masks-as-traced (the tree before session 41, for an A/B in
+    one process) traces its step with every pre-grad pass but attention_masks."""
+    from apollo_compile import pipeline
+
+    model = torch.nn.Linear(2, 2)
+    step = bench_whole_step.WholeStep("apollo-step-opt-masks-as-traced", "hf-clip-tiny", model, torch.device("cpu"),
+                                      False, {}, torch.optim.AdamW(model.parameters()))
+    ((module, name, passes),) = step.layout
+    assert module is pipeline and name == "PRE_GRAD_PASSES"
+    assert [n for n, _ in passes] == [n for n, _ in pipeline.PRE_GRAD_PASSES if n != "attention_masks"]
