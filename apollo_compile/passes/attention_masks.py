@@ -19,11 +19,14 @@ on one lane). This pass keeps the mask's values and shape and densifies only wha
 check: it takes one slice of every other broadcast dimension, copies that (for SigLIP's text tower
 64 x 64 booleans, 4 KiB, where densifying all of (8, 1, 64, 64) would be 32), and broadcasts it back
 with ``expand_as``. SDPA then chooses among its kernels as it would for a mask the user had laid
-out so. A mask with a symbolic size or stride is left as it is (its strides cannot be read here).
-With the pass, SigLIP's whole step at batch 8 (optimizer inside) ran its graph in 7.64 ms with lanes
-and 9.03 on one lane, against 7.88-8.07 and 9.29-9.86 on session 40's two machines, and 1.19x
-reduce-overhead's whole step from an idle GPU (1.12x in session 40); not yet A/B'd in one process
-(``bench_whole_step.py``'s ``apollo-step-opt-masks-as-traced`` leaves the pass out).
+out so. A mask broadcast along its keys (stride 0) gives each query all keys or none: a row with
+none is zero in the math path (``_safe_softmax``) and in the fused kernels alike since torch 2.5
+(pytorch/pytorch#133882), so the kernel SDPA picks changes rounding only. A mask with a symbolic
+size or stride is left as it is (its strides cannot be read here). With the pass, SigLIP's whole
+step at batch 8 (optimizer inside) ran its graph in 7.64 ms with lanes and 9.03 on one lane,
+against 7.88-8.07 and 9.29-9.86 on session 40's two machines, and 1.19x reduce-overhead's whole
+step from an idle GPU (1.12x in session 40); not yet A/B'd in one process (``bench_whole_step.py``'s
+``apollo-step-opt-masks-as-traced`` leaves the pass out).
 """
 
 from __future__ import annotations
