@@ -20,8 +20,9 @@ check: it takes one slice of every other broadcast dimension, copies that (for S
 64 x 64 booleans, 4 KiB, where densifying all of (8, 1, 64, 64) would be 32), and broadcasts it back
 with ``expand_as``. SDPA then chooses among its kernels as it would for a mask the user had laid
 out so. A mask broadcast along its keys (stride 0) gives each query all keys or none: a row with
-none is zero in the math path (``_safe_softmax``) and in the fused kernels alike since torch 2.5
-(pytorch/pytorch#133882), so the kernel SDPA picks changes rounding only. A mask with a symbolic
+none is zero in the math path (``_safe_softmax``) and, since torch 2.5, in the fused kernels that
+pytorch/pytorch#133882 updated to match (not checked here for cuDNN's), so the kernel SDPA picks
+changes rounding only. A mask with a symbolic
 size or stride is left as it is (its strides cannot be read here). With the pass, SigLIP's whole
 step at batch 8 (optimizer inside) ran its graph in 7.64 ms with lanes and 9.03 on one lane,
 against 7.88-8.07 and 9.29-9.86 on session 40's two machines, and 1.19x reduce-overhead's whole
