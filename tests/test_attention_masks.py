@@ -14,6 +14,7 @@ from torch import nn
 import apollo_compile
 from apollo_compile.passes import attention_masks
 from helpers import TOLERANCE, assert_trains_like_eager
+from test_casts import _dynamo_graph as dynamo_graph_of
 from test_optimizer_step import PARAMS  # its module docstring says why (Adam's eps=1e-4 too)
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -65,16 +66,10 @@ def inputs(step: int, batch: int = 4):
 
 
 def _dynamo_graph(model, *args):
-    captured = []
-
-    def capture(gm, example_inputs):
-        captured.append((gm, list(example_inputs)))
-        return gm.forward
-
+    """test_casts' Dynamo graph of `model`, traced afresh (another instance's compiled code is reused
+    without calling the backend)."""
     torch._dynamo.reset()
-    torch.compile(model, backend=capture)(*args)
-    (graph,) = captured
-    return graph
+    return dynamo_graph_of(model, *args)
 
 
 def _sdpa_masks(gm):

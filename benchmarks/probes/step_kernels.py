@@ -39,7 +39,6 @@ KINDS = (("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|_mm_|spli
          ("update", re.compile(r"adam|multi_tensor|foreach", re.I)),
          ("triton", re.compile(r"^triton", re.I)),
          ("copy", re.compile(r"^memcpy|^memset", re.I)))
-held_timeline: dict[str, dict] = {}
 
 
 def kind(kernel: str) -> str:
@@ -90,8 +89,8 @@ def timeline(events) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
-def kernels(variant: str, name: str, base, batch, args, device) -> list[dict]:
-    """[{kernel, count, total_us}] per step, the costliest first."""
+def kernels(variant: str, name: str, base, batch, args, device) -> tuple[list[dict], dict[str, float]]:
+    """([{kernel, count, total_us}] per step, the costliest first; the step's `timeline`)."""
     step, held = step_host.training_step(variant, name, base, batch, args, device)
     for _ in range(args.warmup):
         step().item()
@@ -102,7 +101,7 @@ def kernels(variant: str, name: str, base, batch, args, device) -> list[dict]:
             with torch.profiler.record_function(f"{STEP_MARK}{i}"):  # from an idle GPU to the step's end
                 step()
                 common.synchronize(device)
-    held_timeline[f"{name} {variant}"] = timeline(prof.profiler.kineto_results.events())
+    steps = timeline(prof.profiler.kineto_results.events())
     count: dict[str, int] = defaultdict(int)
     total: dict[str, float] = defaultdict(float)
     for e in prof.profiler.kineto_results.events():
@@ -112,7 +111,7 @@ def kernels(variant: str, name: str, base, batch, args, device) -> list[dict]:
     rows = [{"kernel": k, "count": count[k] / args.steps, "total_us": total[k] / args.steps} for k in count]
     del step, held
     common.free_device_memory(device)
-    return sorted(rows, key=lambda r: -r["total_us"])
+    return sorted(rows, key=lambda r: -r["total_us"]), steps
 
 
 def main(argv=None) -> int:
@@ -122,12 +121,12 @@ def main(argv=None) -> int:
     if device.type != "cuda":
         common.log("step_kernels needs a CUDA device")
         return 2
-    found = {}
+    found, timelines = {}, {}
     for name in args.models:
         base, shape = bws.build(name, args.seed)
         batch = bws.make_batch(shape, args.batch, device, args.seed)
         for variant in args.variants:
-            rows = kernels(variant, name, base, batch, args, device)
+            rows, timelines[f"{name} {variant}"] = kernels(variant, name, base, batch, args, device)
             found[f"{name} {variant}"] = rows
             (out_dir / "step_kernels.json").write_text(json.dumps(found, indent=1))
             total = sum(r["total_us"] for r in rows)
@@ -136,11 +135,11 @@ def main(argv=None) -> int:
             common.log(common.markdown(["kernel", "per step", "us per step", "share"],
                                        [[r["kernel"][:90], f"{r['count']:.0f}", f"{r['total_us']:.0f}",
                                          f"{r['total_us'] / total:.1%}"] for r in rows[:args.top]]))
-    (out_dir / "step_timeline.json").write_text(json.dumps(held_timeline, indent=1))
+    (out_dir / "step_timeline.json").write_text(json.dumps(timelines, indent=1))
     cols = ["span", "busy", "sum", "busiest stream", *(k for k, _ in KINDS), "other", "streams", "kernels"]
     common.log(f"--- timeline per step, batch {args.batch}, medians in us (streams, kernels: counts)")
     common.log(common.markdown(["model variant", *cols], [[key, *(f"{row.get(c, 0):.0f}" for c in cols)]
-                                                          for key, row in held_timeline.items()]))
+                                                          for key, row in timelines.items()]))
     return 0
 
 
