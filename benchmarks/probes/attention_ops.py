@@ -66,11 +66,16 @@ def compiled_ops(name, model, f, batch, device) -> None:
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
+    from apollo_compile.passes import attention_masks
+
     def dynamo_graph(gm, example_inputs):
         for n in gm.graph.nodes:
             if n.op == "call_function" and "attention" in str(n.target):
-                mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
-                common.log(f"dynamo: {n.target} mask={getattr(mask, 'meta', {}).get('example_value', mask)!s:.80} "
+                mask = attention_masks.mask_of(n)
+                val = None if mask is None else mask.meta.get("example_value")
+                shown = "none" if val is None else (f"{tuple(val.shape)} {val.dtype} strides {val.stride()}, the "
+                                                    f"pass {'rewrites' if attention_masks.last_dim_not_dense(val) else 'keeps'} it")
+                common.log(f"dynamo: {n.target} mask {shown} "
                            f"kwargs={ {k: v for k, v in n.kwargs.items() if k != 'attn_mask'} }")
         return aot_autograd(fw_compiler=aot_graph("forward"), bw_compiler=aot_graph("backward"))(gm, example_inputs)
 
