@@ -9,7 +9,7 @@ configurations (nothing is downloaded; the step's cost does not depend on the va
     hf-siglip      transformers SiglipModel, base: ViT-B/16 at 224 px + a 12-layer text tower (64
                    tokens), its sigmoid loss
     timm-vit-bert  timm ``vit_base_patch16_224`` (no head) + transformers BertModel base (64 tokens,
-                   the [CLS] feature), bias-free projections to 512, CLIP's contrastive loss
+                   the [CLS] feature; dropout off), bias-free projections to 512, CLIP's contrastive loss
     hf-llava       transformers LlavaForConditionalGeneration: a CLIP ViT-B/16 vision tower at 224 px
                    (196 image tokens), its projector, an 8-layer Llama of width 1024 (vocabulary
                    32000); 196 image tokens + 64 text tokens, the language-modelling loss on them
@@ -134,8 +134,12 @@ class TimmBert(nn.Module):
                                             num_classes=0)
         else:
             self.vision = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=0)
+        # Dropout off (BERT's default is 0.1): compiled code draws other random masks than eager
+        # does, so with it on no compiler's loss could match eager's (every timm row FAILed on the
+        # loss to session 41). CLIP's and SigLIP's configs have no dropout by default either.
         cfg = BertConfig(**_tower(tiny, vocab_size=128 if tiny else 30522,
-                                  max_position_embeddings=16 if tiny else 512))
+                                  max_position_embeddings=16 if tiny else 512),
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         self.text = BertModel(cfg, add_pooling_layer=False)
         embed = 16 if tiny else 512
         self.vision_proj = nn.Linear(self.vision.num_features, embed, bias=False)
