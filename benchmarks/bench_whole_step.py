@@ -52,6 +52,10 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
     apollo-step-opt-masks-as-traced  apollo-step-opt with attention masks left as the model traced
                    them (no ``passes/attention_masks.py``: a broadcast mask sends SDPA to its float32
                    math path; the tree before session 41)
+    apollo-first-step-pool, apollo-step-opt-first-step-pool  apollo and apollo-step-opt with the
+                   first, un-graphed step in a memory pool of its own (``runtime.graph_pool.
+                   FIRST_STEP_POOL``, off by default until measured: NOTE: The first step in a pool of
+                   its own), for the memory held between steps against the default in one process
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
@@ -102,7 +106,7 @@ from common import fmt, log  # noqa: E402
 VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
             "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-uncut",
             "apollo-step-opt-lists-small", "apollo-step-opt-per-param", "apollo-step-opt-narrow",
-            "apollo-step-opt-masks-as-traced")
+            "apollo-step-opt-masks-as-traced", "apollo-first-step-pool", "apollo-step-opt-first-step-pool")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -229,7 +233,7 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
                  "apollo-step-opt-uncut", "apollo-step-opt-lists-small", "apollo-step-opt-per-param",
-                 "apollo-step-opt-narrow", "apollo-step-opt-masks-as-traced")
+                 "apollo-step-opt-narrow", "apollo-step-opt-masks-as-traced", "apollo-step-opt-first-step-pool")
 # how the update and its gradients are laid out (fused_update.py, NOTE: Small parameters share a launch;
 # passes/gradients.py, NOTE: A weight's gradient leaves its matmul in float32), or which passes run, per variant:
 # "module.NAME" of apollo_compile -> the value it has while the variant's step is traced
@@ -345,7 +349,7 @@ def compile_variant(variant: str, model: nn.Module, args) -> Callable:
         return torch.compile(model)
     if variant == "inductor-ro":
         return torch.compile(model, mode="reduce-overhead")
-    if variant in ("apollo", "apollo-bw-measured"):
+    if variant in ("apollo", "apollo-bw-measured", "apollo-first-step-pool"):
         import apollo_compile  # noqa: F401  (importing registers backend="apollo")
 
         return torch.compile(model, backend="apollo", options=dict(args.apollo_options))
@@ -370,7 +374,15 @@ def reference(base: nn.Module, name: str, batch: tuple, device: torch.device, am
 
 
 def strategy_for(variant: str) -> contextlib.AbstractContextManager:
-    """The candidate-choosing rule a variant's runners use at their capture (runtime/choice.py)."""
+    """The candidate-choosing rule a variant's runners use at their capture (runtime/choice.py), or
+    the memory pool its first step runs in (runtime/graph_pool.py, FIRST_STEP_POOL), for the whole
+    variant."""
+    if variant.endswith("-first-step-pool"):
+        from unittest import mock
+
+        from apollo_compile.runtime import graph_pool
+
+        return mock.patch.object(graph_pool, "FIRST_STEP_POOL", True)
     if variant != "apollo-bw-measured":
         return contextlib.nullcontext()
     from apollo_compile.runtime import choice

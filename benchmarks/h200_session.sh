@@ -11,6 +11,9 @@
 #   run(command="bash benchmarks/h200_session.sh module hf-siglip 32", carry=[".device_cache"]) # issue 24's memory parity:
 #       the model compiled as a module, reduce-overhead against apollo and against apollo timing its backward's
 #       candidates too (apollo-bw-measured, the rule before session 28), peak and reserved as ratios
+#   run(command="bash benchmarks/h200_session.sh first-step-pool", carry=[".device_cache"]) # the first step in a pool of its own
+#       (graph_pool.FIRST_STEP_POOL, off until measured): reserved memory against the default, HF CLIP b8 as a module
+#       and HF SigLIP b8's compile_step with the optimizer inside, each beside reduce-overhead in one process
 #   run(command="bash benchmarks/h200_session.sh llava",         carry=[".device_cache"]) # HF LLaVA (ViT-B/16 + 8-layer Llama), batch 8:
 #       eager, Inductor's default mode, apollo as a module and compile_step (reduce-overhead fails on it: issue 24)
 #   run(command="bash benchmarks/h200_session.sh memory",        carry=[".device_cache"]) # memory table, batch 64: precision, budgets, eager checkpointing, Inductor's budget
@@ -69,6 +72,11 @@ case "${1:-}" in
              model="${2:?module needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 20 \
                --variants inductor-ro apollo apollo-bw-measured --out "$OUT/module" ;;
+  first-step-pool)  # issue 24's reserved memory: the first, un-graphed step in a pool of its own against the default
+             timeout 260 python benchmarks/bench_whole_step.py --models hf-clip --batch 8 --steps 20 \
+               --variants inductor-ro apollo apollo-first-step-pool --out "$OUT/first-step-pool-module"
+             timeout 260 python benchmarks/bench_whole_step.py --models hf-siglip --batch 8 --steps 20 \
+               --variants inductor-ro-step apollo-step-opt apollo-step-opt-first-step-pool --out "$OUT/first-step-pool-step" ;;
   llava)     # every graph replayed as a CUDA graph? the runners' summaries say (disabled, ungraphed_calls)
              timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch 8 --steps 20 \
                --variants eager inductor apollo apollo-step --out "$OUT/llava" ;;

@@ -562,3 +562,18 @@ def test_the_masks_as_traced_variant_runs_without_the_attention_masks_pass():
     ((module, name, passes),) = step.layout
     assert module is pipeline and name == "PRE_GRAD_PASSES"
     assert [n for n, _ in passes] == [n for n, _ in pipeline.PRE_GRAD_PASSES if n != "attention_masks"]
+
+
+@pytest.mark.parametrize("variant", ["apollo-first-step-pool", "apollo-step-opt-first-step-pool"])
+def test_the_first_step_pool_variants_turn_it_on_for_their_run_alone(variant):
+    """bench_whole_step's *-first-step-pool variants run with runtime.graph_pool.FIRST_STEP_POOL on
+    (off by default until measured) and leave it as it was; the others leave it alone."""
+    from apollo_compile.runtime import graph_pool
+
+    assert graph_pool.FIRST_STEP_POOL is False
+    with bench_whole_step.strategy_for(variant):
+        assert graph_pool.FIRST_STEP_POOL is True
+    with bench_whole_step.strategy_for(variant.removesuffix("-first-step-pool")):
+        assert graph_pool.FIRST_STEP_POOL is False
+    assert graph_pool.FIRST_STEP_POOL is False
+    assert variant in bench_whole_step.VARIANTS and (variant in bench_whole_step.STEP_VARIANTS) == variant.startswith("apollo-step")

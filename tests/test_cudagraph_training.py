@@ -110,6 +110,89 @@ def test_the_cache_the_first_step_left_is_released_once_before_the_first_capture
     assert all(r.graph is not None for r in runners)
 
 
+def first_step_pools(monkeypatch) -> tuple[list, list]:
+    """Stand-ins for the first step's pool (graph_pool.first_step_pool, allocating_in), which need
+    CUDA: (the pools opened, the pool each eager call of a runner ran in)."""
+    import contextlib
+
+    from apollo_compile.runtime import cudagraph
+
+    opened, ran_in = [], []
+
+    def first_step_pool(device):
+        opened.append(f"pool {len(opened)}")
+        return opened[-1]
+
+    @contextlib.contextmanager
+    def allocating_in(pool):
+        ran_in.append(pool)
+        yield
+
+    monkeypatch.setattr(cudagraph, "first_step_pool", first_step_pool)
+    monkeypatch.setattr(cudagraph, "allocating_in", allocating_in)
+    return opened, ran_in
+
+
+@pytest.mark.parametrize("order", ["steps", "accumulating", "two forwards first"])
+def test_the_first_step_runs_in_a_pool_of_its_own(runners, monkeypatch, order):
+    """NOTE: The first step in a pool of its own. The forward's and the backward's first calls run
+    in one pool, opened once and closed when the first backward ends, so the capture's release of
+    cached memory (before the first capture) finds it closed; so with gradient accumulation too.
+    With two forwards before their backwards, the second forward's call (its capture) closes it,
+    and the first backward runs in the default pool. Training equals eager throughout (where a
+    replay cannot take the eager forward's saved activations in place, the backward runs eagerly,
+    with its warning)."""
+    from apollo_compile.runtime import cudagraph
+
+    opened, ran_in = first_step_pools(monkeypatch)
+    at_release = []
+    monkeypatch.setattr(cudagraph, "release_cached_segments",
+                        lambda: at_release.append(runners[0].family.first_step_pool))
+    model, ref, compiled = twins("eager")
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    micro_batches = 1 if order == "steps" else 2
+    for step in range(3):
+        batches = [two_tower_inputs(seed=10 * step + micro) for micro in range(micro_batches)]
+        if order == "two forwards first":
+            losses = [(compiled(*inputs), ref(*inputs)) for inputs in batches]
+            for loss, ref_loss in losses:
+                loss.backward()
+                ref_loss.backward()
+        else:
+            for inputs in batches:
+                loss, ref_loss = compiled(*inputs), ref(*inputs)
+                loss.backward()
+                ref_loss.backward()
+        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    forward, backward = runners
+    assert opened == ["pool 0"] and forward.family.first_step_pool is None
+    if order == "two forwards first":  # forward 1 in the pool; backward 1 and later eager calls not
+        assert ran_in[:3] == ["pool 0", None, None] and set(ran_in[3:]) <= {None}, ran_in
+    else:
+        assert ran_in == ["pool 0", "pool 0"] and at_release == [None], ran_in
+        assert forward.replays and backward.replays
+
+
+def test_a_whole_steps_first_call_runs_in_a_pool_of_its_own(runners, monkeypatch):
+    """compile_step's one graph (an inference graph) opens the first step's pool at its first call
+    and closes it when that call ends."""
+    opened, ran_in = first_step_pools(monkeypatch)
+    model, ref, opt, ref_opt, compiled = adamw_inside_the_step()
+    for i in range(3):
+        inputs = two_tower_inputs(seed=i)
+        loss, ref_loss = compiled(*inputs), ref(*inputs)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOLERANCE["eager"])
+    (runner,) = runners
+    assert runner.kind == "inference" and opened == ["pool 0"] and ran_in == ["pool 0"]
+    assert runner.family.first_step_pool is None and runner.replays == 2
+
+
 @pytest.mark.parametrize("cudagraphs, near_limit", [("auto", False), (True, True)])
 def test_cudagraphs_true_reaches_the_runner_as_capture_near_the_limit(runners, cudagraphs, near_limit):
     """NOTE: A capture needs headroom: "auto" checks it, True captures regardless."""

@@ -112,8 +112,9 @@ import torch
 from ..fallback import ApolloFallbackWarning
 from .choice import GraphFacts, Strategy, in_effect, memory_first_reason
 from .graph_io import LentOutputs, OutputCopier, WrittenInputs, host_values, input_shapes, is_non_overlapping
-from .graph_pool import (allocation_streams, borrowed, clear_cublas_workspaces, donations_safe_on_lanes, in_graph_pool,
-                         memory_pressure, pool_bytes, release_cached_segments, too_close_to_the_limit, unowned)
+from .graph_pool import (allocating_in, allocation_streams, borrowed, clear_cublas_workspaces, donations_safe_on_lanes,
+                         first_step_pool, in_graph_pool, memory_pressure, pool_bytes, release_cached_segments,
+                         too_close_to_the_limit, unowned)
 
 __all__ = ["CudaGraphRunner", "GraphFamily"]
 
@@ -157,6 +158,23 @@ class GraphFamily:
         self.backward_capture_failed: str | None = None  # why; the forward then lets its graph go (`_let_go`)
         # side lane -> its stream, the same in every graph of the family (NOTE: Donation on side lanes)
         self.side_streams: dict[int, torch.cuda.Stream] = {}
+        # the first step's own memory pool while that step runs (graph_pool.py, NOTE: The first step in a pool
+        # of its own); opened once, by the family's first call
+        self.first_step_pool: tuple[object, torch.device] | None = None
+        self.first_step_opened = False
+
+    def open_first_step(self, args: list) -> tuple[object, torch.device] | None:
+        """The first step's pool, opened by the family's first call (on the device of its first CUDA
+        tensor); None once it was closed."""
+        if not self.first_step_opened:
+            self.first_step_opened = True
+            device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+            self.first_step_pool = first_step_pool(device)
+        return self.first_step_pool
+
+    def close_first_step(self) -> None:
+        """No more allocations in the first step's pool; what lives in it stays valid."""
+        self.first_step_opened, self.first_step_pool = True, None
 
     def forward_outputs_alive(self) -> bool:
         return any(ref() is not None for ref in self.pending)
@@ -246,8 +264,14 @@ class CudaGraphRunner:
     def _eager(self, args: list) -> list:
         if self.calls > 1:
             self.ungraphed_calls += 1
+        # a first call runs in the first step's pool: the forward's opens it, the backward's closes it
+        # (graph_pool.py, NOTE: The first step in a pool of its own)
+        first = self.calls == 1
+        pool = self.family.open_first_step(args) if first and self.kind != "backward" else (
+            self.family.first_step_pool if first else None)
         try:
-            return self.fn(args)
+            with allocating_in(pool):
+                return self.fn(args)
         except torch.OutOfMemoryError as e:
             if self.disabled is not None and self.capture_refused is None and hasattr(e, "add_note"):
                 e.add_note(f"apollo: {self.name} runs without its CUDA graph because its capture failed "
@@ -256,6 +280,9 @@ class CudaGraphRunner:
                            "step's tensors are gone the family runs without its graphs; cudagraphs=False "
                            "trains this size that way from the start.")
             raise
+        finally:
+            if first and self.kind != "forward":
+                self.family.close_first_step()
 
     def summary(self) -> dict:
         return {"replays": self.replays, "chosen": self.chosen, "measured_ms": dict(self.measured_ms),
@@ -606,6 +633,8 @@ class CudaGraphRunner:
     def __call__(self, args: list) -> list:
         start = time.perf_counter()
         self.calls += 1
+        if self.calls > 1 and self.family.first_step_pool is not None:  # a second step began
+            self.family.close_first_step()
         if (self.kind == "forward" and self.graph is not None and self.family.backward_capture_failed is not None
                 and not self.family.forward_outputs_alive()):
             self._let_go()

@@ -9,14 +9,18 @@ headroom is here, with the rule it explains.
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+import contextlib
+import logging
+from typing import Iterator, Sequence
 
 import torch
 
+log = logging.getLogger("apollo_compile")
+
 __all__ = [
-    "CAPTURE_HEADROOM", "allocation_streams", "allocator_segments", "borrowed", "clear_cublas_workspaces",
-    "donations_safe_on_lanes", "in_graph_pool", "memory_pressure", "pool_bytes", "release_cached_segments",
-    "too_close_to_the_limit", "unowned",
+    "CAPTURE_HEADROOM", "allocating_in", "allocation_streams", "allocator_segments", "borrowed",
+    "clear_cublas_workspaces", "donations_safe_on_lanes", "first_step_pool", "in_graph_pool", "memory_pressure",
+    "pool_bytes", "release_cached_segments", "too_close_to_the_limit", "unowned",
 ]
 
 
@@ -52,9 +56,65 @@ def release_cached_segments() -> None:
     the pool kept the first call's blocks fragmented beside the captures, reserved 1.42x reduce-
     overhead's against 1.11x (session 29). Releasing what is wholly free before capturing lets the
     graph pool's segments come from the same memory; blocks still split around the optimizer's
-    state stay cached."""
+    state stay cached (module-compiled HF CLIP B/16 at batch 8 still reserved 1.10x reduce-
+    overhead's, session 41), hence NOTE: The first step in a pool of its own, whose memory this
+    releases too."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+# [NOTE] The first step in a pool of its own. The first, un-graphed step's activations, temporaries
+# and gradients are allocated in a memory pool that serves that step alone (first_step_pool): the
+# forward's first call opens it, the backward's first call (or an inference graph's, a whole step's)
+# runs in it too and closes it when it ends; any later call of the family closes it as well. A
+# closed pool takes no new allocations; what the step left alive in it (gradients until
+# zero_grad(set_to_none=True), a loss the user keeps) stays valid, and once freed its segments are
+# returned to the driver by the next empty_cache (release_cached_segments, before the family's first
+# capture) or by the allocator itself when an allocation would fail. So the optimizer's state,
+# created by the first optimizer.step() after that step, is allocated in the default pool's fresh
+# segments rather than among the first step's freed blocks, where it left them split and cached for
+# the rest of training (NOTE: The first, un-graphed step leaves its cache behind). Unlike the first
+# call in the graph pool (session 29, worse), nothing of that step shares a pool with the captures.
+# Where this torch has no user memory pools (torch.cuda.MemPool, torch.cuda.use_mem_pool), the first
+# step runs in the default pool as before. Off (FIRST_STEP_POOL) until measured on a GPU: written in
+# session 42 with no device time left; bench_whole_step.py's variants apollo-first-step-pool and
+# apollo-step-opt-first-step-pool turn it on beside the default in one process.
+
+FIRST_STEP_POOL = False  # NOTE: The first step in a pool of its own (off until measured)
+
+
+def first_step_pool(device: torch.device | None) -> tuple[object, torch.device] | None:
+    """A new memory pool for a family's first, un-graphed step on `device` (NOTE: The first step in
+    a pool of its own), with its device; None while FIRST_STEP_POOL is off, off CUDA, or where this
+    torch cannot make one."""
+    if not FIRST_STEP_POOL or device is None or device.type != "cuda" or not hasattr(torch.cuda, "MemPool") \
+            or not hasattr(torch.cuda, "use_mem_pool"):
+        return None
+    try:
+        with torch.cuda.device(device):
+            return torch.cuda.MemPool(), device
+    except Exception as e:  # an allocator without user pools (a custom one, say): the default pool, as before
+        log.debug("apollo: the first step runs in the default memory pool: %s", e)
+        return None
+
+
+@contextlib.contextmanager
+def allocating_in(pool: tuple[object, torch.device] | None) -> Iterator[None]:
+    """Route this thread's allocations to `pool` (from :func:`first_step_pool`) while the block
+    runs; with None, to wherever they went."""
+    routing = None
+    if pool is not None:
+        try:
+            routing = torch.cuda.use_mem_pool(pool[0], pool[1])
+            routing.__enter__()
+        except Exception as e:  # the step runs in the default pool, as it did before the pool
+            log.debug("apollo: the first step runs in the default memory pool: %s", e)
+            routing = None
+    try:
+        yield
+    finally:
+        if routing is not None:
+            routing.__exit__(None, None, None)
 
 
 def in_graph_pool(t: torch.Tensor) -> bool:
