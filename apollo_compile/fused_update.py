@@ -89,7 +89,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["FOREACH_DEVICES", "FOREACH_NUMEL", "AdamMoments", "adam_step", "adam_step_foreach",
-           "fused_kernel_devices", "register_inductor_lowering", "state_bytes", "written_state"]
+           "fused_kernel_devices", "kernel_lists", "register_inductor_lowering", "state_bytes", "written_state"]
 
 
 class AdamMoments:
@@ -119,6 +119,12 @@ def _moments(state: str) -> AdamMoments:
         raise RuntimeError(f"apollo: the optimizer state {state!r} this compiled update reads is gone (the "
                            "compile_step(..., optimizer=) that laid it out was freed while its graph still runs)")
     return moments
+
+
+def kernel_lists(state: str) -> int:
+    """How many tensor lists torch's fused Adam kernel walks for the parameter group named `state`:
+    parameters, gradients, both moments, and the maximum of the second with amsgrad."""
+    return 5 if _moments(state).max_exp_avg_sqs is not None else 4
 
 
 _LIBRARY = torch.library.Library("apollo", "FRAGMENT")

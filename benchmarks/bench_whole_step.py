@@ -41,7 +41,10 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
     apollo-step-opt-inductor  the same with the update as Adam's formula for Inductor to fuse
                    (option ``optimizer_update="inductor"``: a faster graph, a longer compile)
     apollo-step-opt-uncut  apollo-step-opt with each tower's list whole, after its backward
-                   (``update_lists.LIST_NUMEL`` unbounded; session 36's layout)
+                   (``update_lists.LAUNCH_CHUNKS`` and ``LAUNCH_TENSORS`` unbounded; session 36's layout)
+    apollo-step-opt-cut-by-chunks  apollo-step-opt with parts bounded by 320 chunks alone, not 36
+                   tensors too (``update_lists.LAUNCH_TENSORS`` unbounded): about the cut to session
+                   42, by elements, whose parts took two launches each
     apollo-step-opt-lists-small  apollo-step-opt with only the small parameters (<= 65536 elements)
                    in lists, a Triton op per larger weight (``fused_update.FOREACH_NUMEL = 65536``)
     apollo-step-opt-per-param  apollo-step-opt with an update op for every parameter (a Triton
@@ -106,7 +109,8 @@ from common import fmt, log  # noqa: E402
 VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
             "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-uncut",
             "apollo-step-opt-lists-small", "apollo-step-opt-per-param", "apollo-step-opt-narrow",
-            "apollo-step-opt-masks-as-traced", "apollo-first-step-pool", "apollo-step-opt-first-step-pool")
+            "apollo-step-opt-masks-as-traced", "apollo-first-step-pool", "apollo-step-opt-first-step-pool",
+            "apollo-step-opt-cut-by-chunks")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -233,11 +237,15 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
                  "apollo-step-opt-uncut", "apollo-step-opt-lists-small", "apollo-step-opt-per-param",
-                 "apollo-step-opt-narrow", "apollo-step-opt-masks-as-traced", "apollo-step-opt-first-step-pool")
+                 "apollo-step-opt-narrow", "apollo-step-opt-masks-as-traced", "apollo-step-opt-first-step-pool",
+                 "apollo-step-opt-cut-by-chunks")
 # how the update and its gradients are laid out (fused_update.py, NOTE: Small parameters share a launch;
 # passes/gradients.py, NOTE: A weight's gradient leaves its matmul in float32), or which passes run, per variant:
 # "module.NAME" of apollo_compile -> the value it has while the variant's step is traced
-UPDATE_LAYOUT = {"apollo-step-opt-uncut": {"passes.update_lists.LIST_NUMEL": sys.maxsize},
+UPDATE_LAYOUT = {"apollo-step-opt-uncut": {"passes.update_lists.LAUNCH_CHUNKS": sys.maxsize,
+                                           "passes.update_lists.LAUNCH_TENSORS": dict.fromkeys(range(1, 6), sys.maxsize)},
+                 "apollo-step-opt-cut-by-chunks": {"passes.update_lists.LAUNCH_TENSORS": dict.fromkeys(range(1, 6),
+                                                                                                     sys.maxsize)},
                  "apollo-step-opt-lists-small": {"fused_update.FOREACH_NUMEL": 65536},
                  "apollo-step-opt-per-param": {"fused_update.FOREACH_NUMEL": 0},
                  "apollo-step-opt-narrow": {"passes.gradients.WIDE_MATMUL_DEVICES": frozenset()},

@@ -60,8 +60,9 @@ case "${1:-}" in
              # and the step compiled as one graph (reduce-overhead with backward tracing, compile_step, compile_step
              # on one lane, compile_step with the optimizer inside: apollo-step-opt); 6 compiles per batch, results kept per row;
              # VARIANTS="inductor-ro inductor-ro-step apollo-step-opt" picks some (apollo-step-opt compiled cold in 85 s, session 34;
-             # apollo-step-opt-inductor, the update as a formula, in 281-351 s; apollo-step-opt-uncut, -lists-small and
-             # -per-param are the update's earlier layouts, to A/B against the default; apollo-step-opt-masks-as-traced
+             # apollo-step-opt-inductor, the update as a formula, in 281-351 s; apollo-step-opt-uncut, -cut-by-chunks (to
+             # session 42), -lists-small and -per-param are the update's earlier layouts, to A/B against the default, e.g.
+             # VARIANTS="apollo-step-opt apollo-step-opt-cut-by-chunks inductor-ro-step"; apollo-step-opt-masks-as-traced
              # leaves out the attention_masks pass, e.g. VARIANTS="apollo-step-opt apollo-step-opt-masks-as-traced
              # inductor-ro-step" on hf-siglip: its traced text tower's mask, session 41)
              model="${2:?whole-step needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2

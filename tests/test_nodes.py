@@ -10,7 +10,6 @@ import torch
 import torch.fx
 
 from apollo_compile.nodes import in_graph_order, readers_of
-from apollo_compile.passes.update_lists import parts_of
 
 
 def _shuffled_graph(seed: int) -> torch.fx.Graph:
@@ -47,10 +46,3 @@ def test_readers_of_are_in_graph_order():
     x = next(iter(g.nodes))
     readers = readers_of(x)
     assert readers == [n for n in g.nodes if x in n.all_input_nodes]
-
-
-def test_parts_of_cuts_where_the_limit_is_reached():
-    assert parts_of([3, 3, 3, 3], 6) == [[0, 1], [2, 3]]
-    assert parts_of([10, 1, 1], 4) == [[0], [1, 2]]  # a larger size is a part alone
-    assert parts_of([1, 10, 1], 4) == [[0], [1], [2]]
-    assert parts_of([], 4) == []

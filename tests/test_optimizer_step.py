@@ -636,15 +636,17 @@ def test_a_list_update_is_split_by_tower():
 
 
 def test_a_towers_list_is_cut_in_the_order_of_its_gradients(monkeypatch):
-    """passes/update_lists.py, NOTE: A list is cut where one launch ends: with parts of at most
-    LIST_NUMEL elements, each tower's list becomes several, each of one tower, at most that size
-    (or one parameter), reading gradients all made before the next part's, and placed right after
-    the last of them, between the tower's backward ops; the step trains as eager (4 AdamW steps)."""
+    """passes/update_lists.py, NOTE: A list is cut where one launch ends: with launches of at most
+    4 chunks of 1024 elements, each tower's list becomes several, each of one tower, at most that
+    size (or one parameter), reading gradients all made before the next part's, and placed right
+    after the last of them, between the tower's backward ops; the step trains as eager (4 AdamW
+    steps)."""
     from apollo_compile.passes import update_lists
     from apollo_compile.passes.modality import traced_from_autograd
 
     limit = 4096
-    monkeypatch.setattr(update_lists, "LIST_NUMEL", limit)
+    monkeypatch.setattr(update_lists, "CHUNK", 1024)
+    monkeypatch.setattr(update_lists, "LAUNCH_CHUNKS", limit // 1024)
     torch.manual_seed(0)
     torch._dynamo.reset()
     apollo_compile.clear_plans()
@@ -661,7 +663,8 @@ def test_a_towers_list_is_cut_in_the_order_of_its_gradients(monkeypatch):
         params = [kw["_all_bases"][kw[f"_params_{i}_base_index"]] for i in range(kw["_params_length"])]
         assert {info(p).modality for p in params} == {info(n).modality}
         sizes = [p.meta["val"].numel() for p in params]
-        assert sum(sizes) <= limit or len(sizes) == 1, sizes
+        assert sum(-(-size // 1024) for size in sizes) <= limit // 1024 or len(sizes) == 1, sizes
+        assert len(sizes) <= update_lists.LAUNCH_TENSORS[4]
         made = [nodes.index(g) for g in kw["grads"]]
         assert not any(traced_from_autograd(x) for x in nodes[max(made) + 1:nodes.index(n)])  # right after
         by_tower.setdefault(info(n).modality, []).append((min(made), max(made)))

@@ -1,7 +1,7 @@
 """Update-lists pass: a list update (``apollo::adam_step_foreach``) is split into one list per tower,
-so no tower's backward waits for another's, and each tower's into parts of at most
-:data:`LIST_NUMEL` elements in the order its gradients are made, so each part runs as soon as its
-gradients are complete and their float32 copies live only until then.
+so no tower's backward waits for another's, and each tower's into parts of one launch of torch's
+multi-tensor kernel each (:func:`parts_of`) in the order its gradients are made, so each part runs
+as soon as its gradients are complete and their float32 copies live only until then.
 
 Reads the modality labels of the parameters (``passes/modality.py``: a parameter takes its
 forward readers' tower, where its gradient, which reaches the join, is labelled ``fusion``);
@@ -26,10 +26,15 @@ ran after that tower's whole backward, and it read float32 copies of the tower's
 makes the gradients, a part runs after the last gradient it reads, interleaved with the rest of
 its tower's backward as an update op per parameter was, and only its own copies are alive: on HF
 CLIP B/16 at batch 8 the graph took 6.99 ms with lanes against 7.29 uncut (one lane 7.97 / 8.42),
-at a peak of 2.74 GiB against 2.76 (H200, session 37, one process). A part holds at
-most :data:`LIST_NUMEL` elements, what one launch of torch's multi-tensor kernel covers (320
-thread blocks of 65536 elements: ``depth_to_max_blocks`` and ``kChunkSize`` in ATen's
-``MultiTensorApply.cuh``), so the cut adds about no launches; a larger parameter is a part alone.
+at a peak of 2.74 GiB against 2.76 (H200, session 37, one process). A part is what one launch of
+torch's multi-tensor kernel takes (ATen's ``MultiTensorApply.cuh``): a thread block per chunk of
+:data:`CHUNK` elements of a tensor, at most :data:`LAUNCH_CHUNKS` blocks and
+:data:`LAUNCH_TENSORS` tensors for the number of lists it walks (Adam's four, five with amsgrad),
+so the cut adds no launches; a parameter of more chunks is a part alone. Until session 42 a part
+was bounded by elements only (320 x 65536): parts of ~46 tensors took two launches each, the
+second small, and HF SigLIP's step ran 21 launches where eager's fused AdamW runs 13 over the same
+parameters (``benchmarks/probes/step_kernels.py``, session 41; ATen's rule applied to the
+parameters' sizes gives the same counts, and 15 with this cut: ``tests/test_nodes.py``).
 
 AOTAutograd hands the op over functionalized: ``auto_functionalized_v2(op, grads=[...], ...,
 _params_length=n, _params_0_base_index=i, ..., _all_bases=[...])``, whose result's item 1 + j is
@@ -49,10 +54,14 @@ import torch
 import torch.fx
 
 from ..annotations import KEY, info
-from ..fused_update import adam_step_foreach
+from ..fused_update import adam_step_foreach, kernel_lists
 from . import modality, updates
 
-LIST_NUMEL = 320 * 65536  # elements of one part (NOTE: A list is cut where one launch ends)
+# one launch of torch's multi-tensor kernel (NOTE: A list is cut where one launch ends), as ATen's
+# MultiTensorApply.cuh sets it: kChunkSize, depth_to_max_blocks, depth_to_max_tensors by the lists walked
+CHUNK = 65536
+LAUNCH_CHUNKS = 320
+LAUNCH_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
 _ELEMENT_KEY = re.compile(r"^_(?P<arg>\w+?)_(?P<k>\d+)_(?P<what>\w+)$")  # _params_3_base_index
 
 
@@ -134,17 +143,22 @@ def split(gm: torch.fx.GraphModule, n: torch.fx.Node, parts: list[list[int]]) ->
     return made
 
 
-def parts_of(sizes: list[int], limit: int) -> list[list[int]]:
-    """Consecutive runs of `sizes`' indices, each of at most `limit` elements in all (a larger
-    size is a run alone)."""
+def parts_of(sizes: list[int], max_tensors: int, max_chunks: int | None = None, chunk: int | None = None
+             ) -> list[list[int]]:
+    """Consecutive runs of `sizes`' indices (tensors' element counts), each what one launch of the
+    multi-tensor kernel takes: at most `max_tensors` tensors and `max_chunks` chunks of `chunk`
+    elements (default :data:`LAUNCH_CHUNKS`, :data:`CHUNK`); a tensor of more chunks is a run alone."""
+    max_chunks = LAUNCH_CHUNKS if max_chunks is None else max_chunks
+    chunk = CHUNK if chunk is None else chunk
     parts: list[list[int]] = []
-    total = 0
+    chunks = 0
     for i, size in enumerate(sizes):
-        if not parts or total + size > limit:
+        need = -(-size // chunk)
+        if not parts or len(parts[-1]) >= max_tensors or chunks + need > max_chunks:
             parts.append([])
-            total = 0
+            chunks = 0
         parts[-1].append(i)
-        total += size
+        chunks += need
     return parts
 
 
@@ -160,10 +174,11 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
         for i, p in enumerate(params):
             towers.setdefault(info(p).modality, []).append(i)
         parts = []
+        max_tensors = LAUNCH_TENSORS[kernel_lists(kw["state"])]
         for members in towers.values():
             members.sort(key=lambda i: position[kw["grads"][i]])  # in the order the backward makes them
             sizes = [params[i].meta["val"].numel() for i in members]
-            parts += [[members[k] for k in ks] for ks in parts_of(sizes, LIST_NUMEL)]
+            parts += [[members[k] for k in ks] for ks in parts_of(sizes, max_tensors)]
         if len(parts) < 2:
             continue
         splits.append({"node": n.name, "towers": {t: len(ix) for t, ix in towers.items()}, "parts": len(parts)})
