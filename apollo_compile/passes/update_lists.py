@@ -34,7 +34,7 @@ so the cut adds no launches; a parameter of more chunks is a part alone. Until s
 was bounded by elements only (320 x 65536): parts of ~46 tensors took two launches each, the
 second small, and HF SigLIP's step ran 21 launches where eager's fused AdamW runs 13 over the same
 parameters (``benchmarks/probes/step_kernels.py``, session 41; ATen's rule applied to the
-parameters' sizes gives the same counts, and 15 with this cut: ``tests/test_nodes.py``).
+parameters' sizes gives the same counts, and 15 with this cut: ``tests/test_update_lists.py``).
 
 AOTAutograd hands the op over functionalized: ``auto_functionalized_v2(op, grads=[...], ...,
 _params_length=n, _params_0_base_index=i, ..., _all_bases=[...])``, whose result's item 1 + j is
