@@ -72,10 +72,10 @@ def sgd_like_eager(compiled, model, ref, steps: int, micro_batches: int = 1, for
     their backwards): after each step the loss and every gradient match."""
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     for step in range(steps):
-        losses = [(compiled(*inputs), ref(*inputs)) if forwards_first else inputs
-                  for inputs in (two_tower_inputs(seed=10 * step + micro) for micro in range(micro_batches))]
-        for item in losses:
-            loss, ref_loss = item if forwards_first else (compiled(*item), ref(*item))
+        batches = [two_tower_inputs(seed=10 * step + micro) for micro in range(micro_batches)]
+        forwards = [(compiled(*inputs), ref(*inputs)) for inputs in batches] if forwards_first else None
+        for k, inputs in enumerate(batches):
+            loss, ref_loss = forwards[k] if forwards_first else (compiled(*inputs), ref(*inputs))
             loss.backward()
             ref_loss.backward()
         assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
