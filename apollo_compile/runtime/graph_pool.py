@@ -58,8 +58,11 @@ def release_cached_segments() -> None:
     graph pool's segments come from the same memory; blocks still split around the optimizer's
     state stay cached (module-compiled HF CLIP B/16 at batch 8 still reserved 1.10x reduce-
     overhead's, session 41), hence NOTE: The first step in a pool of its own, whose memory this
-    releases too."""
+    releases too. cuBLAS's workspaces, which the first step allocated and the capture would drop a
+    moment later (:func:`clear_cublas_workspaces`), are dropped first, so that their segments go
+    too."""
     torch.cuda.synchronize()
+    clear_cublas_workspaces()
     torch.cuda.empty_cache()
 
 
