@@ -381,10 +381,10 @@ def reference(base: nn.Module, name: str, batch: tuple, device: torch.device, am
     return common.reference(loss, grads, fp32)
 
 
-def strategy_for(variant: str) -> contextlib.AbstractContextManager:
-    """The candidate-choosing rule a variant's runners use at their capture (runtime/choice.py), or
-    the memory pool its first step runs in (runtime/graph_pool.py, FIRST_STEP_POOL), for the whole
-    variant."""
+def runtime_for(variant: str) -> contextlib.AbstractContextManager:
+    """What a variant's runners run under, for the whole variant: the candidate-choosing rule they
+    use at their capture (runtime/choice.py), or the memory pool their first step runs in
+    (runtime/graph_pool.py, FIRST_STEP_POOL)."""
     if variant.endswith("-first-step-pool"):
         from unittest import mock
 
@@ -401,7 +401,7 @@ def strategy_for(variant: str) -> contextlib.AbstractContextManager:
 def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args,
                 device: torch.device) -> dict:
     row: dict[str, Any] = {"variant": variant, "status": "ok"}
-    with common.diagnostics_for(row, variant, variant.startswith("apollo")) as keep, strategy_for(variant):
+    with common.diagnostics_for(row, variant, variant.startswith("apollo")) as keep, runtime_for(variant):
         row["left_over"] = left = common.left_over(device)  # earlier variants' memory, not this one's
         if left is not None and left["allocated_gib"] > 0.01:
             log(f"  [{variant}] left over from earlier variants: {left['allocated_gib']:.2f} GiB allocated, "

@@ -459,9 +459,9 @@ def test_whole_step_benchmark_times_the_backward_in_its_bw_measured_variant():
     in effect around that variant alone."""
     from apollo_compile.runtime import choice
 
-    with bench_whole_step.strategy_for("apollo-bw-measured"):
+    with bench_whole_step.runtime_for("apollo-bw-measured"):
         assert choice.in_effect() == choice.ChooseFastest(follow_forward=False)
-    with bench_whole_step.strategy_for("apollo"):
+    with bench_whole_step.runtime_for("apollo"):
         assert choice.in_effect() is choice.DEFAULT and choice.DEFAULT.follow_forward
 
 
@@ -571,9 +571,9 @@ def test_the_first_step_pool_variants_turn_it_on_for_their_run_alone(variant):
     from apollo_compile.runtime import graph_pool
 
     assert graph_pool.FIRST_STEP_POOL is False
-    with bench_whole_step.strategy_for(variant):
+    with bench_whole_step.runtime_for(variant):
         assert graph_pool.FIRST_STEP_POOL is True
-    with bench_whole_step.strategy_for(variant.removesuffix("-first-step-pool")):
+    with bench_whole_step.runtime_for(variant.removesuffix("-first-step-pool")):
         assert graph_pool.FIRST_STEP_POOL is False
     assert graph_pool.FIRST_STEP_POOL is False
     assert variant in bench_whole_step.VARIANTS and (variant in bench_whole_step.STEP_VARIANTS) == variant.startswith("apollo-step")

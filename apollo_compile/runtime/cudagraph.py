@@ -164,8 +164,8 @@ class GraphFamily:
         self.first_step_opened = False
 
     def open_first_step(self, args: list) -> tuple[object, torch.device] | None:
-        """The first step's pool, opened by the family's first call (on the device of its first CUDA
-        tensor); None once it was closed."""
+        """The first step's pool: opened by the family's first call (on the device of its first CUDA
+        tensor), the same pool for the first calls after it; None once it was closed."""
         if not self.first_step_opened:
             self.first_step_opened = True
             device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
@@ -267,8 +267,7 @@ class CudaGraphRunner:
         # a first call runs in the first step's pool: the forward's opens it, the backward's closes it
         # (graph_pool.py, NOTE: The first step in a pool of its own)
         first = self.calls == 1
-        pool = self.family.open_first_step(args) if first and self.kind != "backward" else (
-            self.family.first_step_pool if first else None)
+        pool = self.family.open_first_step(args) if first else None
         try:
             with allocating_in(pool):
                 return self.fn(args)

@@ -101,10 +101,11 @@ def kernels(variant: str, name: str, base, batch, args, device) -> tuple[list[di
             with torch.profiler.record_function(f"{STEP_MARK}{i}"):  # from an idle GPU to the step's end
                 step()
                 common.synchronize(device)
-    steps = timeline(prof.profiler.kineto_results.events())
+    events = prof.profiler.kineto_results.events()
+    steps = timeline(events)
     count: dict[str, int] = defaultdict(int)
     total: dict[str, float] = defaultdict(float)
-    for e in prof.profiler.kineto_results.events():
+    for e in events:
         if is_kernel(e):
             count[e.name()] += 1
             total[e.name()] += e.duration_ns() / 1e3
