@@ -15,7 +15,8 @@ one :class:`ApolloFallbackWarning` saying why: a PyTorch whose Dynamo cannot tra
 or a graph break inside the step (an ``optimizer.step()`` inside it breaks the graph on
 torch 2.13, at its ``graph_break()`` calls and, past them, where Dynamo's optimizer support meets
 the ``.grad`` this graph assigned: keep the optimizer outside, ``fused=True``, or pass it to
-``compile_step(fn, optimizer=opt)``).
+``compile_step(fn, optimizer=opt)``), or code whose shapes depend on a tensor's values (NOTE:
+Data-dependent code under fullgraph).
 
 With ``optimizer=`` (Adam or AdamW), each call is ``fn(...)`` followed by ``optimizer.step()`` and
 ``optimizer.zero_grad(set_to_none=True)``, all traced into the same graph (``optimizer_step.py``):
@@ -51,6 +52,28 @@ _tracing_updates = [False]
 def keeps_input_mutations() -> bool:
     """Whether the graph being compiled is a whole step with its optimizer's update inside."""
     return _tracing_updates[0]
+
+
+def _not_one_graph_errors() -> tuple[type[BaseException], ...]:
+    """What tracing the step as one graph raises where the step cannot be one graph, before any of
+    it has run, so that the module path can run the call from its start.
+
+    [NOTE] Data-dependent code under fullgraph: with ``fullgraph=True`` Dynamo captures
+    ``.item()`` and ``.tolist()`` as unbacked symbols instead of breaking the graph there, and
+    code that then branches on such a value (Qwen2-VL's vision tower splits its attention with
+    ``torch.split(q, lengths.tolist())``) raises the symbolic-shapes and fake-tensor errors
+    below, not Dynamo's ``Unsupported``. The module path breaks the graph at the ``.tolist()``
+    and trains. Dynamo's own exceptions (``TorchDynamoException``: Unsupported, a tracing-time
+    ``TorchRuntimeError``, a failed backend) are all raised before the compiled code runs; an
+    error of the user's code raises again on the module path, where it is the user's to see."""
+    from torch._subclasses import fake_tensor
+    from torch.fx.experimental import symbolic_shapes
+
+    names = [(symbolic_shapes, "GuardOnDataDependentSymNode"), (symbolic_shapes, "PendingUnbackedSymbolNotFound"),
+             (fake_tensor, "DataDependentOutputException"), (fake_tensor, "DynamicOutputShapeException"),
+             (fake_tensor, "UnsupportedOperatorException")]
+    return (torch._dynamo.exc.TorchDynamoException,
+            *(getattr(module, name) for module, name in names if hasattr(module, name)))
 
 
 def backward_tracing_supported() -> bool:
@@ -124,7 +147,7 @@ class CompiledStep:
                 if self.update is None:
                     self._step_outside()
                 return out
-            except torch._dynamo.exc.Unsupported as e:
+            except _not_one_graph_errors() as e:
                 if self.user_fullgraph:
                     raise
                 self._fall_back(f"it does not trace as one graph ({str(e).strip().splitlines()[0]})")

@@ -290,6 +290,39 @@ def test_a_graph_break_inside_the_step_warns_once_and_trains_like_eager():
     assert "does not trace as one graph" in compiled.fallback_reason
 
 
+class SplitByLengths(nn.Module):
+    """Attention over variable-length pieces whose lengths are a tensor, as Qwen2-VL's vision tower
+    splits its patches per image (``torch.split(q, lengths.tolist(), dim=2)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, cu_seqlens):
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        q = self.proj(x).view(1, 2, -1, 4)
+        pieces = torch.split(q, lengths.tolist(), dim=2)
+        return torch.cat([F.scaled_dot_product_attention(p, p, p) for p in pieces], dim=2).square().mean()
+
+
+def test_data_dependent_code_in_the_step_falls_back_and_trains_like_eager():
+    """With fullgraph=True Dynamo traces ``.tolist()`` as unbacked symbols and the split then
+    raises a symbolic-shapes error (not Unsupported): the step runs on the module path, one warning
+    (whole_step.py, NOTE: Data-dependent code under fullgraph)."""
+    torch.manual_seed(0)
+    cu_seqlens = torch.tensor([0, 2, 6])
+
+    def inputs(i):
+        return torch.randn(6, 8, generator=torch.Generator().manual_seed(i)), cu_seqlens
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = train_both(SplitByLengths(), inputs, EAGER, steps=3)
+    mine = [w for w in caught if issubclass(w.category, ApolloFallbackWarning) and "compile_step" in str(w.message)]
+    assert len(mine) == 1, [str(w.message) for w in caught]
+    assert "data-dependent" in compiled.fallback_reason, compiled.fallback_reason
+
+
 def test_retain_graph_trains_like_eager():
     torch.manual_seed(0)
     model = TwoTower(layers=1)
