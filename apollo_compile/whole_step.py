@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import warnings
 from typing import Any, Callable
 
@@ -41,6 +42,8 @@ import torch._dynamo
 from .fallback import ApolloFallbackWarning
 from .optimizer_step import InGraphAdam, unsupported_reason
 from .options import ApolloOptions, ApolloOptionsError
+
+log = logging.getLogger("apollo_compile")
 
 TRACE_FLAG = "trace_autograd_ops"
 
@@ -90,7 +93,18 @@ class CompiledStep:
     a new frame, and there ``loss.backward()`` finds no leaf it knows of (the parameters were the
     first frame's) and traces it as nothing: on torch 2.13 every ``.grad`` stayed None, with no
     error. With ``fullgraph=True`` the break raises while the first frame is traced, before any of
-    the step has run, so the module path can run the call from its start."""
+    the step has run, so the module path can run the call from its start.
+
+    [NOTE] Code only a first call runs: a model may do work on its first call that Dynamo cannot
+    trace and later calls skip. Hugging Face's output-capturing models (LLaVA reads a hidden state
+    of its vision tower) install their hooks on the first call under a ``threading.Lock``, which
+    Dynamo does not enter. So a step that does not trace whole on its first call runs that call on
+    the module path and is traced whole once more on its second; only if that fails too does it
+    stay on the module path, with the warning. The whole step is traced from a code object of its
+    own (``_without_update`` / ``_with_update``), not ``fn``'s: Dynamo keeps its compiled code per
+    code object, and the retry would otherwise find the module path's code for ``fn`` and run it
+    without tracing anything. A step that cannot be one graph is thus traced twice up to the point
+    that fails."""
 
     def __init__(self, fn: Callable, torch_compile_kwargs: dict[str, Any], fallback_reason: str | None,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -98,7 +112,7 @@ class CompiledStep:
         self.user_fullgraph = bool(torch_compile_kwargs.get("fullgraph", False))
         self.optimizer = optimizer
         self.update: InGraphAdam | None = None  # the optimizer's update inside the graph, where it can be
-        traced = fn
+        traced = self._without_update  # a code object of its own: Dynamo's cache of `fn` is the module path's
         if optimizer is not None:
             why = unsupported_reason(optimizer)
             if not isinstance(optimizer, torch.optim.Optimizer):
@@ -113,19 +127,29 @@ class CompiledStep:
             options["guard_filter_fn"] = _both(self.update.guard_filter, options.get("guard_filter_fn"))
         self.whole = torch.compile(traced, backend="apollo", **{**torch_compile_kwargs, "options": options,
                                                                  "fullgraph": True})
-        self.parts: Callable | None = None
-        self.fallback_reason = fallback_reason  # why the step runs on the module path, once it does
+        self.parts: Callable | None = None  # the module path, once a call has run on it
+        self.retry = False  # the first call ran on the module path: the next traces the whole step once more
+        self.fallback_reason = fallback_reason  # why the step runs on the module path, once it does for good
         if fallback_reason is not None:
             self._fall_back(fallback_reason, stacklevel=4)
         functools.update_wrapper(self, fn)
 
+    def _module_path(self) -> Callable:
+        if self.parts is None:
+            self.parts = torch.compile(self.fn, backend="apollo", **{**self.kwargs, "options": _options(self.kwargs)})
+        return self.parts
+
     def _fall_back(self, reason: str, stacklevel: int = 3) -> None:
         self.fallback_reason = reason
-        self.parts = torch.compile(self.fn, backend="apollo", **{**self.kwargs, "options": _options(self.kwargs)})
+        self._module_path()
         warnings.warn(f"apollo.compile_step: {getattr(self.fn, '__qualname__', self.fn)} runs as forward and "
                       f"backward graphs with the autograd engine between them, not as one graph, because {reason}: "
                       "training stays correct, the step is slower. Keep optimizer.step() and Python-side work "
                       "(print, .item()) outside the compiled step", ApolloFallbackWarning, stacklevel=stacklevel)
+
+    def _without_update(self, *args: Any, **kwargs: Any) -> Any:
+        """What is traced when the optimizer stays outside: the user's step."""
+        return self.fn(*args, **kwargs)
 
     def _with_update(self, *args: Any, **kwargs: Any) -> Any:
         """What is traced when the optimizer's update is inside: the user's step, then the update."""
@@ -134,7 +158,7 @@ class CompiledStep:
         return out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.parts is None:
+        if self.parts is None or self.retry:
             if self.update is not None:
                 self.update.prepare()
             try:
@@ -146,11 +170,21 @@ class CompiledStep:
                         _tracing_updates[0] = False
                 if self.update is None:
                     self._step_outside()
+                if self.retry:
+                    self.retry, self.parts = False, None
+                    log.info("apollo.compile_step: %s traced as one graph on its second call; its first ran on the "
+                             "module path (%s)", self.__qualname__, self.first_call_reason)
                 return out
             except _not_one_graph_errors() as e:
                 if self.user_fullgraph:
                     raise
-                self._fall_back(f"it does not trace as one graph ({str(e).strip().splitlines()[0]})")
+                reason = f"it does not trace as one graph ({str(e).strip().splitlines()[0]})"
+                if self.parts is None:  # once more at the next call (NOTE: Code only a first call runs)
+                    self.retry, self.first_call_reason = True, reason
+                    self._module_path()
+                else:
+                    self.retry = False
+                    self._fall_back(reason)
         if not backward_tracing_supported():
             out = self.parts(*args, **kwargs)
         else:

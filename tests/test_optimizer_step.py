@@ -71,6 +71,21 @@ def train_with_update_inside(model, make_opt, options, steps=4, schedule=None, f
     return compiled, opt
 
 
+def test_a_step_whole_from_its_second_call_takes_its_update_inside():
+    """HookedOnFirstCall's first call runs on the module path with the optimizer's step after it,
+    eagerly; from the second on, the update is inside the one graph (whole_step.py, NOTE: Code only
+    a first call runs). Each step equals eager's."""
+    from test_whole_step import HookedOnFirstCall
+
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        compiled, _ = train_with_update_inside(HookedOnFirstCall(layers=1), adamw, EAGER)
+    assert compiled.fallback_reason is None and compiled.parts is None and compiled.update is not None
+    assert [sorted(p.graphs) for p in apollo_compile.plans()][-1] == ["inference"]
+
+
 def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.05)
 

@@ -8,6 +8,7 @@ off by an ulp moves a parameter by ~lr ulps: several steps stay within the same 
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 from collections import Counter
 
@@ -321,6 +322,50 @@ def test_data_dependent_code_in_the_step_falls_back_and_trains_like_eager():
     mine = [w for w in caught if issubclass(w.category, ApolloFallbackWarning) and "compile_step" in str(w.message)]
     assert len(mine) == 1, [str(w.message) for w in caught]
     assert "data-dependent" in compiled.fallback_reason, compiled.fallback_reason
+
+
+_HOOKS_LOCK = threading.Lock()
+
+
+class HookedOnFirstCall(TwoTower):
+    """Does work on its first call under a ``threading.Lock``, which Dynamo cannot enter, as Hugging
+    Face's output-capturing models install their hooks (LLaVA)."""
+
+    def forward(self, images, tokens):
+        if not getattr(self, "hooks_installed", False):
+            with _HOOKS_LOCK:
+                self.hooks_installed = True
+        return super().forward(images, tokens)
+
+
+def test_code_only_a_first_call_runs_leaves_the_later_steps_whole():
+    """The first call runs on the module path; the second traces the step whole, with no warning
+    (whole_step.py, NOTE: Code only a first call runs)."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        compiled = train_both(HookedOnFirstCall(layers=1), lambda i: two_tower_inputs(seed=i), EAGER, steps=3)
+    assert compiled.fallback_reason is None and compiled.parts is None and not compiled.retry
+    assert "Unsupported context manager" in compiled.first_call_reason
+    assert [sorted(p.graphs) for p in apollo_compile.plans()][-1] == ["inference"]
+    assert len(whole_step_plans()[-1].inference.decisions["lanes"].lanes) >= 2
+
+
+def test_what_fails_on_the_second_call_too_warns_once():
+    torch.manual_seed(0)
+    lock = threading.Lock()
+
+    def forward(model, inputs):
+        with lock:  # on every call
+            return model(*inputs)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = train_both(TwoTower(layers=1), lambda i: two_tower_inputs(seed=i), EAGER, steps=3, forward=forward)
+    mine = [w for w in caught if issubclass(w.category, ApolloFallbackWarning) and "compile_step" in str(w.message)]
+    assert len(mine) == 1, [str(w.message) for w in caught]
+    assert "Unsupported context manager" in compiled.fallback_reason
 
 
 def test_retain_graph_trains_like_eager():
