@@ -66,6 +66,28 @@ def test_an_elementwise_value_read_across_the_cut_is_recomputed_there():
     torch.testing.assert_close(gm(x, w), expected, rtol=0, atol=0)
 
 
+def test_the_copy_comes_before_every_reader_in_the_graph_whatever_the_subgraphs_order():
+    """A subgraph's node list is a valid order of its own, not always the graph's (OWL-ViT's
+    backward under Inductor): the copy goes before the first reader in the graph, or the graph reads
+    it before it is made (the lanes pass's lint failed and the graph fell back to Inductor)."""
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    gm = make_fx(quick_gelu_then_backward)(x, w)
+    expected = gm(x, w)
+    subgraphs = cut(gm, "relu")
+    second = subgraphs[1].nodes
+    readers = [n for n in second if any(a.target is torch.ops.aten.sigmoid.default for a in n.all_input_nodes)]
+    assert len(readers) == 2 and second.index(readers[0]) < second.index(readers[1])
+    second.remove(readers[0])  # the graph's first reader of the sigmoid last in the subgraph's order
+    second.insert(second.index(readers[1]) + 1, readers[0])
+    done = boundary.recompute_crossings(subgraphs, gm.graph)
+    assert done["recomputed"] == 1
+    gm.graph.lint()
+    gm.recompile()
+    copy = next(n for n in second if n.target is torch.ops.aten.sigmoid.default)
+    assert second.index(copy) < second.index(readers[1]) < second.index(readers[0])
+    torch.testing.assert_close(gm(x, w), expected, rtol=0, atol=0)
+
+
 def test_a_saved_alias_of_the_value_is_recomputed_too():
     """Autograd saves a ``detach`` of sigmoid's result for its backward: in a whole step both the
     sigmoid and its detach cross to the backward's subgraph, and the sigmoid's buffer is freed

@@ -99,10 +99,13 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
             at_hand = (reads[sg_id] - {value}) | free_inputs
             if not all(_chain(a, at_hand, MAX_DEPTH - 1, chain) for a in value.all_input_nodes):
                 break
-            plans[sg_id] = [*chain, value]
+            at = _first_in_graph(users, graph)
+            if not _all_before(chain, at, graph):
+                break
+            plans[sg_id] = ([*chain, value], at)
         else:
-            for sg_id, chain in plans.items():
-                _copy_into(by_id[sg_id], chain, readers[sg_id], graph, home)
+            for sg_id, (chain, at) in plans.items():
+                _copy_into(by_id[sg_id], chain, readers[sg_id], at, graph, home)
                 reads[sg_id].discard(value)  # no longer crosses there: a later chain must not read it
             moved += 1
             buffer = storage_node(value)  # a view's is its base's: counted once
@@ -144,14 +147,36 @@ def _drop_if_dead(value: torch.fx.Node, sg, graph: torch.fx.Graph, home: dict) -
         stack.extend(inputs)
 
 
-def _copy_into(sg, chain: list[torch.fx.Node], users: list[torch.fx.Node], graph: torch.fx.Graph,
-               home: dict) -> None:
+def _first_in_graph(users: list[torch.fx.Node], graph: torch.fx.Graph) -> torch.fx.Node:
+    """The first of `users` in the graph's order. A subgraph's own node list is in an order of its
+    own (a valid one, not always the graph's: OWL-ViT's backward), so its first reader there may
+    come after another of its readers in the graph, which the copy must precede too."""
+    if len(users) == 1:
+        return users[0]
+    wanted = set(users)
+    return next(n for n in graph.nodes if n in wanted)
+
+
+def _all_before(chain: list[torch.fx.Node], at: torch.fx.Node, graph: torch.fx.Graph) -> bool:
+    """Whether every input of `chain` from outside it comes before `at` in the graph: a value the
+    reading subgraph reads anyway may be made after its reader of the crossing value."""
+    needed = {a for n in chain for a in n.all_input_nodes} - set(chain)
+    for n in graph.nodes:
+        if n is at:
+            return not needed
+        needed.discard(n)
+    return False
+
+
+def _copy_into(sg, chain: list[torch.fx.Node], users: list[torch.fx.Node], at: torch.fx.Node,
+               graph: torch.fx.Graph, home: dict) -> None:
     """Copy `chain` (inputs first; its last op is the crossing value) into `sg` before the first of
-    `users`, and point `users` at the copy."""
+    `users` in `sg`'s order and, in the graph, before `at` (the first of them in the graph's), and
+    point `users` at the copy."""
     position = {n: i for i, n in enumerate(sg.nodes)}
     first = min(users, key=position.__getitem__)
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
-    with graph.inserting_before(first):
+    with graph.inserting_before(at):
         for n in chain:
             c = graph.node_copy(n, lambda a: copies.get(a, a))
             c.meta = dict(n.meta)
