@@ -8,6 +8,7 @@ it draw random numbers" and "how many bytes is it" one answer across checkpointi
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any, Iterable
 
 import torch
@@ -51,9 +52,17 @@ def op_name(target: Any) -> str:
     return name if isinstance(name, str) else str(target)
 
 
+# conv1d..3d, conv_transpose2d, conv_tbc, _conv_depthwise2d: not prims.convert_element_type, a
+# cast, which Inductor's decompositions write where eager's graph has _to_copy (a prefix "conv"
+# made every cast a library kernel under the default subgraph compiler: an attention mask's cast
+# then made the mask a tower of its own, a third lane on HF text towers)
+_CONV_NAME = re.compile(r"_?conv(\d|_transpose|_tbc|_depthwise)")
+
+
 def is_library_kernel_name(name: str) -> bool:
     """A matmul, convolution or attention op, by op name (see :func:`op_name`)."""
-    return name in _MATMUL_NAMES or "convolution" in name or "conv" == name[:4] or "attention" in name
+    return (name in _MATMUL_NAMES or "convolution" in name or _CONV_NAME.match(name) is not None
+            or "attention" in name)
 
 
 def is_library_kernel(node: torch.fx.Node) -> bool:

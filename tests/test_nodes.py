@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.fx
 
-from apollo_compile.nodes import in_graph_order, readers_of
+from apollo_compile.nodes import in_graph_order, is_library_kernel_name, readers_of
 
 
 def _shuffled_graph(seed: int) -> torch.fx.Graph:
@@ -46,3 +46,14 @@ def test_readers_of_are_in_graph_order():
     x = next(iter(g.nodes))
     readers = readers_of(x)
     assert readers == [n for n in g.nodes if x in n.all_input_nodes]
+
+
+def test_library_kernels_by_name():
+    """Matmuls, convolutions and attention; a cast is not one, though Inductor's decompositions
+    name it prims.convert_element_type (a "conv" prefix once matched it)."""
+    kernels = ["mm", "addmm", "bmm", "linear", "convolution", "convolution_backward", "cudnn_convolution", "conv2d",
+               "conv1d", "conv_transpose2d", "conv_tbc", "_conv_depthwise2d", "_scaled_dot_product_flash_attention",
+               "scaled_dot_product_attention", "flex_attention"]
+    others = ["convert_element_type", "_to_copy", "add", "mul", "where", "index", "sum", "convert"]
+    assert [n for n in kernels if not is_library_kernel_name(n)] == []
+    assert [n for n in others if is_library_kernel_name(n)] == []
