@@ -204,6 +204,50 @@ def test_lanes_come_from_the_dataflow(way):
             assert set().union(*towers) == {"vision", "text"}, (way, kind, towers)
 
 
+class GridPositions(TwoTower):
+    """Position embeddings made per image from an input of its own, through a small matmul, and
+    added to the patches right away, as SigLIP 2 resizes them from ``spatial_shapes``."""
+
+    def __init__(self):
+        super().__init__(layers=2)
+        self.grid_proj = nn.Linear(2, 32)
+
+    def forward(self, images, tokens, grid):
+        x = self.vision.patch_embed(images).flatten(2).transpose(1, 2) + self.grid_proj(grid).unsqueeze(1)
+        for block in self.vision.blocks:
+            x = block(x)
+        v = F.normalize(self.vision_proj(self.vision.ln(x).mean(dim=1)), dim=-1)
+        t = F.normalize(self.text_proj(self.text(tokens)), dim=-1)
+        logits = self.logit_scale.exp() * v @ t.t()
+        labels = torch.arange(logits.shape[0])
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+@pytest.mark.parametrize("way", ["module", "whole_step"])
+def test_an_input_that_only_feeds_a_tower_is_not_a_tower(way):
+    """The grid's own matmul is tiny beside the vision blocks it feeds with the pixels: it is
+    absorbed, and the vision tower, not a join of it and the pixels, runs beside the text tower
+    (modality.py, NOTE: A tower is more than a feeder of one)."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    model = GridPositions()
+    images, tokens = two_tower_inputs(seed=0)
+    grid = torch.rand(images.shape[0], 2)
+    if way == "module":
+        torch.compile(model, backend="apollo", options=EAGER)(images, tokens, grid).backward()
+    else:
+        def step(images, tokens, grid):
+            loss = model(images, tokens, grid)
+            loss.backward()
+            return loss.detach()
+
+        apollo_compile.compile_step(step, options=EAGER)(images, tokens, grid)
+    graphs = [(kind, _towers(g)) for p in apollo_compile.plans() for kind, g in p.graphs.items()]
+    assert graphs
+    for kind, towers in graphs:
+        assert [set(t) for t in towers] == [{"text"}, {"vision"}], (kind, towers)
+
+
 def unmark_autograd_backward(monkeypatch):
     """Trace as torch 2.11 does: no node of a whole step is marked ``autograd_backward``."""
     monkeypatch.setattr(torch.fx.traceback, "_mark_autograd_backward", lambda: None)

@@ -56,7 +56,7 @@ from ..shapes import concrete_int as _int
 from ..shapes import concrete_numel as _numel
 from ..shapes import concrete_shape as _shape
 
-__all__ = ["node_cost", "run"]
+__all__ = ["node_cost", "node_flops", "run"]
 
 Cost = tuple[int, int, float, str, float]
 _FREE: Cost = (0, 0, 0.0, "-", 0.0)
@@ -242,6 +242,14 @@ def _first_float_dtype(*vals: Any) -> torch.dtype | None:
 
 
 # ---------------------------------------------------------------------------- public API
+
+
+def node_flops(node: torch.fx.Node) -> int:
+    """FLOPs of one node from its example values (0 where unknown), for passes before this one."""
+    try:
+        return int(_flops(node, op_name(node), _val(node), [_val(n) for n in input_nodes(node)]))
+    except Exception:
+        return 0
 
 
 def node_cost(node: torch.fx.Node, spec: DeviceSpec) -> Cost:

@@ -14,7 +14,9 @@ module, a wrapper around it, a function that calls a global model, or the whole 
    a cross-attention layer). A serial chain (embeddings -> encoder -> projection) is one tower.
    An input whose own region holds no library kernel (matmul, convolution, attention: an
    attention mask, position or token-type ids) is not a tower of its own: it is absorbed into the
-   towers it meets, else two lanes would join at the first attention layer.
+   towers it meets, else two lanes would join at the first attention layer. Nor is an input whose
+   own kernels are small beside the region it feeds with one other input (SigLIP 2's patch grid,
+   which resizes the position embeddings: NOTE: A tower is more than a feeder of one).
 2. **Backward** (backward graphs, the backward part of a whole-step or joint graph): a node
    belongs to the towers whose *parameter gradients* it reaches (reverse reachability from the
    gradient outputs); several: a join (the loss's gradient, the logits' gradient). A gradient
@@ -55,6 +57,20 @@ from ..annotations import FUSION, KEY, info
 from ..nodes import graph_outputs, is_library_kernel, written_inputs
 from ..tracing import compiling_autograd_graph, fw_metadata
 from . import casts
+from .cost import node_flops
+
+# [NOTE] A tower is more than a feeder of one. An input's own region (the nodes it alone reaches)
+# ends where it meets another input. SigLIP 2's `spatial_shapes` (each image's patch grid) alone
+# reaches the matmuls that resize the position embeddings (antialiased interpolation,
+# decomposed), which are added to the patch embeddings right away: as a tower of its own it made
+# the whole vision encoder a join of it and the pixels, run on the text tower's lane, and left the
+# pixels a tower of one patch embedding. So an input whose own kernels do less than this share of
+# the FLOPs of the largest region it reaches together with exactly one other input is absorbed
+# (the smallest such first, then the regions are found again: the pixels' region is then the
+# whole vision tower). Two real towers meet only at their join, the loss or a fusion head, far
+# smaller than either tower; where a small encoder feeds a much larger cross-attention stack, it
+# runs on that stack's lane (a branch under a tenth of the stack: little to overlap).
+MIN_TOWER_SHARE = 0.1
 
 _SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 _ROOT = re.compile(r"^(?:[LG]\[['\"][^'\"\]]+['\"]\]|L__self__|self)")
@@ -188,18 +204,29 @@ def _reach(nodes: list[torch.fx.Node], seeds: dict[torch.fx.Node, int], skip: se
 def forward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.Node]
                    ) -> tuple[dict[torch.fx.Node, int], list[torch.fx.Node]]:
     """Rule 1: for each forward node, the towers (bitmask over the returned tower inputs) whose
-    data inputs reach it. Inputs whose own region runs no library kernel are absorbed; where no
-    input's does (a compiled optimizer step: one elementwise update per parameter, each from its
-    own gradient and state), there are no towers, and the graph is one join (one lane), not a
-    lane per parameter."""
+    data inputs reach it. Inputs whose own region runs no library kernel are absorbed, then, one at
+    a time, an input whose own region is small beside what it feeds together with one other input
+    (NOTE: A tower is more than a feeder of one); where no input's region runs a library kernel (a
+    compiled optimizer step: one elementwise update per parameter, each from its own gradient and
+    state), there are no towers, and the graph is one join (one lane), not a lane per parameter."""
     nodes = list(gm.graph.nodes)
     inputs = data_inputs(gm, kind)
-    reach = _reach(nodes, {x: 1 << i for i, x in enumerate(inputs)}, backward)
-    own = {m for n, m in reach.items() if is_library_kernel(n) and m & (m - 1) == 0}
-    heavy = [x for i, x in enumerate(inputs) if (1 << i) in own]
-    if len(heavy) < len(inputs):
+    heavy = list(inputs)
+    while True:
         reach = _reach(nodes, {x: 1 << i for i, x in enumerate(heavy)}, backward)
-    return reach, heavy
+        work: Counter[int] = Counter()  # reach bitmask -> FLOPs of the library kernels there
+        for n, m in reach.items():
+            if is_library_kernel(n):
+                work[m] += max(1, node_flops(n))
+        light = [i for i in range(len(heavy)) if not work[1 << i]]
+        if not light:  # NOTE: A tower is more than a feeder of one
+            shares = {i: work[1 << i] / joined for i in range(len(heavy))
+                      if (joined := max((w for m, w in work.items() if m & (1 << i) and m.bit_count() == 2),
+                                        default=0))}
+            light = [min(shares, key=shares.get)] if shares and min(shares.values()) < MIN_TOWER_SHARE else []
+        if not light:
+            return reach, heavy
+        heavy = [x for i, x in enumerate(heavy) if i not in light]
 
 
 # ---------------------------------------------------------------------------- backward: gradients
