@@ -129,6 +129,7 @@ class CompiledStep:
                                                                  "fullgraph": True})
         self.parts: Callable | None = None  # the module path, once a call has run on it
         self.retry = False  # the first call ran on the module path: the next traces the whole step once more
+        self.first_call_reason: str | None = None  # why the first call did not trace whole, if it did not
         self.fallback_reason = fallback_reason  # why the step runs on the module path, once it does for good
         if fallback_reason is not None:
             self._fall_back(fallback_reason, stacklevel=4)
@@ -173,7 +174,7 @@ class CompiledStep:
                 if self.retry:
                     self.retry, self.parts = False, None
                     log.info("apollo.compile_step: %s traced as one graph on its second call; its first ran on the "
-                             "module path (%s)", self.__qualname__, self.first_call_reason)
+                             "module path (%s)", getattr(self.fn, "__qualname__", self.fn), self.first_call_reason)
                 return out
             except _not_one_graph_errors() as e:
                 if self.user_fullgraph:

@@ -46,7 +46,7 @@ import torch
 import torch.fx
 
 from ..annotations import info
-from ..nodes import is_elementwise, is_view, nbytes, storage_node, written_inputs
+from ..nodes import in_graph_order, is_elementwise, is_view, nbytes, storage_node, written_inputs
 
 MAX_DEPTH = 4  # elementwise ops and views recomputed per value, along any path to what is at hand
 
@@ -99,8 +99,8 @@ def recompute_crossings(subgraphs: list, graph: torch.fx.Graph) -> dict:
             at_hand = (reads[sg_id] - {value}) | free_inputs
             if not all(_chain(a, at_hand, MAX_DEPTH - 1, chain) for a in value.all_input_nodes):
                 break
-            at = _first_in_graph(users, graph)
-            if not _all_before(chain, at, graph):
+            at = _first_in_graph(users)
+            if not _all_before(chain, at):
                 break
             plans[sg_id] = ([*chain, value], at)
         else:
@@ -147,25 +147,18 @@ def _drop_if_dead(value: torch.fx.Node, sg, graph: torch.fx.Graph, home: dict) -
         stack.extend(inputs)
 
 
-def _first_in_graph(users: list[torch.fx.Node], graph: torch.fx.Graph) -> torch.fx.Node:
+def _first_in_graph(users: list[torch.fx.Node]) -> torch.fx.Node:
     """The first of `users` in the graph's order. A subgraph's own node list is in an order of its
     own (a valid one, not always the graph's: OWL-ViT's backward), so its first reader there may
     come after another of its readers in the graph, which the copy must precede too."""
-    if len(users) == 1:
-        return users[0]
-    wanted = set(users)
-    return next(n for n in graph.nodes if n in wanted)
+    return in_graph_order(users)[0]
 
 
-def _all_before(chain: list[torch.fx.Node], at: torch.fx.Node, graph: torch.fx.Graph) -> bool:
+def _all_before(chain: list[torch.fx.Node], at: torch.fx.Node) -> bool:
     """Whether every input of `chain` from outside it comes before `at` in the graph: a value the
     reading subgraph reads anyway may be made after its reader of the crossing value."""
     needed = {a for n in chain for a in n.all_input_nodes} - set(chain)
-    for n in graph.nodes:
-        if n is at:
-            return not needed
-        needed.discard(n)
-    return False
+    return in_graph_order([*needed, at])[-1] is at
 
 
 def _copy_into(sg, chain: list[torch.fx.Node], users: list[torch.fx.Node], at: torch.fx.Node,

@@ -218,15 +218,23 @@ def forward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.N
         for n, m in reach.items():
             if is_library_kernel(n):
                 work[m] += max(1, node_flops(n))
-        light = [i for i in range(len(heavy)) if not work[1 << i]]
-        if not light:  # NOTE: A tower is more than a feeder of one
-            shares = {i: work[1 << i] / joined for i in range(len(heavy))
-                      if (joined := max((w for m, w in work.items() if m & (1 << i) and m.bit_count() == 2),
-                                        default=0))}
-            light = [min(shares, key=shares.get)] if shares and min(shares.values()) < MIN_TOWER_SHARE else []
+        light = [i for i in range(len(heavy)) if not work[1 << i]] or _feeder(work, len(heavy))
         if not light:
             return reach, heavy
         heavy = [x for i, x in enumerate(heavy) if i not in light]
+
+
+def _feeder(work: Counter[int], inputs: int) -> list[int]:
+    """[the input whose own kernels are the smallest share, under MIN_TOWER_SHARE, of the kernels
+    it reaches together with exactly one other input], or [] (NOTE: A tower is more than a feeder
+    of one). `work`: reach bitmask -> the FLOPs of the library kernels with that reach."""
+    shares = {}
+    for i in range(inputs):
+        joined = max((w for m, w in work.items() if m & (1 << i) and bin(m).count("1") == 2), default=0)
+        if joined:
+            shares[i] = work[1 << i] / joined
+    smallest = min(shares, key=shares.get, default=None)
+    return [smallest] if smallest is not None and shares[smallest] < MIN_TOWER_SHARE else []
 
 
 # ---------------------------------------------------------------------------- backward: gradients
