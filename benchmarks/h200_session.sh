@@ -15,7 +15,8 @@
 #       (graph_pool.FIRST_STEP_POOL, off until measured): reserved memory against the default, HF CLIP b8 as a module
 #       and HF SigLIP b8's compile_step with the optimizer inside, each beside reduce-overhead in one process
 #   run(command="bash benchmarks/h200_session.sh llava",         carry=[".device_cache"]) # HF LLaVA (ViT-B/16 + 8-layer Llama), batch 8:
-#       eager, Inductor's default mode, apollo as a module and compile_step (reduce-overhead fails on it: issue 24)
+#       eager, Inductor's default mode, apollo as a module and compile_step, with the optimizer inside too (reduce-overhead
+#       fails on it: issue 24; since session 43 its step is one graph from its second call, whole_step.py's NOTE)
 #   run(command="bash benchmarks/h200_session.sh memory",        carry=[".device_cache"]) # memory table, batch 64: precision, budgets, eager checkpointing, Inductor's budget
 #   run(command="bash benchmarks/h200_session.sh offload",       carry=[".device_cache"]) # offloading's step time, batch 64, against eager + save_on_cpu
 #   run(command="bash benchmarks/h200_session.sh edge-budget",   carry=[".device_cache"]) # largest batch in 20 GiB: budget 0.05 against eager per-block checkpointing
@@ -80,7 +81,7 @@ case "${1:-}" in
                --variants inductor-ro-step apollo-step-opt apollo-step-opt-first-step-pool --out "$OUT/first-step-pool-step" ;;
   llava)     # every graph replayed as a CUDA graph? the runners' summaries say (disabled, ungraphed_calls)
              timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch 8 --steps 20 \
-               --variants eager inductor apollo apollo-step --out "$OUT/llava" ;;
+               --variants ${VARIANTS:-eager inductor apollo apollo-step apollo-step-opt} --out "$OUT/llava" ;;
   memory)    # the memory table at batch 64: whole-run peak against eager fp32, time against apollo's fastest
              timeout 520 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
                eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.5 \
