@@ -351,6 +351,24 @@ def fallback_compile(gm: torch.fx.GraphModule, example_inputs, kind: str, compil
     return make_boxed_func(gm.forward)
 
 
+def _strides_as_given(gm: torch.fx.GraphModule, example_inputs) -> None:
+    """[NOTE] Saved activations as the forward laid them out. Where the forward's compiler laid a
+    saved activation out otherwise than traced (Inductor's layout optimization: a convolution's
+    input and weight channels-last on the CPU), AOTAutograd hands the backward's compiler example
+    inputs with the real strides but leaves the graph's placeholders as traced. apollo compiles
+    each subgraph from the placeholders' example values, and Inductor's code asserts the strides it
+    was compiled for: X-CLIP's backward raised at its first call where its forward had fallen back
+    to Inductor. So a placeholder takes the given example's strides (static strides only: AOTAutograd
+    restrides only under layout optimization, which Inductor turns off for dynamic shapes)."""
+    for ph, given in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        val = ph.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and isinstance(given, torch.Tensor)) or val is given:
+            continue
+        strides = (tuple(val.stride()), tuple(given.stride()))
+        if all(isinstance(s, int) for s in strides[0] + strides[1]) and strides[0] != strides[1]:
+            ph.meta["val"] = given
+
+
 def compile_graph(
     gm: torch.fx.GraphModule,
     example_inputs,
@@ -373,6 +391,7 @@ def compile_graph(
         ctx.forward_inputs = [info(n).modality for n in forward.gm.graph.nodes if n.op == "placeholder"]
         forward_lanes = forward.decisions.get("lanes")
         ctx.forward_main_lane = forward_lanes.lanes.get(0, []) if forward_lanes is not None else None
+    _strides_as_given(gm, example_inputs)
     graph_plan = GraphPlan(graph_name, kind, spec.name, gm, ctx.decisions)
     if kind == "forward":
         graph_plan.checkpoint = model_plan.joint.get("checkpoint")

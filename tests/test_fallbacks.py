@@ -302,6 +302,37 @@ def test_failure_in_the_backward_only_falls_back_for_that_graph(monkeypatch):
     assert plan.backward.fallback and not plan.backward.runtimes
 
 
+class ConvStem(nn.Module):
+    """Convolutions on 4-D activations: Inductor's layout optimization lays the saved inputs of a
+    convolution out channels-last on the CPU, as X-CLIP's patch embedding's were."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.Sequential(*(nn.Conv2d(8, 8, 3, padding=1) for _ in range(4)))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.convs(x).mean(dim=(2, 3))).square().mean()
+
+
+def test_a_backward_after_an_inductor_forward_takes_the_saved_activations_strides(monkeypatch):
+    """The forward falls back to Inductor, which lays its saved activations out channels-last; the
+    backward runs apollo's runtime on them (pipeline.py, NOTE: Saved activations as the forward
+    laid them out): its subgraphs were compiled for the traced strides and Inductor's code
+    asserted them at the first call."""
+    replace_pass(monkeypatch, "codegen", _broken_pass("synthetic forward failure", kinds=("forward",)))
+    torch.manual_seed(0)
+    batches = [(torch.randn(2, 8, 8, 8),) for _ in range(2)]
+    messages = train_like_eager(ConvStem(), batches, {"subgraph_compiler": "inductor"})
+    assert len(messages) == 1 and "_forward runs on Inductor" in messages[0], messages
+    plan = apollo_compile.last_plan()
+    assert plan.backward.fallback is None and plan.backward.runtimes
+    saved = [n.meta["val"] for n in plan.backward.gm.graph.find_nodes(op="placeholder")
+             if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 4]
+    assert any(v.is_contiguous(memory_format=torch.channels_last) and not v.is_contiguous() for v in saved), \
+        [v.stride() for v in saved]  # what the test is about: Inductor did lay them out otherwise
+
+
 def _raising_at_first_call(run, message: str, free_inputs: bool = False):
     """`run` (a boxed runtime) raising at its first call as the generated program would: the inputs
     unpacked into its frame and the caller's list cleared first; with `free_inputs`, dropped too."""
