@@ -128,12 +128,17 @@ class CompiledStep:
         self.whole = torch.compile(traced, backend="apollo", **{**torch_compile_kwargs, "options": options,
                                                                  "fullgraph": True})
         self.parts: Callable | None = None  # the module path, once a call has run on it
-        self.retry = False  # the first call ran on the module path: the next traces the whole step once more
         self.first_call_reason: str | None = None  # why the first call did not trace whole, if it did not
         self.fallback_reason = fallback_reason  # why the step runs on the module path, once it does for good
         if fallback_reason is not None:
             self._fall_back(fallback_reason, stacklevel=4)
         functools.update_wrapper(self, fn)
+
+    @property
+    def retry(self) -> bool:
+        """The first call ran on the module path and the next traces the whole step once more:
+        the module path is compiled, but no reason to stay on it is known yet."""
+        return self.parts is not None and self.fallback_reason is None
 
     def _module_path(self) -> Callable:
         if self.parts is None:
@@ -159,7 +164,7 @@ class CompiledStep:
         return out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.parts is None or self.retry:
+        if self.fallback_reason is None:  # one graph, or its second try (NOTE: Code only a first call runs)
             if self.update is not None:
                 self.update.prepare()
             try:
@@ -172,7 +177,7 @@ class CompiledStep:
                 if self.update is None:
                     self._step_outside()
                 if self.retry:
-                    self.retry, self.parts = False, None
+                    self.parts = None
                     log.info("apollo.compile_step: %s traced as one graph on its second call; its first ran on the "
                              "module path (%s)", getattr(self.fn, "__qualname__", self.fn), self.first_call_reason)
                 return out
@@ -181,10 +186,9 @@ class CompiledStep:
                     raise
                 reason = f"it does not trace as one graph ({str(e).strip().splitlines()[0]})"
                 if self.parts is None:  # once more at the next call (NOTE: Code only a first call runs)
-                    self.retry, self.first_call_reason = True, reason
+                    self.first_call_reason = reason
                     self._module_path()
                 else:
-                    self.retry = False
                     self._fall_back(reason)
         if not backward_tracing_supported():
             out = self.parts(*args, **kwargs)

@@ -211,13 +211,14 @@ def forward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.N
     state), there are no towers, and the graph is one join (one lane), not a lane per parameter."""
     nodes = list(gm.graph.nodes)
     inputs = data_inputs(gm, kind)
+    flops = {n: max(1, node_flops(n)) for n in nodes if is_library_kernel(n)}
     heavy = list(inputs)
     while True:
         reach = _reach(nodes, {x: 1 << i for i, x in enumerate(heavy)}, backward)
         work: Counter[int] = Counter()  # reach bitmask -> FLOPs of the library kernels there
         for n, m in reach.items():
-            if is_library_kernel(n):
-                work[m] += max(1, node_flops(n))
+            if n in flops:
+                work[m] += flops[n]
         light = [i for i in range(len(heavy)) if not work[1 << i]] or _feeder(work, len(heavy))
         if not light:
             return reach, heavy
