@@ -21,6 +21,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import RestartAnalysis
 
 from . import pipeline, whole_step
+from .passes import checkpoint
 from . import plan as plan_store
 from .devices import DEVICE_SPECS, detect_device_spec
 from .fallback import ApolloFallbackWarning, warn_fallback
@@ -124,25 +125,30 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         keep_inference_input_mutations=whole_step.keeps_input_mutations(),
     )
     try:
-        compiled = aot(gm, example_inputs)
+        with checkpoint.attention_recomputed_as_is():  # also where a whole step's graph rematerializes
+            compiled = aot(gm, example_inputs)
     except RestartAnalysis:
         # Dynamo's own control flow, not a failure: e.g. with dynamic=True, AOTAutograd asks Dynamo
         # to retrace with a symbolic float (an attention scale) as a tensor; the retrace calls us
         # again, and only that attempt's plan is kept
         raise
     except Exception as e:
-        plan_store.record(model_plan)
         if opts.strict:
+            plan_store.record(model_plan)
             raise
         if opts.subgraph_compiler == "inductor":
             try:
                 from torch._inductor.compile_fx import compile_fx
 
                 compiled = compile_fx(gm, example_inputs)
+                plan_store.record(model_plan)
                 warn_fallback(name, "Inductor", e)
                 return compiled
             except Exception:  # Inductor cannot either: eager is always right
                 pass
+        if whole_step.module_path_is_last_resort():  # its module path beats its graph run eagerly (whole_step.py, NOTE)
+            raise whole_step.WholeStepNotCompiled(f"graph {name} cannot be compiled: {type(e).__name__}: {e}") from e
+        plan_store.record(model_plan)
         warn_fallback(name, "eager PyTorch (the Dynamo graph as traced)", e)
         return gm.forward
     plan_store.record(model_plan)

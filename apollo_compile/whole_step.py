@@ -47,14 +47,35 @@ log = logging.getLogger("apollo_compile")
 
 TRACE_FLAG = "trace_autograd_ops"
 
-# set while a step with its optimizer inside is traced: the backend keeps the input mutations in
-# the graph (backend.apollo_backend reads it; Dynamo calls the backend in the calling thread)
-_tracing_updates = [False]
+# what is being traced, read by the backend (Dynamo calls it in the calling thread): "whole" while
+# a whole step is that can fall back to the module path (not under the user's fullgraph=True),
+# "updates" while its optimizer's update is inside (the input mutations stay in the graph)
+_tracing = {"whole": False, "updates": False}
 
 
 def keeps_input_mutations() -> bool:
     """Whether the graph being compiled is a whole step with its optimizer's update inside."""
-    return _tracing_updates[0]
+    return _tracing["updates"]
+
+
+def module_path_is_last_resort() -> bool:
+    """Whether the graph being compiled is a whole step whose last resort is the module path.
+
+    [NOTE] A whole step's last resort: a graph that neither apollo nor Inductor can compile runs,
+    elsewhere, as Dynamo traced it, eagerly. A whole step's graph holds its backward as plain ops,
+    and eager ops are all it would get, while the module path compiles the same step as forward
+    and backward graphs, each with its own fallbacks. So there the backend raises instead
+    (:class:`WholeStepNotCompiled`) and the step takes the module path. Case in point: Hugging
+    Face's activation checkpointing around a random op (X-CLIP's): AOTAutograd cannot
+    rematerialize it in a forward-loss-backward graph, while its partitioner handles it in a
+    joint graph. Under the user's ``fullgraph=True`` the module path cannot run (its
+    ``loss.backward()`` breaks the graph), and the graph runs eagerly, with the usual warning."""
+    return _tracing["whole"]
+
+
+class WholeStepNotCompiled(RuntimeError):
+    """Raised by the backend where a whole step's graph cannot be compiled (NOTE: A whole step's
+    last resort); Dynamo raises it on as a failed backend, and the step takes the module path."""
 
 
 def _not_one_graph_errors() -> tuple[type[BaseException], ...]:
@@ -169,11 +190,11 @@ class CompiledStep:
                 self.update.prepare()
             try:
                 with torch._dynamo.config.patch(**{TRACE_FLAG: True}):
-                    _tracing_updates[0] = self.update is not None
+                    _tracing.update(whole=not self.user_fullgraph, updates=self.update is not None)
                     try:
                         out = self.whole(*args, **kwargs)
                     finally:
-                        _tracing_updates[0] = False
+                        _tracing.update(whole=False, updates=False)
                 if self.update is None:
                     self._step_outside()
                 if self.retry:
@@ -184,7 +205,7 @@ class CompiledStep:
             except _not_one_graph_errors() as e:
                 if self.user_fullgraph:
                     raise
-                reason = f"it does not trace as one graph ({str(e).strip().splitlines()[0]})"
+                reason = f"it does not trace as one graph ({_why(e)})"
                 if self.parts is None:  # once more at the next call (NOTE: Code only a first call runs)
                     self.first_call_reason = reason
                     self._module_path()
@@ -203,6 +224,18 @@ class CompiledStep:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+
+def _why(e: BaseException) -> str:
+    """The first line of what Dynamo raised (of the backend's own error, for a failed backend),
+    with Dynamo's first hint where it gives one: what the user can change."""
+    inner = getattr(e, "inner_exception", None)
+    lines = [line.strip() for line in str(inner if inner is not None else e).strip().splitlines() if line.strip()]
+    why = lines[0] if lines else type(e).__name__
+    if inner is not None:
+        why = f"{type(inner).__name__}: {why}"
+    hint = next((line for line in lines if line.startswith("Hint:")), None)
+    return why if hint is None else f"{why}; Dynamo's {hint[0].lower()}{hint[1:]}"
 
 
 # what torch.compile takes out of `options` itself: the rest is the backend's

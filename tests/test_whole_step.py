@@ -8,6 +8,7 @@ off by an ulp moves a parameter by ~lr ulps: several steps stay within the same 
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import warnings
 from collections import Counter
@@ -22,7 +23,7 @@ from torch import nn
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning, ApolloOptionsError, whole_step
 from apollo_compile.annotations import info
-from apollo_compile.nodes import storage_node
+from apollo_compile.nodes import deterministic_attention, storage_node
 from helpers import TOLERANCE
 from models import TwoTower, two_tower_inputs
 
@@ -410,6 +411,97 @@ def test_what_fails_on_the_second_call_too_warns_once():
     mine = [w for w in caught if issubclass(w.category, ApolloFallbackWarning) and "compile_step" in str(w.message)]
     assert len(mine) == 1, [str(w.message) for w in caught]
     assert "Unsupported context manager" in compiled.fallback_reason
+
+
+class CheckpointedWithNoise(TwoTower):
+    """Each tower under the user's own activation checkpoint with a random op inside, as Hugging
+    Face's ``gradient_checkpointing_enable()`` wraps layers that hold dropout. The noise is
+    multiplied by zero, so that eager's values are the compiled step's."""
+
+    def forward(self, images, tokens):
+        def vision(x):
+            out = self.vision(x)
+            return out + 0.0 * torch.rand_like(out)
+
+        v = F.normalize(self.vision_proj(torch.utils.checkpoint.checkpoint(vision, images, use_reentrant=False)),
+                        dim=-1)
+        t = F.normalize(self.text_proj(self.text(tokens)), dim=-1)
+        logits = self.logit_scale.exp() * v @ t.t()
+        labels = torch.arange(logits.shape[0], device=logits.device)
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+def test_a_step_whose_graph_cannot_be_compiled_takes_the_module_path():
+    """AOTAutograd cannot rematerialize a random op inside the user's checkpoint in a whole step's
+    graph; its partitioner can in the module path's joint graph. So the step takes the module path
+    (two lanes there), with one warning naming the cause, not its graph run eagerly (whole_step.py,
+    NOTE: A whole step's last resort)."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = train_both(CheckpointedWithNoise(layers=1), lambda i: two_tower_inputs(seed=i), EAGER, steps=3)
+    mine = [str(w.message) for w in caught if issubclass(w.category, ApolloFallbackWarning)]
+    assert len(mine) == 1 and "compile_step" in mine[0], mine
+    assert "WholeStepNotCompiled" in compiled.fallback_reason and "RNG" in compiled.fallback_reason
+    module_path = [p.graphs for p in apollo_compile.plans() if "backward" in p.graphs]  # apollo's, not eager's
+    assert [len(g["backward"].lanes.lanes) for g in module_path] == [2]
+
+
+class Checkpointed(nn.Module):
+    """A layer under the user's own activation checkpoint, as Hugging Face's
+    ``gradient_checkpointing_enable()`` wraps each encoder layer."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
+
+
+def test_the_users_checkpoints_around_attention_stay_one_graph():
+    """Attention carries the random tag for its dropout, and AOTAutograd refuses to rematerialize
+    a random op in a whole step's graph; at dropout 0 it draws nothing, so apollo lets it be
+    recomputed (checkpoint.attention_recomputed_as_is). The step is one graph with two lanes, each
+    block's attention is run again for the backward, and training is eager's."""
+    torch.manual_seed(0)
+    model = TwoTower(layers=2)
+    for tower in (model.vision, model.text):
+        tower.blocks = nn.ModuleList(Checkpointed(b) for b in tower.blocks)
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        compiled = train_both(model, lambda i: two_tower_inputs(seed=i), EAGER, steps=3)
+    assert compiled.fallback_reason is None and compiled.parts is None
+    graph = whole_step_plans()[0].graphs["inference"]
+    assert len(graph.lanes.lanes) == 2
+    attention = [n for n in graph.gm.graph.nodes if deterministic_attention(n) and "backward" not in str(n.target)]
+    assert len(attention) == 2 * 4, [n.name for n in attention]  # 4 blocks, each run again for its backward
+
+
+_LOG = logging.getLogger("apollo_compile.tests.whole_step")
+
+
+class LogsEachCall(TwoTower):
+    def forward(self, images, tokens):
+        _LOG.debug("a step")  # Hugging Face's models warn this way, under gradient checkpointing among others
+        return super().forward(images, tokens)
+
+
+def test_the_fallback_warning_passes_on_what_dynamo_suggests():
+    """A log call inside the step keeps it off one graph; the warning says so with Dynamo's hint,
+    and following the hint makes the step one graph."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ApolloFallbackWarning)
+        compiled = train_both(LogsEachCall(layers=1), lambda i: two_tower_inputs(seed=i), EAGER, steps=2)
+    assert "Logger" in compiled.fallback_reason and "ignore_logging_functions" in compiled.fallback_reason
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(ignore_logger_methods={logging.Logger.debug}), warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        compiled = train_both(LogsEachCall(layers=1), lambda i: two_tower_inputs(seed=i), EAGER, steps=2)
+    assert compiled.fallback_reason is None and compiled.parts is None
 
 
 def test_retain_graph_trains_like_eager():

@@ -144,15 +144,20 @@ class CheckpointDecision:
 
 @contextlib.contextmanager
 def attention_recomputed_as_is():
-    """Partition with deterministic attention recomputed as it is.
+    """Partition, or rematerialize a whole step's graph, with deterministic attention recomputed
+    as it is.
 
     The min-cut partitioner wraps every recomputed op carrying the random tag in
     ``run_and_save_rng_state`` / ``run_with_rng_state`` (it stashes the generator's state), having
     asked ``has_recomputable_rng_ops``; for the call, that question leaves out
     :func:`deterministic_attention`, which draws nothing. A graph that also recomputes a truly
-    random op (a user's checkpoint around dropout) is wrapped as before. The swap is process-wide:
-    the partition runs inside Dynamo's compile, under its ``compile_lock``, so no other Dynamo
-    compile partitions meanwhile (an ``aot_function`` called directly on another thread would)."""
+    random op (a user's checkpoint around dropout) is wrapped as before. AOTAutograd asks the same
+    question of a forward-loss-backward graph (a whole step's: ``compile_step``) before it
+    rematerializes the user's checkpoints there, and refuses any random op outright: without this,
+    every attention layer under Hugging Face's ``gradient_checkpointing_enable()`` kept such a step
+    off one graph. The swap is process-wide: apollo's backend runs inside Dynamo's compile, under
+    its ``compile_lock``, so no other Dynamo compile partitions meanwhile (an ``aot_function``
+    called directly on another thread would)."""
     from torch._functorch import partitioners
 
     original = partitioners.has_recomputable_rng_ops
@@ -161,11 +166,24 @@ def attention_recomputed_as_is():
         return any(partitioners.must_recompute(n) and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
                    and not deterministic_attention(n) for n in fx_g.graph.nodes)
 
-    partitioners.has_recomputable_rng_ops = has_recomputable_rng_ops
+    holders = [partitioners] + [m for m in _remat_modules() if getattr(m, "has_recomputable_rng_ops", None) is original]
+    for module in holders:
+        module.has_recomputable_rng_ops = has_recomputable_rng_ops
     try:
         yield
     finally:
-        partitioners.has_recomputable_rng_ops = original
+        for module in holders:
+            module.has_recomputable_rng_ops = original
+
+
+def _remat_modules() -> list:
+    """The modules that import ``has_recomputable_rng_ops`` by name: AOTAutograd's rematerialization
+    of a forward-loss-backward graph (torch 2.13; absent from older torches)."""
+    try:
+        from torch._functorch._activation_checkpointing import remat_using_tags_for_fwd_loss_bwd_graph_pass
+    except ImportError:
+        return []
+    return [remat_using_tags_for_fwd_loss_bwd_graph_pass]
 
 
 # ---------------------------------------------------------------------------- graph facts
