@@ -10,6 +10,8 @@ fallbacks) and every warning it raised. One line per model, then failures in ful
     python benchmarks/probes/hf_zoo.py                       # every model, module path
     python benchmarks/probes/hf_zoo.py --models align clap --path step
     python benchmarks/probes/hf_zoo.py --path step-opt            # compile_step(step, optimizer=opt)
+    python benchmarks/probes/hf_zoo.py --gradient-checkpointing non-reentrant   # HF's own checkpoints
+    python benchmarks/probes/hf_zoo.py --models align --freeze vision_model.    # a locked tower (LiT)
 
 Models are built from configs with random weights (offline). The subgraph compiler is eager by
 default (what is tested here is capture, planning and the runtime, not Inductor's kernels);
@@ -352,7 +354,8 @@ def _compiled_step(model, path: str, backend: str, options: dict, opt: torch.opt
     return step
 
 
-def run_one(name: str, backend: str, path: str, steps: int, options: dict, rtol: float, atol: float) -> Outcome:
+def run_one(name: str, backend: str, path: str, steps: int, options: dict, rtol: float, atol: float,
+            gradient_checkpointing: dict | None = None, frozen: str | None = None) -> Outcome:
     """``steps`` AdamW steps of `name` compiled by `backend` and in eager, from the same weights,
     each call after the same seed (GroupViT draws Gumbel noise in training)."""
     out = Outcome(name, backend)
@@ -361,6 +364,14 @@ def run_one(name: str, backend: str, path: str, steps: int, options: dict, rtol:
         build, make_inputs = MODELS[name]()
         torch.manual_seed(0)
         model = build()
+        if gradient_checkpointing is not None:  # the user's own activation checkpoints, as HF sets them
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing)
+        if frozen:  # a locked tower (LiT), or a frozen vision encoder as LLaVA's first stage trains
+            for pn, p in model.named_parameters():
+                if pn.startswith(frozen):
+                    p.requires_grad_(False)
+            if all(p.requires_grad for p in model.parameters()):
+                raise ValueError(f"no parameter of {name} starts with {frozen!r}")
         model.train()
         ref = copy.deepcopy(model)
         torch._dynamo.reset()
@@ -444,6 +455,9 @@ def main() -> None:
     ap.add_argument("--subgraph-compiler", default="eager")
     ap.add_argument("--reference", default="aot_eager",
                     help="a backend run the same way beside apollo ('' for none): a FAIL it shares is torch's")
+    ap.add_argument("--gradient-checkpointing", choices=["reentrant", "non-reentrant"],
+                    help="model.gradient_checkpointing_enable() first, with use_reentrant as named")
+    ap.add_argument("--freeze", metavar="PREFIX", help="requires_grad=False on the parameters whose name starts so")
     ap.add_argument("--rtol", type=float, default=1e-4)
     ap.add_argument("--atol", type=float, default=1e-5)
     args = ap.parse_args()
@@ -452,7 +466,9 @@ def main() -> None:
     for name in args.models:
         mine = None
         for backend in ["apollo"] + ([args.reference] if args.reference else []):
-            r = run_one(name, backend, args.path, args.steps, options, args.rtol, args.atol)
+            r = run_one(name, backend, args.path, args.steps, options, args.rtol, args.atol,
+                        None if args.gradient_checkpointing is None
+                        else {"use_reentrant": args.gradient_checkpointing == "reentrant"}, args.freeze)
             results.append(r)
             if mine is None:
                 mine = r
