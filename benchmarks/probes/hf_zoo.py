@@ -354,8 +354,18 @@ def _compiled_step(model, path: str, backend: str, options: dict, opt: torch.opt
     return step
 
 
+TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+
+def _text_cut(batch: dict, length: int) -> dict:
+    """The batch with its text inputs cut to `length` tokens."""
+    return {k: v[:, :length] if k in TEXT_KEYS and isinstance(v, torch.Tensor) and v.dim() == 2 else v
+            for k, v in batch.items()}
+
+
 def run_one(name: str, backend: str, path: str, steps: int, options: dict, rtol: float, atol: float,
-            gradient_checkpointing: dict | None = None, frozen: str | None = None) -> Outcome:
+            gradient_checkpointing: dict | None = None, frozen: str | None = None,
+            seq_lengths: list[int] | None = None, dtype: torch.dtype | None = None) -> Outcome:
     """``steps`` AdamW steps of `name` compiled by `backend` and in eager, from the same weights,
     each call after the same seed (GroupViT draws Gumbel noise in training)."""
     out = Outcome(name, backend)
@@ -372,6 +382,8 @@ def run_one(name: str, backend: str, path: str, steps: int, options: dict, rtol:
                     p.requires_grad_(False)
             if all(p.requires_grad for p in model.parameters()):
                 raise ValueError(f"no parameter of {name} starts with {frozen!r}")
+        if dtype is not None:  # parameters in it too (pure bf16 training), float inputs cast on each call
+            model.to(dtype)
         model.train()
         ref = copy.deepcopy(model)
         torch._dynamo.reset()
@@ -388,6 +400,11 @@ def run_one(name: str, backend: str, path: str, steps: int, options: dict, rtol:
             warnings.simplefilter("always")
             for i in range(steps):
                 batch = make_inputs(i)
+                if seq_lengths:  # each batch padded to its own longest text, as a collator pads
+                    batch = _text_cut(batch, seq_lengths[i % len(seq_lengths)])
+                if dtype is not None:
+                    batch = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                             for k, v in batch.items()}
                 torch.manual_seed(100 + i)
                 loss = step(batch)
                 torch.manual_seed(100 + i)
@@ -458,6 +475,9 @@ def main() -> None:
     ap.add_argument("--gradient-checkpointing", choices=["reentrant", "non-reentrant"],
                     help="model.gradient_checkpointing_enable() first, with use_reentrant as named")
     ap.add_argument("--freeze", metavar="PREFIX", help="requires_grad=False on the parameters whose name starts so")
+    ap.add_argument("--seq-lengths", type=int, nargs="*", metavar="N",
+                    help="step i's text cut to N[i %% len] tokens (two-tower models: recompiles, dynamic shapes)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], help="the model's parameters and float inputs in it")
     ap.add_argument("--rtol", type=float, default=1e-4)
     ap.add_argument("--atol", type=float, default=1e-5)
     args = ap.parse_args()
@@ -468,7 +488,8 @@ def main() -> None:
         for backend in ["apollo"] + ([args.reference] if args.reference else []):
             r = run_one(name, backend, args.path, args.steps, options, args.rtol, args.atol,
                         None if args.gradient_checkpointing is None
-                        else {"use_reentrant": args.gradient_checkpointing == "reentrant"}, args.freeze)
+                        else {"use_reentrant": args.gradient_checkpointing == "reentrant"}, args.freeze,
+                        args.seq_lengths, getattr(torch, args.dtype) if args.dtype else None)
             results.append(r)
             if mine is None:
                 mine = r
