@@ -139,6 +139,30 @@ def deterministic_attention(node: torch.fx.Node) -> bool:
 # ---------------------------------------------------------------------------- values and bytes
 
 
+def meta_value(node: Any) -> Any:
+    """What a node computes, as tracing recorded it: AOTAutograd's ``val``, else Dynamo's
+    ``example_value``, else a get_attr's tensor itself; None for anything else (a constant
+    argument, a node with no record)."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if "val" in node.meta:
+        return node.meta["val"]
+    if "example_value" in node.meta:
+        return node.meta["example_value"]
+    if node.op == "get_attr":
+        obj: Any = node.graph.owning_module
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, torch.Tensor) else None
+    return None
+
+
+def meta_tensor(node: Any) -> torch.Tensor | None:
+    """:func:`meta_value` where it is one tensor, else None."""
+    val = meta_value(node)
+    return val if isinstance(val, torch.Tensor) else None
+
+
 def tensors(val: Any) -> list[torch.Tensor]:
     """The tensors in a meta value: a tensor, nested tuples/lists/dicts of them, or anything else
     (none)."""

@@ -38,13 +38,10 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
+from ..nodes import meta_tensor
+
 SDPA_TARGETS = (torch.nn.functional.scaled_dot_product_attention,)  # torch._C._nn's, as Dynamo records it
 MASK_POSITION = 3  # scaled_dot_product_attention(query, key, value, attn_mask=None, ...)
-
-
-def _example(node: Any) -> torch.Tensor | None:
-    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def mask_of(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -92,7 +89,7 @@ def run(gm: torch.fx.GraphModule, ctx: Any) -> dict:
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
             continue
         mask = mask_of(node)
-        val = _example(mask)
+        val = meta_tensor(mask)
         if val is None or not last_dim_not_dense(val):
             continue
         if mask not in done:

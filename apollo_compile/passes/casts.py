@@ -92,7 +92,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..annotations import KEY, info
-from ..nodes import input_nodes
+from ..nodes import input_nodes, meta_value
 from ..shapes import concrete_numel as _numel
 from ..shapes import concrete_shape as _shape
 
@@ -195,20 +195,6 @@ def _classify(node: torch.fx.Node) -> tuple[str, str]:
 # ---------------------------------------------------------------------------- dtypes and shapes
 
 
-def _val(node: Any) -> Any:
-    """Dynamo's example value of a node (``val`` elsewhere; a get_attr's tensor itself)."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    if "example_value" in node.meta or "val" in node.meta:
-        return node.meta.get("example_value", node.meta.get("val"))
-    if node.op == "get_attr":
-        obj: Any = node.graph.owning_module
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part, None)
-        return obj if isinstance(obj, torch.Tensor) else None
-    return None
-
-
 def _dtypes(val: Any) -> Any:
     """The dtype structure of a meta value: a dtype, a tuple of them, or None."""
     if isinstance(val, torch.Tensor):
@@ -230,7 +216,7 @@ def _promote(entries: list[tuple[torch.dtype, int]]) -> torch.dtype:
 
 def _storage(node: Any) -> Any:
     """A weak reference to the storage of a node's example value (views share it), else None."""
-    val = _val(node)
+    val = meta_value(node)
     if not isinstance(val, torch.Tensor):
         return None
     try:
@@ -246,7 +232,7 @@ def _is_parameter(node: torch.fx.Node) -> bool:
     if node.op == "get_attr":
         return True
     kind = node.type
-    return isinstance(_val(node), torch.nn.Parameter) or (
+    return isinstance(meta_value(node), torch.nn.Parameter) or (
         isinstance(kind, type) and issubclass(kind, torch.nn.Parameter))
 
 
@@ -271,8 +257,8 @@ def _has_dtype_arg(node: torch.fx.Node) -> bool:
 def _flops(name: str, node: torch.fx.Node) -> int | None:
     """FLOPs of a compute op from Dynamo's example values; None when unknown."""
     try:
-        args = [_val(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
-        out = _val(node)
+        args = [meta_value(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
+        out = meta_value(node)
         if name == "scaled_dot_product_attention":
             q, k, v = (_shape(a) for a in args[:3])
             batch = math.prod(q[:-2])
@@ -313,7 +299,7 @@ def _einsum_flops(args: list[Any]) -> int | None:
 
 def _roofline_us(node: torch.fx.Node, flops: int, spec: Any) -> float:
     nbytes = 0
-    for t in (*(_val(n) for n in input_nodes(node)), _val(node)):
+    for t in (*(meta_value(n) for n in input_nodes(node)), meta_value(node)):
         if isinstance(t, torch.Tensor):
             nbytes += _numel(t) * t.element_size()
     peak = spec.peak_flops(torch.float32, matmul=True)
@@ -378,7 +364,7 @@ class _Rewriter:
             for field in ("nn_module_stack", "stack_trace", "source_fn_stack"):
                 if field in user.meta:  # labelled like the op it feeds (modality pass, listings)
                     node.meta[field] = user.meta[field]
-            val = _val(src)
+            val = meta_value(src)
             if isinstance(val, torch.Tensor):
                 node.meta["example_value"] = val.to(dtype)
             mark = SHORT.get(dtype, str(dtype))
@@ -410,7 +396,7 @@ class _Rewriter:
 
     # ---- per kind
     def visit(self, node: torch.fx.Node) -> None:
-        self.orig[node] = _dtypes(_val(node))
+        self.orig[node] = _dtypes(meta_value(node))
         if node.op in ("placeholder", "get_attr", "output"):
             return
         kind, name = _classify(node)
@@ -495,7 +481,7 @@ class _Rewriter:
                 if _float(self.dtype(others[0])):
                     self.new[node] = self.dtype(others[0])
                 return
-        ndims = {n: (_val(n).dim() if isinstance(_val(n), torch.Tensor) else 0) for n in inputs}
+        ndims = {n: (meta_value(n).dim() if isinstance(meta_value(n), torch.Tensor) else 0) for n in inputs}
         old = _promote([(self.orig[n], ndims[n]) for n in inputs])
         new = _promote([(self.dtype(n), ndims[n]) for n in inputs])
 

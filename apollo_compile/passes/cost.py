@@ -51,7 +51,7 @@ from torch.utils.flop_counter import flop_registry
 from ..annotations import info
 from ..devices import DeviceSpec
 from ..fused_update import state_bytes
-from ..nodes import input_nodes, is_library_kernel, is_library_kernel_name, op_name, tensors
+from ..nodes import input_nodes, is_library_kernel, is_library_kernel_name, meta_value, op_name, tensors
 from ..shapes import concrete_int as _int
 from ..shapes import concrete_numel as _numel
 from ..shapes import concrete_shape as _shape
@@ -117,24 +117,6 @@ def _contiguous(t: torch.Tensor) -> bool:
         return True
 
 
-def _val(node: torch.fx.Node) -> Any:
-    """The node's meta value: ``val``, else Dynamo's ``example_value``, else a get_attr tensor."""
-    if "val" in node.meta:
-        return node.meta["val"]
-    if "example_value" in node.meta:
-        return node.meta["example_value"]
-    if node.op == "get_attr":
-        obj: Any = node.graph.owning_module
-        try:
-            for part in str(node.target).split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            return None
-        if isinstance(obj, torch.Tensor):
-            return obj
-    return None
-
-
 def _is_free(node: torch.fx.Node, out: Any, name: str) -> bool:
     """Views, metadata, placeholders/outputs: nodes that launch no kernel."""
     if node.op in ("placeholder", "output", "get_attr"):
@@ -144,7 +126,7 @@ def _is_free(node: torch.fx.Node, out: Any, name: str) -> bool:
         return True
     if name == "reshape":  # a view exactly when it needs no copy; contiguous input is the common case
         inp = node.args[0] if node.args else None
-        val = _val(inp) if isinstance(inp, torch.fx.Node) else None
+        val = meta_value(inp) if isinstance(inp, torch.fx.Node) else None
         if not isinstance(val, torch.Tensor):
             return True
         return _contiguous(val)
@@ -208,9 +190,8 @@ def _flops_extra(name: str, args: tuple, out: Any) -> int | None:
 def _flops(node: torch.fx.Node, name: str, out: Any, in_vals: list[Any]) -> int:
     target = node.target
     packet = getattr(target, "overloadpacket", target)
-    to_val = lambda n: _val(n)  # noqa: E731
-    args = torch.fx.node.map_arg(node.args, to_val)
-    kwargs = torch.fx.node.map_arg(node.kwargs, to_val)
+    args = torch.fx.node.map_arg(node.args, meta_value)
+    kwargs = torch.fx.node.map_arg(node.kwargs, meta_value)
     try:
         fn: Callable[..., Any] | None = flop_registry.get(packet)
     except TypeError:  # unhashable target
@@ -247,7 +228,7 @@ def _first_float_dtype(*vals: Any) -> torch.dtype | None:
 def node_flops(node: torch.fx.Node) -> int:
     """FLOPs of one node from its example values (0 where unknown), for passes before this one."""
     try:
-        return int(_flops(node, op_name(node), _val(node), [_val(n) for n in input_nodes(node)]))
+        return int(_flops(node, op_name(node), meta_value(node), [meta_value(n) for n in input_nodes(node)]))
     except Exception:
         return 0
 
@@ -255,7 +236,7 @@ def node_flops(node: torch.fx.Node) -> int:
 def node_cost(node: torch.fx.Node, spec: DeviceSpec) -> Cost:
     """(flops, bytes, intensity, bound, est_us) of one node on `spec`; never raises."""
     try:
-        out = _val(node)
+        out = meta_value(node)
         name = op_name(node)
         if _is_free(node, out, name):
             return _FREE
@@ -263,7 +244,7 @@ def node_cost(node: torch.fx.Node, spec: DeviceSpec) -> Cost:
         return _FREE if node.op in ("placeholder", "output", "get_attr") else (0, 0, 0.0, "memory", spec.launch_us)
 
     try:
-        in_vals = [_val(n) for n in input_nodes(node)]
+        in_vals = [meta_value(n) for n in input_nodes(node)]
         nbytes = sum(_nbytes(t) for v in in_vals for t in tensors(v)) + sum(_nbytes(t) for t in tensors(out))
         nbytes += state_bytes(node)  # an update's optimizer state, found by name, not an input
         flops = _flops(node, name, out, in_vals)

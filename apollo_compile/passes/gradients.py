@@ -41,6 +41,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 
 from ..fused_update import adam_step, adam_step_foreach
+from ..nodes import meta_tensor
 
 aten = torch.ops.aten
 # aten::mm.dtype: a bf16/fp16 matmul with a float32 output (torch >= 2.8); ATen has CUDA kernels only
@@ -49,11 +50,6 @@ WIDE_MATMUL_DEVICES = frozenset({"cuda"})  # where the gradients' matmuls write 
 _LOW = (torch.bfloat16, torch.float16)
 # what empty_like(p) becomes: as traced, or under Inductor's decompositions
 _ALLOCATIONS = (aten.empty_like.default, aten.empty.memory_format, aten.empty_strided.default)
-
-
-def _val(node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _owns_its_storage(node: torch.fx.Node) -> bool:
@@ -73,7 +69,7 @@ def _views_base(grad: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torc
         base = base.args[0]
     if base.op != "call_function" or len(base.users) != 1 or returned.get(base, 0):
         return None
-    g, b = _val(grad), _val(base)
+    g, b = meta_tensor(grad), meta_tensor(base)
     if g is None or b is None or g.dtype != b.dtype or g.device != b.device:
         return None
     try:
@@ -94,7 +90,7 @@ def _as_own_tensor(base: torch.fx.Node, like: torch.fx.Node, before: torch.fx.No
     """``_unsafe_view(base, shape of like)``, before `before`: the values of `like` (a contiguous view
     chain over all of `base`) as a tensor of its own."""
     with before.graph.inserting_before(before):
-        own = before.graph.call_function(aten._unsafe_view.default, (base, list(_val(like).shape)))
+        own = before.graph.call_function(aten._unsafe_view.default, (base, list(meta_tensor(like).shape)))
     own.meta.update({k: v for k, v in like.meta.items() if k != "apollo"})
     return own
 
@@ -122,27 +118,27 @@ def _widened(cast: torch.fx.Node, returned: dict[torch.fx.Node, int], *, output:
         return None
     if returned.get(cast, 0) != (1 if output else 0):
         return None
-    out, chain = _val(cast), cast.args[0]
+    out, chain = meta_tensor(cast), cast.args[0]
     if (out is None or out.dtype != torch.float32 or out.device.type not in WIDE_MATMUL_DEVICES
             or not isinstance(chain, torch.fx.Node)):
         return None
     mm = _views_base(chain, returned)
-    if mm is None or mm.target is not aten.mm.default or mm.kwargs or _val(mm) is None or _val(mm).dtype not in _LOW:
+    if mm is None or mm.target is not aten.mm.default or mm.kwargs or meta_tensor(mm) is None or meta_tensor(mm).dtype not in _LOW:
         return None
     try:
-        if not out.is_contiguous() or out.shape != _val(chain).shape:
+        if not out.is_contiguous() or out.shape != meta_tensor(chain).shape:
             return None
     except Exception:  # a symbolic size that cannot be decided
         return None
     a, b = mm.args
-    fake_mode = detect_fake_mode([_val(a), _val(b)])
+    fake_mode = detect_fake_mode([meta_tensor(a), meta_tensor(b)])
     if fake_mode is None:
         return None
     with cast.graph.inserting_before(cast):
         wide = cast.graph.call_function(_WIDE_MM, (a, b, torch.float32))
     wide.meta.update({k: v for k, v in mm.meta.items() if k not in ("apollo", "val", "tensor_meta")})
     with fake_mode:
-        wide.meta["val"] = _WIDE_MM(_val(a), _val(b), torch.float32)
+        wide.meta["val"] = _WIDE_MM(meta_tensor(a), meta_tensor(b), torch.float32)
     if chain is mm:
         return wide
     own = _as_own_tensor(wide, cast, cast)
@@ -176,7 +172,7 @@ def _stealable(copy: torch.fx.Node, returned: dict[torch.fx.Node, int]) -> torch
         return None
     if grad.op != "call_function" or returned.get(grad, 0) or len(grad.users) != 1:
         return None
-    out, g = _val(copy), _val(grad)
+    out, g = meta_tensor(copy), meta_tensor(grad)
     if out is None or g is None or (out.dtype, out.device, out.shape) != (g.dtype, g.device, g.shape):
         return None
     if returned.get(copy, 0) or _read_by_list_updates_alone(copy):
@@ -219,7 +215,7 @@ def _update_reads_as_computed(copy: torch.fx.Node, returned: dict[torch.fx.Node,
         return None
     while isinstance(grad, torch.fx.Node) and grad.target in _CASTS and len(grad.users) == 1:
         grad = grad.args[0]
-    out, g = _val(copy), _val(grad)
+    out, g = meta_tensor(copy), meta_tensor(grad)
     if (not isinstance(grad, torch.fx.Node) or grad.op != "call_function" or returned.get(grad, 0)
             or out is None or g is None or not g.is_floating_point() or g.device != out.device):
         return None

@@ -22,11 +22,9 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
+from ..nodes import meta_value
+
 aten = torch.ops.aten
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 class _Emitter:
@@ -36,7 +34,7 @@ class _Emitter:
         self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
 
     def __call__(self, op, *args, **kwargs):
-        fake_args = torch.fx.node.map_arg(args, _val)  # nested too: index's list of index tensors
+        fake_args = torch.fx.node.map_arg(args, meta_value)  # nested too: index's list of index tensors
         with self.fake_mode:
             val = op(*fake_args, **kwargs)
         with self.graph.inserting_before(self.anchor):
@@ -52,7 +50,7 @@ def _static_ints(values) -> list[int] | None:
 
 def _rewrite_masked_scatter_backward(node: torch.fx.Node, fake_mode) -> bool:
     grad, mask, sizes = node.args[0], node.args[1], node.args[2]
-    g, m = _val(grad), _val(mask)
+    g, m = meta_value(grad), meta_value(mask)
     sizes = _static_ints(sizes)
     if g is None or m is None or sizes is None or _static_ints(g.shape) is None:
         return False
@@ -73,7 +71,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
     targets = [n for n in gm.graph.nodes if n.target is aten.masked_scatter_backward.default]
     if not targets:
         return {"rewritten": 0}
-    fake_mode = detect_fake_mode([_val(n) for n in gm.graph.nodes if isinstance(_val(n), torch.Tensor)])
+    fake_mode = detect_fake_mode([meta_value(n) for n in gm.graph.nodes if isinstance(meta_value(n), torch.Tensor)])
     if fake_mode is None:
         return {"rewritten": 0}
     rewritten = sum(_rewrite_masked_scatter_backward(n, fake_mode) for n in targets)
