@@ -498,3 +498,18 @@ def test_attention_with_dropout_is_never_recomputed():
             assert checkpoint.is_random(attn) is not deterministic, (op, p)
         default = graph.call_function(aten._scaled_dot_product_flash_attention.default, (q, k, v))
         assert checkpoint.deterministic_attention(default)  # dropout_p defaults to 0
+
+
+def test_deterministic_attention_is_recomputable_wherever_torch_asks():
+    """The min-cut partitioner and AOTAutograd's forward-loss-backward rematerialization (a whole
+    step's graph) both ask ``has_recomputable_rng_ops``; the second imports it by name, so the swap
+    must reach it however early it was imported, and put back the original after."""
+    from torch._functorch import partitioners
+
+    remat = pytest.importorskip("torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass")
+    original = partitioners.has_recomputable_rng_ops
+    assert remat.has_recomputable_rng_ops is original  # imported before the swap, as any program may
+    with checkpoint.attention_recomputed_as_is():
+        assert partitioners.has_recomputable_rng_ops is not original
+        assert remat.has_recomputable_rng_ops is partitioners.has_recomputable_rng_ops
+    assert partitioners.has_recomputable_rng_ops is original and remat.has_recomputable_rng_ops is original

@@ -178,7 +178,9 @@ def attention_recomputed_as_is():
 
 def _remat_modules() -> list:
     """The modules that import ``has_recomputable_rng_ops`` by name: AOTAutograd's rematerialization
-    of a forward-loss-backward graph (torch 2.13; absent from older torches)."""
+    of a forward-loss-backward graph (torch 2.13; absent from older torches). Imported here, before
+    the swap: imported first inside it (AOTAutograd imports it lazily), it would keep the swapped
+    function for good."""
     try:
         from torch._functorch._activation_checkpointing import remat_using_tags_for_fwd_loss_bwd_graph_pass
     except ImportError:
