@@ -136,20 +136,18 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         if opts.strict:
             plan_store.record(model_plan)
             raise
+        compiled = None
         if opts.subgraph_compiler == "inductor":
             try:
                 from torch._inductor.compile_fx import compile_fx
 
                 compiled = compile_fx(gm, example_inputs)
-                plan_store.record(model_plan)
-                warn_fallback(name, "Inductor", e)
-                return compiled
             except Exception:  # Inductor cannot either: eager is always right
                 pass
-        if whole_step.module_path_is_last_resort():  # its module path beats its graph run eagerly (whole_step.py, NOTE)
+        if compiled is None and whole_step.module_path_is_last_resort():  # better than its graph run eagerly (NOTE)
             raise whole_step.WholeStepNotCompiled(f"graph {name} cannot be compiled: {type(e).__name__}: {e}") from e
         plan_store.record(model_plan)
-        warn_fallback(name, "eager PyTorch (the Dynamo graph as traced)", e)
-        return gm.forward
+        warn_fallback(name, "Inductor" if compiled is not None else "eager PyTorch (the Dynamo graph as traced)", e)
+        return compiled if compiled is not None else gm.forward
     plan_store.record(model_plan)
     return compiled

@@ -92,7 +92,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ..annotations import KEY, info
-from ..nodes import input_nodes, meta_value
+from ..nodes import input_nodes, meta_tensor, meta_value
 from ..shapes import concrete_numel as _numel
 from ..shapes import concrete_shape as _shape
 
@@ -481,7 +481,7 @@ class _Rewriter:
                 if _float(self.dtype(others[0])):
                     self.new[node] = self.dtype(others[0])
                 return
-        ndims = {n: (meta_value(n).dim() if isinstance(meta_value(n), torch.Tensor) else 0) for n in inputs}
+        ndims = {n: (t.dim() if (t := meta_tensor(n)) is not None else 0) for n in inputs}
         old = _promote([(self.orig[n], ndims[n]) for n in inputs])
         new = _promote([(self.dtype(n), ndims[n]) for n in inputs])
 

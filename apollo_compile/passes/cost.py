@@ -126,7 +126,7 @@ def _is_free(node: torch.fx.Node, out: Any, name: str) -> bool:
         return True
     if name == "reshape":  # a view exactly when it needs no copy; contiguous input is the common case
         inp = node.args[0] if node.args else None
-        val = meta_value(inp) if isinstance(inp, torch.fx.Node) else None
+        val = meta_value(inp)  # None for a constant
         if not isinstance(val, torch.Tensor):
             return True
         return _contiguous(val)

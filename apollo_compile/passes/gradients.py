@@ -123,7 +123,9 @@ def _widened(cast: torch.fx.Node, returned: dict[torch.fx.Node, int], *, output:
             or not isinstance(chain, torch.fx.Node)):
         return None
     mm = _views_base(chain, returned)
-    if mm is None or mm.target is not aten.mm.default or mm.kwargs or meta_tensor(mm) is None or meta_tensor(mm).dtype not in _LOW:
+    if mm is None or mm.target is not aten.mm.default or mm.kwargs or meta_tensor(mm) is None:
+        return None
+    if meta_tensor(mm).dtype not in _LOW:
         return None
     try:
         if not out.is_contiguous() or out.shape != meta_tensor(chain).shape:

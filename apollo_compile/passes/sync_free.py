@@ -22,7 +22,7 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
-from ..nodes import meta_value
+from ..nodes import meta_tensor, meta_value
 
 aten = torch.ops.aten
 
@@ -71,7 +71,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
     targets = [n for n in gm.graph.nodes if n.target is aten.masked_scatter_backward.default]
     if not targets:
         return {"rewritten": 0}
-    fake_mode = detect_fake_mode([meta_value(n) for n in gm.graph.nodes if isinstance(meta_value(n), torch.Tensor)])
+    fake_mode = detect_fake_mode([t for n in gm.graph.nodes if (t := meta_tensor(n)) is not None])
     if fake_mode is None:
         return {"rewritten": 0}
     rewritten = sum(_rewrite_masked_scatter_backward(n, fake_mode) for n in targets)
