@@ -417,6 +417,10 @@ def test_common_judges_gradients_against_eager_and_bf16_noise():
     assert common.verdict(n) == "PASS*" and n["params_within_bf16_noise"] == ["w"]
     assert noisy["noise_summary"]["grad_rel_err_worst_param"] == "w"
     assert common.verdict(common.compare(1.2, ones, noisy, "bf16")) == "FAIL"  # the loss 20% off
+    # a parameter over both rules is listed with what tells rounding from a bug
+    far = common.compare(1.0, {"w": torch.full((4,), 1.2), "b": torch.ones(2)}, noisy, "bf16")
+    assert common.numerics_text(far).splitlines()[1] == \
+        "    w: 2.0e-01 from eager, 1.5e-01 from fp32 (eager bf16 3.8e-02), 1.0e+00 of the largest gradient"
     # the loss by the same rule: eager bf16's 2.00 is 0.04 from fp32's 2.04; 2.07 is 0.03 from it (within 2x),
     # 2.15 is 0.11 from it (not), both over LOSS_RTOL's 1e-2 * 2.00 from eager bf16
     noisy_loss = common.reference(2.0, ones, fp32=(2.04, ones))
