@@ -57,8 +57,9 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
                    math path; the tree before session 41)
     apollo-first-step-pool, apollo-step-opt-first-step-pool  apollo and apollo-step-opt with the
                    first, un-graphed step in a memory pool of its own (``runtime.graph_pool.
-                   FIRST_STEP_POOL``, off by default until measured: NOTE: The first step in a pool of
-                   its own), for the memory held between steps against the default in one process
+                   FIRST_STEP_POOL``, off by default, measured slower in session 47: NOTE: The first
+                   step in a pool of its own), for the memory held between steps against the default
+                   in one process
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the

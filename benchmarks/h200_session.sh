@@ -12,7 +12,7 @@
 #       the model compiled as a module, reduce-overhead against apollo and against apollo timing its backward's
 #       candidates too (apollo-bw-measured, the rule before session 28), peak and reserved as ratios
 #   run(command="bash benchmarks/h200_session.sh first-step-pool", carry=[".device_cache"]) # the first step in a pool of its own
-#       (graph_pool.FIRST_STEP_POOL, off until measured): reserved memory against the default, HF CLIP b8 as a module
+#       (graph_pool.FIRST_STEP_POOL, off: measured slower in session 47): reserved memory against the default, HF CLIP b8 as a module
 #       and HF SigLIP b8's compile_step with the optimizer inside, each beside reduce-overhead in one process
 #   run(command="bash benchmarks/h200_session.sh llava",         carry=[".device_cache"]) # HF LLaVA (ViT-B/16 + 8-layer Llama), batch 8:
 #       eager, Inductor's default mode, apollo as a module and compile_step, with the optimizer inside too (reduce-overhead

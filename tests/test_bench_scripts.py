@@ -571,7 +571,7 @@ def test_the_masks_as_traced_variant_runs_without_the_attention_masks_pass():
 @pytest.mark.parametrize("variant", ["apollo-first-step-pool", "apollo-step-opt-first-step-pool"])
 def test_the_first_step_pool_variants_turn_it_on_for_their_run_alone(variant):
     """bench_whole_step's *-first-step-pool variants run with runtime.graph_pool.FIRST_STEP_POOL on
-    (off by default until measured) and leave it as it was; the others leave it alone."""
+    (off by default: measured slower, RESULTS.md session 47) and leave it as it was; the others leave it alone."""
     from apollo_compile.runtime import graph_pool
 
     assert graph_pool.FIRST_STEP_POOL is False

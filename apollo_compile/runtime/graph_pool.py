@@ -79,11 +79,14 @@ def release_cached_segments() -> None:
 # the rest of training (NOTE: The first, un-graphed step leaves its cache behind). Unlike the first
 # call in the graph pool (session 29, worse), nothing of that step shares a pool with the captures.
 # Where this torch has no user memory pools (torch.cuda.MemPool, torch.cuda.use_mem_pool), the first
-# step runs in the default pool as before. Off (FIRST_STEP_POOL) until measured on a GPU: written in
-# session 42 with no device time left; bench_whole_step.py's variants apollo-first-step-pool and
-# apollo-step-opt-first-step-pool turn it on beside the default in one process.
+# step runs in the default pool as before. Off (FIRST_STEP_POOL): measured in sessions 44 and 47
+# (bench_whole_step.py's variants apollo-first-step-pool and apollo-step-opt-first-step-pool, beside
+# the default in one process, both orders; benchmarks/RESULTS.md), it takes the module path's
+# reserved memory from 1.12x to 1.04x of reduce-overhead's on HF CLIP at batch 8 but makes the step
+# read every step 7-8% slower in both orders, and on compile_step changes no memory and costs 3-6%.
+# The replays inside are as fast, so the cost is outside them; where, not found.
 
-FIRST_STEP_POOL = False  # NOTE: The first step in a pool of its own (off until measured)
+FIRST_STEP_POOL = False  # NOTE: The first step in a pool of its own (off: measured slower)
 
 
 def first_step_pool(device: torch.device | None) -> tuple[object, torch.device] | None:
