@@ -501,6 +501,33 @@ def test_the_step_host_probe_runs_on_the_cpu(tmp_path):
     assert row["step (guards skipped)"] > 0
 
 
+def test_the_step_host_probe_times_module_variants_under_their_runtime(tmp_path, monkeypatch):
+    """probes/step_host.py takes the module-compiled variants too (the loop runs their backward),
+    each under the runtime bench_whole_step gives it: the first-step-pool variant with
+    graph_pool.FIRST_STEP_POOL on while it runs, and off again for the next (session 47 profiled the
+    pool's cost this way)."""
+    import json
+
+    import step_host
+
+    from apollo_compile.runtime import graph_pool
+
+    seen, real = [], step_host.training_step
+
+    def spy(variant, *args):
+        seen.append((variant, graph_pool.FIRST_STEP_POOL))
+        return real(variant, *args)
+
+    monkeypatch.setattr(step_host, "training_step", spy)
+    out = tmp_path / "host"
+    assert step_host.main(["--device", "cpu", "--models", "hf-clip-tiny", "--batch", "2", "--steps", "2", "--warmup",
+                           "2", "--variants", "apollo-first-step-pool", "apollo", "--apollo-options",
+                           '{"subgraph_compiler": "eager"}', "--top", "3", "--out", str(out)]) == 0
+    assert seen == [("apollo-first-step-pool", True), ("apollo", False)]
+    rows = json.loads((out / "step_host.json").read_text())
+    assert [r["variant"] for r in rows] == ["apollo-first-step-pool", "apollo"] and all(r["step"] > 0 for r in rows)
+
+
 class _Event:
     """A profiler event as torch's kineto results give it, for step_kernels.timeline."""
 

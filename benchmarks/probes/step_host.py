@@ -1,7 +1,8 @@
 """Where a whole step's host time goes before its CUDA graph starts (issue 23: compile_step with the
 optimizer inside ran 7.42 ms back to back but 11.32 ms with the loss read every step, session 30).
 
-Per variant of ``bench_whole_step.py`` (``apollo-step-opt``, ``apollo-step``, ``inductor-ro-step``),
+Per variant of ``bench_whole_step.py`` (``apollo-step-opt``, ``apollo-step``, ``inductor-ro-step``; the
+module-compiled ones too: ``apollo``, ``inductor-ro``, ``apollo-first-step-pool``),
 after ``--warmup`` steps, the median over ``--steps`` steps each from an idle GPU of:
 
 - ``to launch``: host ms from the step's start (``optimizer.zero_grad``, as the benchmark's loop)
@@ -79,7 +80,10 @@ def training_step(variant: str, name: str, base, batch, args, device) -> tuple:
     ``bench_whole_step.py``: zero_grad, the compiled step, AdamW's step unless it is inside."""
     model = copy.deepcopy(base).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True if device.type == "cuda" else None)
-    f = bws.WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options), optimizer)
+    if variant in bws.STEP_VARIANTS:
+        f = bws.WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options), optimizer)
+    else:  # the model compiled as a module (inductor-ro, apollo, ...): the loop runs the backward
+        f = module_step(bws.loss_fn(name, bws.compile_variant(variant, model, args)), device, args.amp)
     inside = bws.updates_inside(variant)
 
     def step() -> torch.Tensor:
@@ -90,6 +94,18 @@ def training_step(variant: str, name: str, base, batch, args, device) -> tuple:
         return loss
 
     return step, (f, model, optimizer)
+
+
+def module_step(f, device, amp: bool):
+    """Forward under autocast and ``loss.backward()`` of a module-compiled model's loss `f`, the
+    loss handed back detached, as ``bench_whole_step.py``'s loop does for the module variants."""
+    def step(pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        with common.autocast(device, amp):
+            loss = f(pixels, ids)
+        loss.backward()
+        return loss.detach()
+
+    return step
 
 
 def timed(step, args, device) -> dict[str, list[float]]:
@@ -122,6 +138,11 @@ def timed(step, args, device) -> dict[str, list[float]]:
 
 
 def run(variant: str, name: str, base, batch, args, device) -> dict:
+    with bws.runtime_for(variant):  # a *-first-step-pool variant's pool, as bench_whole_step runs it
+        return _run(variant, name, base, batch, args, device)
+
+
+def _run(variant: str, name: str, base, batch, args, device) -> dict:
     step, held = training_step(variant, name, base, batch, args, device)
     for _ in range(args.warmup):
         step().item()
@@ -153,7 +174,7 @@ def parse_step_args(argv, doc: str, variants: list[str], steps: int):
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["hf-clip"], type=bws.model_name)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--variants", nargs="+", default=variants, choices=bws.STEP_VARIANTS)
+    p.add_argument("--variants", nargs="+", default=variants, choices=bws.VARIANTS)
     p.add_argument("--apollo-options", type=json.loads, default={})
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--skip-guards-too", action="store_true",

@@ -91,6 +91,11 @@ def timeline(events) -> dict[str, float]:
 
 def kernels(variant: str, name: str, base, batch, args, device) -> tuple[list[dict], dict[str, float]]:
     """([{kernel, count, total_us}] per step, the costliest first; the step's `timeline`)."""
+    with bws.runtime_for(variant):  # a *-first-step-pool variant's pool, as bench_whole_step runs it
+        return _kernels(variant, name, base, batch, args, device)
+
+
+def _kernels(variant: str, name: str, base, batch, args, device) -> tuple[list[dict], dict[str, float]]:
     step, held = step_host.training_step(variant, name, base, batch, args, device)
     for _ in range(args.warmup):
         step().item()
