@@ -14,6 +14,8 @@
 #   run(command="bash benchmarks/h200_session.sh first-step-pool", carry=[".device_cache"]) # the first step in a pool of its own
 #       (graph_pool.FIRST_STEP_POOL, off: measured slower in session 47): reserved memory against the default, HF CLIP b8 as a module
 #       and HF SigLIP b8's compile_step with the optimizer inside, each beside reduce-overhead in one process
+#   run(command="bash benchmarks/h200_session.sh first-step-pool-why", carry=[".device_cache"]) # why that pool slowed
+#       HF CLIP b8's module step 7-8% in session 47 (GPU kernels per step, the host's split), both with and without it
 #   run(command="bash benchmarks/h200_session.sh llava",         carry=[".device_cache"]) # HF LLaVA (ViT-B/16 + 8-layer Llama), batch 8:
 #       eager, Inductor's default mode, apollo as a module and compile_step, with the optimizer inside too (reduce-overhead
 #       fails on it: issue 24; since session 43 its step is one graph from its second call, whole_step.py's NOTE)
@@ -79,6 +81,12 @@ case "${1:-}" in
                --variants inductor-ro apollo apollo-first-step-pool --out "$OUT/first-step-pool-module"
              timeout 260 python benchmarks/bench_whole_step.py --models hf-siglip --batch 8 --steps 20 \
                --variants inductor-ro-step apollo-step-opt apollo-step-opt-first-step-pool --out "$OUT/first-step-pool-step" ;;
+  first-step-pool-why)  # where the first-step pool's 7-8% of HF CLIP's module step goes (session 47): GPU kernels
+             # per step with and without it, then the host's split of the step from an idle GPU
+             timeout 200 python benchmarks/probes/step_kernels.py --models hf-clip --batch 8 --steps 3 --top 12 \
+               --variants apollo apollo-first-step-pool --out "$OUT/first-step-pool-why"
+             timeout 200 python benchmarks/probes/step_host.py --models hf-clip --batch 8 --steps 20 --top 12 \
+               --variants apollo-first-step-pool apollo --out "$OUT/first-step-pool-why" ;;
   llava)     # every graph replayed as a CUDA graph? the runners' summaries say (disabled, ungraphed_calls)
              timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch 8 --steps 20 \
                --variants ${VARIANTS:-eager inductor apollo apollo-step apollo-step-opt} --out "$OUT/llava" ;;
@@ -132,7 +140,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|step-memory|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|first-step-pool|first-step-pool-why|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|step-memory|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?
