@@ -6,7 +6,8 @@ Numerics: the eager subgraph compiler runs eager's ATen ops, so the module path 
 step without the optimizer match eager exactly here (the probe's rtol 1e-4 / atol 1e-5 per
 element); with AdamW's update inside the graph the parameters are held to twice the distance of
 torch's own fused AdamW from the for-loop AdamW eager runs (hf_zoo.run_one: Adam moves a
-parameter whose true gradient is 0 by +-lr on rounding noise, whichever implementation rounds).
+parameter whose true gradient is 0 by +-lr on rounding noise, whichever implementation rounds),
+and an element whose eager gradient was only such noise to 2 lr per step (hf_zoo._update_err).
 Where AOTAutograd itself moves a gradient off eager's (X-CLIP's patch embedding, 11x the
 tolerance under backend="aot_eager" too), apollo is held to twice aot_eager's distance.
 """
@@ -69,3 +70,28 @@ def test_the_users_activation_checkpoints_keep_the_towers_on_lanes(path):
     the step off apollo's runtime: checkpoint.attention_recomputed_as_is)."""
     out = _check("altclip", path, gradient_checkpointing={"use_reentrant": False})
     assert out.graphs == (["frame0_0[f:2,b:2]"] if path == "module" else ["frame0_0[i:2]"]), out.graphs
+
+
+def test_a_gradient_of_only_noise_is_judged_by_how_far_adam_moves_it():
+    """With AdamW inside, an element whose eager gradient was rounding noise at every step (under
+    hf_zoo.NO_SIGNAL of the largest; attention's key biases) may part from eager's by up to 2 lr per
+    step, which Adam's division by sqrt(v) gives noise of any size; every other element keeps the
+    per-element tolerance. One step with signal makes an element an ordinary one for good."""
+    import torch
+
+    ref = torch.nn.Linear(2, 2)
+    ref.weight.grad = torch.tensor([[1.0, 0.5], [1e-9, 2.0]])
+    ref.bias.grad = torch.tensor([1e-8, 1.0])
+    mask = hf_zoo._no_signal_so_far({}, ref)
+    assert mask["weight"].tolist() == [[False, False], [True, False]] and mask["bias"].tolist() == [True, False]
+    ref.bias.grad = torch.tensor([0.5, 1.0])  # the next step: signal in the bias
+    mask = hf_zoo._no_signal_so_far(mask, ref)
+    assert mask["weight"].tolist() == [[False, False], [True, False]] and mask["bias"].tolist() == [False, False]
+
+    q = torch.zeros(2, 2)
+    p = q.clone()
+    p[1, 0] = 1.5e-3  # moved by noise: within 2 lr (lr 1e-3, one step)
+    assert hf_zoo._update_err(p, q, 1e-5, 1e-4, mask["weight"], moved=2e-3) == pytest.approx(0.75)
+    assert hf_zoo._update_err(p, q, 1e-5, 1e-4, None, moved=2e-3) == pytest.approx(150)
+    p[0, 0] = 1.5e-3  # the same distance on an element with signal
+    assert hf_zoo._update_err(p, q, 1e-5, 1e-4, mask["weight"], moved=2e-3) == pytest.approx(150)
