@@ -318,6 +318,32 @@ class WholeStep:
         return self.step(pixels, ids)
 
 
+def compiled_loss(variant: str, name: str, model: nn.Module, device: torch.device, args,
+                  optimizer: torch.optim.Optimizer) -> tuple[Callable, Callable]:
+    """(what `variant` compiled, batch -> the loss through it): a WholeStep for the *-step variants
+    (both), else the model compiled as a module and its loss function."""
+    if variant in STEP_VARIANTS:
+        f = WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options), optimizer)
+        return f, f
+    compiled = compile_variant(variant, model, args)
+    return compiled, loss_fn(name, compiled)
+
+
+def with_backward(f: Callable, device: torch.device, amp: bool) -> Callable:
+    """batch -> the loss, its backward run: `f` itself where it runs its own (a WholeStep: forward
+    and backward, one compiled step), else `f` under autocast and ``loss.backward()``."""
+    if getattr(f, "runs_backward", False):
+        return f
+
+    def forward_backward(*batch) -> torch.Tensor:
+        with common.autocast(device, amp):
+            loss = f(*batch)
+        loss.backward()
+        return loss
+
+    return forward_backward
+
+
 def loss_and_grads(model: nn.Module, f: Callable, batch: tuple, device: torch.device, amp: bool):
     """common.loss_and_grads; for a WholeStep, which runs its backward itself, the same by hand."""
     if not getattr(f, "runs_backward", False):
@@ -412,22 +438,14 @@ def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics
         model = copy.deepcopy(base).to(device)
         cuda = device.type == "cuda"
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if cuda else None)
-        if variant in STEP_VARIANTS:
-            f = step_fn = WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options), optimizer)
-        else:
-            step_fn = compile_variant(variant, model, args)
-            f = loss_fn(name, step_fn)
+        step_fn, f = compiled_loss(variant, name, model, device, args, optimizer)
         keep.append(step_fn)  # see common.apollo_diagnostics
         update_inside = updates_inside(variant)  # the compiled step runs optimizer.step() itself
+        forward_backward = with_backward(f, device, args.amp)
 
         def whole_step(read_loss: bool = True) -> float | torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
-            if variant in STEP_VARIANTS:
-                loss = f(*batch)  # forward and backward, one compiled step
-            else:
-                with common.autocast(device, args.amp):
-                    loss = f(*batch)
-                loss.backward()
+            loss = forward_backward(*batch)
             if not update_inside:
                 optimizer.step()
             return loss.item() if read_loss else loss  # a loop that logs its loss waits for the step here

@@ -80,32 +80,18 @@ def training_step(variant: str, name: str, base, batch, args, device) -> tuple:
     ``bench_whole_step.py``: zero_grad, the compiled step, AdamW's step unless it is inside."""
     model = copy.deepcopy(base).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True if device.type == "cuda" else None)
-    if variant in bws.STEP_VARIANTS:
-        f = bws.WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options), optimizer)
-    else:  # the model compiled as a module (inductor-ro, apollo, ...): the loop runs the backward
-        f = module_step(bws.loss_fn(name, bws.compile_variant(variant, model, args)), device, args.amp)
+    compiled, f = bws.compiled_loss(variant, name, model, device, args, optimizer)
+    forward_backward = bws.with_backward(f, device, args.amp)
     inside = bws.updates_inside(variant)
 
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = f(*batch)
+        loss = forward_backward(*batch)
         if not inside:
             optimizer.step()
         return loss
 
-    return step, (f, model, optimizer)
-
-
-def module_step(f, device, amp: bool):
-    """Forward under autocast and ``loss.backward()`` of a module-compiled model's loss `f`, the
-    loss handed back detached, as ``bench_whole_step.py``'s loop does for the module variants."""
-    def step(pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        with common.autocast(device, amp):
-            loss = f(pixels, ids)
-        loss.backward()
-        return loss.detach()
-
-    return step
+    return step, (compiled, model, optimizer)
 
 
 def timed(step, args, device) -> dict[str, list[float]]:
@@ -138,11 +124,6 @@ def timed(step, args, device) -> dict[str, list[float]]:
 
 
 def run(variant: str, name: str, base, batch, args, device) -> dict:
-    with bws.runtime_for(variant):  # a *-first-step-pool variant's pool, as bench_whole_step runs it
-        return _run(variant, name, base, batch, args, device)
-
-
-def _run(variant: str, name: str, base, batch, args, device) -> dict:
     step, held = training_step(variant, name, base, batch, args, device)
     for _ in range(args.warmup):
         step().item()
@@ -195,7 +176,8 @@ def main(argv=None) -> int:
         base, shape = bws.build(name, args.seed)
         batch = bws.make_batch(shape, args.batch, device, args.seed)
         for variant in args.variants:
-            result = run(variant, name, base, batch, args, device)
+            with bws.runtime_for(variant):  # a *-first-step-pool variant's pool, as bench_whole_step runs it
+                result = run(variant, name, base, batch, args, device)
             common.log(f"--- {name}, batch {args.batch}, {variant}: "
                        + ", ".join(f"{k} {v:.3f} ms" for k, v in result.items() if k != "profile"))
             common.log(result["profile"])

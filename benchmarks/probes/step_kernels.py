@@ -91,11 +91,6 @@ def timeline(events) -> dict[str, float]:
 
 def kernels(variant: str, name: str, base, batch, args, device) -> tuple[list[dict], dict[str, float]]:
     """([{kernel, count, total_us}] per step, the costliest first; the step's `timeline`)."""
-    with bws.runtime_for(variant):  # a *-first-step-pool variant's pool, as bench_whole_step runs it
-        return _kernels(variant, name, base, batch, args, device)
-
-
-def _kernels(variant: str, name: str, base, batch, args, device) -> tuple[list[dict], dict[str, float]]:
     step, held = step_host.training_step(variant, name, base, batch, args, device)
     for _ in range(args.warmup):
         step().item()
@@ -132,7 +127,8 @@ def main(argv=None) -> int:
         base, shape = bws.build(name, args.seed)
         batch = bws.make_batch(shape, args.batch, device, args.seed)
         for variant in args.variants:
-            rows, timelines[f"{name} {variant}"] = kernels(variant, name, base, batch, args, device)
+            with bws.runtime_for(variant):  # a *-first-step-pool variant's pool, as bench_whole_step runs it
+                rows, timelines[f"{name} {variant}"] = kernels(variant, name, base, batch, args, device)
             found[f"{name} {variant}"] = rows
             (out_dir / "step_kernels.json").write_text(json.dumps(found, indent=1))
             total = sum(r["total_us"] for r in rows)

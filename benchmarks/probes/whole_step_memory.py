@@ -54,22 +54,16 @@ def run(variant: str, name: str, base, shape: dict, batch_size: int, steps: int,
     model = copy.deepcopy(base).to(device)
     batch = W.make_batch(shape, batch_size, device, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True)
-    if variant in W.STEP_VARIANTS:  # apollo-step-opt takes the optimizer into its graph
-        f = W.WholeStep(variant, name, model, device, True, {}, opt)
-    else:
-        f = W.loss_fn(name, W.compile_variant(variant, model, argparse.Namespace(apollo_options={})))
+    # apollo-step-opt takes the optimizer into its graph
+    _, f = W.compiled_loss(variant, name, model, device, argparse.Namespace(amp=True, apollo_options={}), opt)
+    forward_backward = W.with_backward(f, device, True)
     update_inside = getattr(f, "optimizer", None) is not None  # then the loop calls no optimizer.step()
     phases = []
     for s in range(steps):
         mark(s)
         torch.cuda.reset_peak_memory_stats()
         opt.zero_grad(set_to_none=True)
-        if variant in W.STEP_VARIANTS:
-            loss = f(*batch)
-        else:
-            with common.autocast(device, True):
-                loss = f(*batch)
-            loss.backward()
+        loss = forward_backward(*batch)
         if not update_inside:
             opt.step()
         loss.item()
