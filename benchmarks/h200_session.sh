@@ -95,7 +95,7 @@ case "${1:-}" in
              for v in apollo apollo-first-step-pool inductor-ro apollo-first-step-pool apollo \
                       apollo-step-opt-first-step-pool apollo-step-opt inductor-ro-step; do
                model=hf-clip; case $v in *step*) model=hf-siglip ;; esac
-               [ $SECONDS -lt 470 ] || { echo "skipped $model $v: out of time"; continue; }
+               [ $SECONDS -lt 400 ] || { echo "skipped $model $v: out of time"; continue; }
                n=$(( ${n:-0} + 1 ))
                timeout 150 python benchmarks/bench_whole_step.py --models $model --batch 8 --steps 40 --variants $v \
                  --out "$OUT/first-step-pool-ab/$n-$model-$v" > "$OUT/first-step-pool-ab-$n.log" 2>&1
