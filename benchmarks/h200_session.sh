@@ -18,6 +18,8 @@
 #       HF CLIP b8's module step 7-8% in session 47 (GPU kernels per step, the host's split), both with and without it
 #   run(command="bash benchmarks/h200_session.sh first-step-pool-ab", carry=[".device_cache"]) # the same A/B with each
 #       variant alone in its own process, alternated (HF CLIP b8 module, SigLIP b8 compile_step): no order effect
+#   run(command="bash benchmarks/h200_session.sh first-step-pool-interleaved", carry=[".device_cache"]) # the same, in
+#       one process with the steps interleaved and the default twice (its control)
 #   run(command="bash benchmarks/h200_session.sh llava",         carry=[".device_cache"]) # HF LLaVA (ViT-B/16 + 8-layer Llama), batch 8:
 #       eager, Inductor's default mode, apollo as a module and compile_step, with the optimizer inside too (reduce-overhead
 #       fails on it: issue 24; since session 43 its step is one graph from its second call, whole_step.py's NOTE)
@@ -94,7 +96,7 @@ case "${1:-}" in
              # process 15% slower with identical kernels, so session 47's in-process A/Bs may have measured order, not the pool
              for v in apollo apollo-first-step-pool inductor-ro apollo-first-step-pool apollo \
                       apollo-step-opt-first-step-pool apollo-step-opt inductor-ro-step; do
-               model=hf-clip; case $v in *step*) model=hf-siglip ;; esac
+               model=hf-clip; case $v in *-step-opt*|*-ro-step) model=hf-siglip ;; esac
                [ $SECONDS -lt 400 ] || { echo "skipped $model $v: out of time"; continue; }
                n=$(( ${n:-0} + 1 ))
                timeout 150 python benchmarks/bench_whole_step.py --models $model --batch 8 --steps 40 --variants $v \
@@ -102,6 +104,12 @@ case "${1:-}" in
                grep -E "\] (compile|40 steps|numerics)" "$OUT/first-step-pool-ab-$n.log" | cut -c1-220
              done
              python benchmarks/probes/separate_runs.py "$OUT/first-step-pool-ab" ;;
+  first-step-pool-interleaved)  # the same A/B in one process, the variants' steps interleaved, the default twice as a
+             # control (probes/interleaved_ab.py): separate processes differed 9.15 vs 13.07 ms for one variant (session 48)
+             timeout 250 python benchmarks/probes/interleaved_ab.py --models hf-clip --batch 8 --steps 5 --rounds 8 \
+               --variants apollo apollo-first-step-pool apollo --out "$OUT/interleaved-clip"
+             timeout 230 python benchmarks/probes/interleaved_ab.py --models hf-siglip --batch 8 --steps 5 --rounds 8 \
+               --variants apollo-step-opt apollo-step-opt-first-step-pool apollo-step-opt --out "$OUT/interleaved-siglip" ;;
   llava)     # every graph replayed as a CUDA graph? the runners' summaries say (disabled, ungraphed_calls)
              timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch 8 --steps 20 \
                --variants ${VARIANTS:-eager inductor apollo apollo-step apollo-step-opt} --out "$OUT/llava" ;;
@@ -155,7 +163,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|first-step-pool|first-step-pool-why|first-step-pool-ab|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|step-memory|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|first-step-pool|first-step-pool-why|first-step-pool-ab|first-step-pool-interleaved|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|step-memory|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?

@@ -148,10 +148,11 @@ def run(variant: str, name: str, base, batch, args, device) -> dict:
     return out
 
 
-def parse_step_args(argv, doc: str, variants: list[str], steps: int):
+def parse_step_args(argv, doc: str, variants: list[str], steps: int, more=None):
     """(args, device, out dir) of a probe that times `training_step`s, or None (the device is
     missing: the caller exits 2): models, batch, variants of ``bench_whole_step.py``, apollo's
-    options, how many profile rows, and the run arguments every benchmark takes."""
+    options, how many profile rows, the run arguments every benchmark takes, and what `more`
+    (given the parser) adds."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["hf-clip"], type=bws.model_name)
     p.add_argument("--batch", type=int, default=8)
@@ -161,6 +162,8 @@ def parse_step_args(argv, doc: str, variants: list[str], steps: int):
     p.add_argument("--skip-guards-too", action="store_true",
                    help="time the steps again with Dynamo's guard checks skipped (measured only: unsafe to train with)")
     common.add_run_args(p, steps=steps, warmup=5)
+    if more is not None:
+        more(p)
     args = common.parse_run_args(p, argv)
     if (setup := common.device_and_out_dir(args)) is None:
         return None
