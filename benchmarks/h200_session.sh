@@ -19,7 +19,7 @@
 #   run(command="bash benchmarks/h200_session.sh first-step-pool-ab", carry=[".device_cache"]) # the same A/B with each
 #       variant alone in its own process, alternated (HF CLIP b8 module, SigLIP b8 compile_step): no order effect
 #   run(command="bash benchmarks/h200_session.sh first-step-pool-interleaved", carry=[".device_cache"]) # the same, in
-#       one process with the steps interleaved and the default twice (its control)
+#       one process with the steps interleaved and the default twice (its control); "... interleaved siglip": compile_step
 #   run(command="bash benchmarks/h200_session.sh llava",         carry=[".device_cache"]) # HF LLaVA (ViT-B/16 + 8-layer Llama), batch 8:
 #       eager, Inductor's default mode, apollo as a module and compile_step, with the optimizer inside too (reduce-overhead
 #       fails on it: issue 24; since session 43 its step is one graph from its second call, whole_step.py's NOTE)
@@ -105,11 +105,16 @@ case "${1:-}" in
              done
              python benchmarks/probes/separate_runs.py "$OUT/first-step-pool-ab" ;;
   first-step-pool-interleaved)  # the same A/B in one process, the variants' steps interleaved, the default twice as a
-             # control (probes/interleaved_ab.py): separate processes differed 9.15 vs 13.07 ms for one variant (session 48)
-             timeout 250 python benchmarks/probes/interleaved_ab.py --models hf-clip --batch 8 --steps 5 --rounds 8 \
-               --variants apollo apollo-first-step-pool apollo --out "$OUT/interleaved-clip"
-             timeout 230 python benchmarks/probes/interleaved_ab.py --models hf-siglip --batch 8 --steps 5 --rounds 8 \
-               --variants apollo-step-opt apollo-step-opt-first-step-pool apollo-step-opt --out "$OUT/interleaved-siglip" ;;
+             # control (probes/interleaved_ab.py): separate processes differed 9.15 vs 13.07 ms for one variant (session 48).
+             # HF CLIP's module path (3 compiles from the cache, ~30 s each), or with "siglip" SigLIP's compile_step with
+             # the optimizer inside (3 compiles took over 230 s in session 48)
+             if [ "${2:-clip}" = siglip ]; then
+               timeout 500 python benchmarks/probes/interleaved_ab.py --models hf-siglip --batch 8 --steps 5 --rounds 10 \
+                 --variants apollo-step-opt apollo-step-opt-first-step-pool apollo-step-opt --out "$OUT/interleaved-siglip"
+             else
+               timeout 500 python benchmarks/probes/interleaved_ab.py --models hf-clip --batch 8 --steps 5 --rounds 12 \
+                 --variants apollo apollo-first-step-pool apollo --out "$OUT/interleaved-clip"
+             fi ;;
   llava)     # every graph replayed as a CUDA graph? the runners' summaries say (disabled, ungraphed_calls)
              timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch 8 --steps 20 \
                --variants ${VARIANTS:-eager inductor apollo apollo-step apollo-step-opt} --out "$OUT/llava" ;;

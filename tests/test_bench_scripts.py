@@ -608,3 +608,24 @@ def test_the_first_step_pool_variants_turn_it_on_for_their_run_alone(variant):
         assert graph_pool.FIRST_STEP_POOL is False
     assert graph_pool.FIRST_STEP_POOL is False
     assert variant in bench_whole_step.VARIANTS and (variant in bench_whole_step.STEP_VARIANTS) == variant.startswith("apollo-step")
+
+
+def test_the_interleaved_probe_gives_each_module_copy_graphs_of_its_own(tmp_path):
+    """probes/interleaved_ab.py (h200_session.sh first-step-pool-interleaved) times variants with
+    their steps interleaved in one process. Dynamo keys graphs by code object, so two copies of a
+    module-compiled model shared one compile and the second ran the first's CUDA graphs' fallback
+    (session 48); each copy now compiles its own (OwnCode), and both copies' rows come out."""
+    import json
+
+    import interleaved_ab
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    out = tmp_path / "ab"
+    assert interleaved_ab.main(["--device", "cpu", "--models", "hf-clip-tiny", "--batch", "2", "--steps", "2",
+                                "--rounds", "2", "--warmup", "2", "--variants", "apollo", "apollo",
+                                "--apollo-options", '{"subgraph_compiler": "eager"}', "--out", str(out)]) == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # one compile per copy
+    rows = json.loads((out / "interleaved_ab.json").read_text())
+    assert [(r["copy"], r["variant"]) for r in rows] == [(0, "apollo"), (1, "apollo")]
+    assert all(len(r["loaded_all"]) == 4 and len(r["b2b_all"]) == 2 for r in rows)

@@ -12,6 +12,12 @@ read every step) and one back-to-back run of ``--steps`` steps. Name a variant t
 different compiled object in the same process costs (e.g. Dynamo checking another cache entry's
 guards first), the floor under which a difference means nothing.
 
+Each copy of a module-compiled variant compiles a wrapper whose ``forward`` has a code object of
+its own (:class:`OwnCode`): Dynamo keys its graphs by code object, not by module instance, so
+without it every copy after the first ran the first's graphs, whose CUDA graphs read the first
+copy's parameters, and fell back to running un-graphed (55-58 against 14.77 ms, session 48).
+``compile_step``'s steps already get graphs of their own per instance.
+
     PYTHONPATH=. python benchmarks/probes/interleaved_ab.py --models hf-clip --batch 8 \\
         --variants apollo apollo-first-step-pool apollo
     python benchmarks/probes/interleaved_ab.py --device cpu --models hf-clip-tiny --batch 2 --rounds 2 --steps 2 \\
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -32,6 +39,22 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent),  # benchmarks/: com
 import bench_whole_step as bws  # noqa: E402
 import common  # noqa: E402
 from step_host import parse_step_args, training_step  # noqa: E402
+
+
+class OwnCode(torch.nn.Module):
+    """`inner`, called through a ``forward`` whose code object is this copy's own (named
+    ``forward_copy_K``), so that Dynamo compiles graphs for this instance rather than reusing
+    another copy's. The plan is the same as the bare model's (``apollo_compile.explain``)."""
+
+    def __init__(self, inner: torch.nn.Module, k: int) -> None:
+        super().__init__()
+        self.inner = inner
+        template = OwnCode._forward
+        code = template.__code__.replace(co_name=f"forward_copy_{k}")
+        self.forward = types.MethodType(types.FunctionType(code, template.__globals__, code.co_name), self)
+
+    def _forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
 
 
 def interleaved(steps: list, args, device: torch.device) -> list[dict[str, list[float]]]:
@@ -57,9 +80,10 @@ def main(argv=None) -> int:
         base, shape = bws.build(name, args.seed)
         batch = bws.make_batch(shape, args.batch, device, args.seed)
         steps, held = [], []
-        for variant in args.variants:
+        for k, variant in enumerate(args.variants):
+            model = base if variant in bws.STEP_VARIANTS else OwnCode(base, k)
             with bws.runtime_for(variant):  # what a variant's first step runs under (the first-step pool)
-                step, keep = training_step(variant, name, base, batch, args, device)
+                step, keep = training_step(variant, name, model, batch, args, device)
                 for _ in range(args.warmup):
                     step().item()
             steps.append(step)
