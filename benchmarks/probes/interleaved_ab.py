@@ -57,15 +57,16 @@ class OwnCode(torch.nn.Module):
         return self.inner(*args, **kwargs)
 
 
-def interleaved(steps: list, args, device: torch.device) -> list[dict[str, list[float]]]:
+def interleaved(steps: list, args, device: torch.device, partial: Path) -> list[dict[str, list[float]]]:
     """Per variant: its loaded step times and back-to-back ms per round, the variants timed in turn,
-    the order reversed every round."""
+    the order reversed every round; written to `partial` after each round (a cut run keeps them)."""
     out = [{"loaded": [], "b2b": []} for _ in steps]
     for r in range(args.rounds):
         order = list(range(len(steps)))[::(-1 if r % 2 else 1)]
         for i in order:
             out[i]["loaded"] += common.time_steps(lambda: steps[i]().item(), args.steps, device)
             out[i]["b2b"].append(common.time_back_to_back(steps[i], args.steps, device, rounds=1)["ms"])
+        partial.write_text(json.dumps({"variants": args.variants, "times": out}))
     return out
 
 
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
                     step().item()
             steps.append(step)
             held.append(keep)
-        times = interleaved(steps, args, device)
+        times = interleaved(steps, args, device, out_dir / f"{name}_rounds.json")
         first = None
         for k, (variant, t) in enumerate(zip(args.variants, times)):
             row = {"model": name, "copy": k, "variant": variant, "loaded_ms": statistics.median(t["loaded"]),
