@@ -55,11 +55,11 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
     apollo-step-opt-masks-as-traced  apollo-step-opt with attention masks left as the model traced
                    them (no ``passes/attention_masks.py``: a broadcast mask sends SDPA to its float32
                    math path; the tree before session 41)
-    apollo-first-step-pool, apollo-step-opt-first-step-pool  apollo and apollo-step-opt with the
-                   first, un-graphed step in a memory pool of its own (``runtime.graph_pool.
-                   FIRST_STEP_POOL``, off by default, measured slower in session 47: NOTE: The first
-                   step in a pool of its own), for the memory held between steps against the default
-                   in one process
+    apollo-no-first-step-pool  apollo with its first, un-graphed step in the default memory pool,
+                   not in one of its own (``runtime.graph_pool.FIRST_STEP_POOL`` empty; the default
+                   before session 48: NOTE: The first step in a pool of its own)
+    apollo-step-opt-first-step-pool  apollo-step-opt with its first step in a pool of its own
+                   ("inference" added to ``FIRST_STEP_POOL``; off by default, no memory effect measured)
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
@@ -110,7 +110,7 @@ from common import fmt, log  # noqa: E402
 VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
             "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-uncut",
             "apollo-step-opt-lists-small", "apollo-step-opt-per-param", "apollo-step-opt-narrow",
-            "apollo-step-opt-masks-as-traced", "apollo-first-step-pool", "apollo-step-opt-first-step-pool",
+            "apollo-step-opt-masks-as-traced", "apollo-no-first-step-pool", "apollo-step-opt-first-step-pool",
             "apollo-step-opt-cut-by-chunks")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
@@ -384,7 +384,7 @@ def compile_variant(variant: str, model: nn.Module, args) -> Callable:
         return torch.compile(model)
     if variant == "inductor-ro":
         return torch.compile(model, mode="reduce-overhead")
-    if variant in ("apollo", "apollo-bw-measured", "apollo-first-step-pool"):
+    if variant in ("apollo", "apollo-bw-measured", "apollo-no-first-step-pool"):
         import apollo_compile  # noqa: F401  (importing registers backend="apollo")
 
         return torch.compile(model, backend="apollo", options=dict(args.apollo_options))
@@ -412,12 +412,13 @@ def runtime_for(variant: str) -> contextlib.AbstractContextManager:
     """What a variant's runners run under, for the whole variant: the candidate-choosing rule they
     use at their capture (runtime/choice.py), or the memory pool their first step runs in
     (runtime/graph_pool.py, FIRST_STEP_POOL)."""
-    if variant.endswith("-first-step-pool"):
+    if variant.endswith("-first-step-pool"):  # which graphs' first calls open a pool of their own
         from unittest import mock
 
         from apollo_compile.runtime import graph_pool
 
-        return mock.patch.object(graph_pool, "FIRST_STEP_POOL", True)
+        kinds = frozenset() if variant.endswith("-no-first-step-pool") else graph_pool.FIRST_STEP_POOL | {"inference"}
+        return mock.patch.object(graph_pool, "FIRST_STEP_POOL", kinds)
     if variant != "apollo-bw-measured":
         return contextlib.nullcontext()
     from apollo_compile.runtime import choice

@@ -12,14 +12,10 @@
 #       the model compiled as a module, reduce-overhead against apollo and against apollo timing its backward's
 #       candidates too (apollo-bw-measured, the rule before session 28), peak and reserved as ratios
 #   run(command="bash benchmarks/h200_session.sh first-step-pool", carry=[".device_cache"]) # the first step in a pool of its own
-#       (graph_pool.FIRST_STEP_POOL, off: measured slower in session 47): reserved memory against the default, HF CLIP b8 as a module
-#       and HF SigLIP b8's compile_step with the optimizer inside, each beside reduce-overhead in one process
-#   run(command="bash benchmarks/h200_session.sh first-step-pool-why", carry=[".device_cache"]) # why that pool slowed
-#       HF CLIP b8's module step 7-8% in session 47 (GPU kernels per step, the host's split), both with and without it
-#   run(command="bash benchmarks/h200_session.sh first-step-pool-ab", carry=[".device_cache"]) # the same A/B with each
-#       variant alone in its own process, alternated (HF CLIP b8 module, SigLIP b8 compile_step): no order effect
-#   run(command="bash benchmarks/h200_session.sh first-step-pool-interleaved", carry=[".device_cache"]) # the same, in
-#       one process with the steps interleaved and the default twice (its control); "... interleaved siglip": compile_step
+#       (graph_pool.FIRST_STEP_POOL, forwards since session 48): reserved memory against the first step in the default pool, HF CLIP
+#       b8 as a module, and HF SigLIP b8's compile_step with the optimizer inside with the pool, each beside reduce-overhead in one process
+#   run(command="bash benchmarks/h200_session.sh first-step-pool-interleaved", carry=[".device_cache"]) # its time: the same
+#       A/B in one process with the steps interleaved and the default twice (its control); "... interleaved siglip": compile_step
 #   run(command="bash benchmarks/h200_session.sh llava",         carry=[".device_cache"]) # HF LLaVA (ViT-B/16 + 8-layer Llama), batch 8:
 #       eager, Inductor's default mode, apollo as a module and compile_step, with the optimizer inside too (reduce-overhead
 #       fails on it: issue 24; since session 43 its step is one graph from its second call, whole_step.py's NOTE)
@@ -82,28 +78,9 @@ case "${1:-}" in
                --variants inductor-ro apollo apollo-bw-measured --out "$OUT/module" ;;
   first-step-pool)  # issue 24's reserved memory: the first, un-graphed step in a pool of its own against the default
              timeout 260 python benchmarks/bench_whole_step.py --models hf-clip --batch 8 --steps 20 \
-               --variants inductor-ro apollo apollo-first-step-pool --out "$OUT/first-step-pool-module"
+               --variants inductor-ro apollo apollo-no-first-step-pool --out "$OUT/first-step-pool-module"
              timeout 260 python benchmarks/bench_whole_step.py --models hf-siglip --batch 8 --steps 20 \
                --variants inductor-ro-step apollo-step-opt apollo-step-opt-first-step-pool --out "$OUT/first-step-pool-step" ;;
-  first-step-pool-why)  # where the first-step pool's 7-8% of HF CLIP's module step goes (session 47): GPU kernels
-             # per step with and without it, then the host's split of the step from an idle GPU
-             timeout 200 python benchmarks/probes/step_kernels.py --models hf-clip --batch 8 --steps 3 --top 12 \
-               --variants apollo apollo-first-step-pool --out "$OUT/first-step-pool-why"
-             timeout 200 python benchmarks/probes/step_host.py --models hf-clip --batch 8 --steps 20 --top 12 \
-               --variants apollo-first-step-pool apollo --out "$OUT/first-step-pool-why" ;;
-  first-step-pool-ab)  # the first-step pool against the default, each variant alone in its own process (no order
-             # effect, memory as if run alone), alternated; session 48's step_host showed whichever variant ran second in a
-             # process 15% slower with identical kernels, so session 47's in-process A/Bs may have measured order, not the pool
-             for v in apollo apollo-first-step-pool inductor-ro apollo-first-step-pool apollo \
-                      apollo-step-opt-first-step-pool apollo-step-opt inductor-ro-step; do
-               model=hf-clip; case $v in *-step-opt*|*-ro-step) model=hf-siglip ;; esac
-               [ $SECONDS -lt 400 ] || { echo "skipped $model $v: out of time"; continue; }
-               n=$(( ${n:-0} + 1 ))
-               timeout 150 python benchmarks/bench_whole_step.py --models $model --batch 8 --steps 40 --variants $v \
-                 --out "$OUT/first-step-pool-ab/$n-$model-$v" > "$OUT/first-step-pool-ab-$n.log" 2>&1
-               grep -E "\] (compile|40 steps|numerics)" "$OUT/first-step-pool-ab-$n.log" | cut -c1-220
-             done
-             python benchmarks/probes/separate_runs.py "$OUT/first-step-pool-ab" ;;
   first-step-pool-interleaved)  # the same A/B in one process, the variants' steps interleaved, the default twice as a
              # control (probes/interleaved_ab.py): separate processes differed 9.15 vs 13.07 ms for one variant (session 48).
              # HF CLIP's module path (3 compiles from the cache, ~30 s each), or with "siglip" SigLIP's compile_step with
@@ -113,7 +90,7 @@ case "${1:-}" in
                  --variants apollo-step-opt apollo-step-opt-first-step-pool apollo-step-opt --out "$OUT/interleaved-siglip"
              else
                timeout 500 python benchmarks/probes/interleaved_ab.py --models hf-clip --batch 8 --steps 5 --rounds 12 \
-                 --variants apollo apollo-first-step-pool apollo --out "$OUT/interleaved-clip"
+                 --variants apollo apollo-no-first-step-pool apollo --out "$OUT/interleaved-clip"
              fi ;;
   llava)     # every graph replayed as a CUDA graph? the runners' summaries say (disabled, ungraphed_calls)
              timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch 8 --steps 20 \
@@ -168,7 +145,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|first-step-pool|first-step-pool-why|first-step-pool-ab|first-step-pool-interleaved|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|step-memory|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|first-step-pool|first-step-pool-interleaved [siglip]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|step-memory|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?

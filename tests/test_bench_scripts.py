@@ -503,9 +503,9 @@ def test_the_step_host_probe_runs_on_the_cpu(tmp_path):
 
 def test_the_step_host_probe_times_module_variants_under_their_runtime(tmp_path, monkeypatch):
     """probes/step_host.py takes the module-compiled variants too (the loop runs their backward),
-    each under the runtime bench_whole_step gives it: the first-step-pool variant with
-    graph_pool.FIRST_STEP_POOL on while it runs, and off again for the next (session 47 profiled the
-    pool's cost this way)."""
+    each under the runtime bench_whole_step gives it: apollo-no-first-step-pool with
+    graph_pool.FIRST_STEP_POOL empty while it runs, and the default again for the next (session 47
+    profiled the pool's cost this way)."""
     import json
 
     import step_host
@@ -521,11 +521,11 @@ def test_the_step_host_probe_times_module_variants_under_their_runtime(tmp_path,
     monkeypatch.setattr(step_host, "training_step", spy)
     out = tmp_path / "host"
     assert step_host.main(["--device", "cpu", "--models", "hf-clip-tiny", "--batch", "2", "--steps", "2", "--warmup",
-                           "2", "--variants", "apollo-first-step-pool", "apollo", "--apollo-options",
+                           "2", "--variants", "apollo-no-first-step-pool", "apollo", "--apollo-options",
                            '{"subgraph_compiler": "eager"}', "--top", "3", "--out", str(out)]) == 0
-    assert seen == [("apollo-first-step-pool", True), ("apollo", False)]
+    assert seen == [("apollo-no-first-step-pool", frozenset()), ("apollo", {"forward"})]
     rows = json.loads((out / "step_host.json").read_text())
-    assert [r["variant"] for r in rows] == ["apollo-first-step-pool", "apollo"] and all(r["step"] > 0 for r in rows)
+    assert [r["variant"] for r in rows] == ["apollo-no-first-step-pool", "apollo"] and all(r["step"] > 0 for r in rows)
 
 
 class _Event:
@@ -595,18 +595,20 @@ def test_the_masks_as_traced_variant_runs_without_the_attention_masks_pass():
     assert [n for n, _ in passes] == [n for n, _ in pipeline.PRE_GRAD_PASSES if n != "attention_masks"]
 
 
-@pytest.mark.parametrize("variant", ["apollo-first-step-pool", "apollo-step-opt-first-step-pool"])
-def test_the_first_step_pool_variants_turn_it_on_for_their_run_alone(variant):
-    """bench_whole_step's *-first-step-pool variants run with runtime.graph_pool.FIRST_STEP_POOL on
-    (off by default: measured slower, RESULTS.md session 47) and leave it as it was; the others leave it alone."""
+@pytest.mark.parametrize("variant, kinds", [("apollo-no-first-step-pool", set()),
+                                            ("apollo-step-opt-first-step-pool", {"forward", "inference"})])
+def test_the_first_step_pool_variants_set_which_graphs_open_it_for_their_run_alone(variant, kinds):
+    """bench_whole_step's *-first-step-pool variants run with runtime.graph_pool.FIRST_STEP_POOL
+    (the kinds of graph whose first call opens a pool of its own; forwards by default, session 48)
+    as they say and leave it as it was; the others leave it alone."""
     from apollo_compile.runtime import graph_pool
 
-    assert graph_pool.FIRST_STEP_POOL is False
+    assert graph_pool.FIRST_STEP_POOL == {"forward"}
     with bench_whole_step.runtime_for(variant):
-        assert graph_pool.FIRST_STEP_POOL is True
-    with bench_whole_step.runtime_for(variant.removesuffix("-first-step-pool")):
-        assert graph_pool.FIRST_STEP_POOL is False
-    assert graph_pool.FIRST_STEP_POOL is False
+        assert graph_pool.FIRST_STEP_POOL == kinds
+    with bench_whole_step.runtime_for("apollo-step-opt" if "step-opt" in variant else "apollo"):
+        assert graph_pool.FIRST_STEP_POOL == {"forward"}
+    assert graph_pool.FIRST_STEP_POOL == {"forward"}
     assert variant in bench_whole_step.VARIANTS and (variant in bench_whole_step.STEP_VARIANTS) == variant.startswith("apollo-step")
 
 

@@ -163,13 +163,14 @@ class GraphFamily:
         self.first_step_pool: tuple[object, torch.device] | None = None
         self.first_step_opened = False
 
-    def open_first_step(self, args: list) -> tuple[object, torch.device] | None:
-        """The first step's pool: opened by the family's first call (on the device of its first CUDA
-        tensor), the same pool for the first calls after it; None once it was closed."""
+    def open_first_step(self, args: list, kind: str) -> tuple[object, torch.device] | None:
+        """The first step's pool: opened by the family's first call, a graph of `kind` (on the
+        device of its first CUDA tensor), the same pool for the first calls after it; None once it
+        was closed, or where that kind opens none."""
         if not self.first_step_opened:
             self.first_step_opened = True
             device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-            self.first_step_pool = first_step_pool(device)
+            self.first_step_pool = first_step_pool(device, kind)
         return self.first_step_pool
 
     def close_first_step(self) -> None:
@@ -267,7 +268,7 @@ class CudaGraphRunner:
         # a first call runs in the first step's pool: the forward's opens it, the backward's closes it
         # (graph_pool.py, NOTE: The first step in a pool of its own)
         first = self.calls == 1
-        pool = self.family.open_first_step(args) if first else None
+        pool = self.family.open_first_step(args, self.kind) if first else None
         try:
             with allocating_in(pool):
                 return self.fn(args)

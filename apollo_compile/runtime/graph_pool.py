@@ -68,32 +68,42 @@ def release_cached_segments() -> None:
 
 # [NOTE] The first step in a pool of its own. The first, un-graphed step's activations, temporaries
 # and gradients are allocated in a memory pool that serves that step alone (first_step_pool): the
-# forward's first call opens it, the backward's first call (or an inference graph's, a whole step's)
-# runs in it too and closes it when it ends; any later call of the family closes it as well. A
-# closed pool takes no new allocations; what the step left alive in it (gradients until
-# zero_grad(set_to_none=True), a loss the user keeps) stays valid, and once freed its segments are
-# returned to the driver by the next empty_cache (release_cached_segments, before the family's first
-# capture) or by the allocator itself when an allocation would fail. So the optimizer's state,
-# created by the first optimizer.step() after that step, is allocated in the default pool's fresh
-# segments rather than among the first step's freed blocks, where it left them split and cached for
-# the rest of training (NOTE: The first, un-graphed step leaves its cache behind). Unlike the first
-# call in the graph pool (session 29, worse), nothing of that step shares a pool with the captures.
-# Where this torch has no user memory pools (torch.cuda.MemPool, torch.cuda.use_mem_pool), the first
-# step runs in the default pool as before. Off (FIRST_STEP_POOL): measured in sessions 44 and 47
-# (bench_whole_step.py's variants apollo-first-step-pool and apollo-step-opt-first-step-pool, beside
-# the default in one process, both orders; benchmarks/RESULTS.md), it takes the module path's
-# reserved memory from 1.12x to 1.04x of reduce-overhead's on HF CLIP at batch 8 but makes the step
-# read every step 7-8% slower in both orders, and on compile_step changes no memory and costs 3-6%.
-# The replays inside are as fast, so the cost is outside them; where, not found.
+# forward's first call opens it, the backward's first call runs in it too and closes it when it ends;
+# any later call of the family closes it as well. A closed pool takes no new allocations; what the
+# step left alive in it (gradients until zero_grad(set_to_none=True), a loss the user keeps) stays
+# valid, and once freed its segments are returned to the driver by the next empty_cache
+# (release_cached_segments, before the family's first capture) or by the allocator itself when an
+# allocation would fail. So the optimizer's state, created by the first optimizer.step() after that
+# step, is allocated in the default pool's fresh segments rather than among the first step's freed
+# blocks, where it left them split and cached for the rest of training (NOTE: The first, un-graphed
+# step leaves its cache behind). Unlike the first call in the graph pool (session 29, worse), nothing
+# of that step shares a pool with the captures. Where this torch has no user memory pools
+# (torch.cuda.MemPool, torch.cuda.use_mem_pool), the first step runs in the default pool as before.
+#
+# Which graphs open it (FIRST_STEP_POOL, the kinds whose first call does): a forward, whose family
+# trains on the module path, where it takes reserved memory from 1.12x to 1.04x of reduce-overhead's
+# (HF CLIP B/16, batch 8, H100, session 47, both orders). Not a whole step's one graph (an
+# "inference" graph, compile_step): with the optimizer inside, its state is laid out before the
+# first call (optimizer_step.InGraphAdam.prepare), so there is nothing to keep apart, and the
+# pool changed no memory (SigLIP base, session 47). Its time: sessions 44 and 47 timed the pool's
+# variants one after the other in one process and found the step 7-8% slower (module) and 3-6%
+# (compile_step); session 48 found that order unreadable at that size (one variant ran 9.15 and
+# 13.07 ms in two processes of one call, and whichever ran second in a process 15% slower with
+# identical GPU kernels) and timed the module path interleaved in one process, with the default
+# twice as a control (benchmarks/probes/interleaved_ab.py): the pool ran 0.985x the default's
+# speed per round with the loss read every step and 1.008x back to back, within the control's own
+# 1.048x and 1.033x. A whole step's first call opens it where "inference" is added (bench_whole_step
+# variant apollo-step-opt-first-step-pool; `h200_session.sh first-step-pool-interleaved siglip`
+# times it the same way, not yet run).
 
-FIRST_STEP_POOL = False  # NOTE: The first step in a pool of its own (off: measured slower)
+FIRST_STEP_POOL: frozenset[str] = frozenset({"forward"})  # NOTE: The first step in a pool of its own
 
 
-def first_step_pool(device: torch.device | None) -> tuple[object, torch.device] | None:
-    """A new memory pool for a family's first, un-graphed step on `device` (NOTE: The first step in
-    a pool of its own), with its device; None while FIRST_STEP_POOL is off, off CUDA, or where this
-    torch cannot make one."""
-    if not FIRST_STEP_POOL or device is None or device.type != "cuda" or not hasattr(torch.cuda, "MemPool") \
+def first_step_pool(device: torch.device | None, kind: str = "forward") -> tuple[object, torch.device] | None:
+    """A new memory pool for a family's first, un-graphed step on `device`, opened by a graph of
+    `kind` (NOTE: The first step in a pool of its own), with its device; None where that kind opens
+    none (FIRST_STEP_POOL), off CUDA, or where this torch cannot make one."""
+    if kind not in FIRST_STEP_POOL or device is None or device.type != "cuda" or not hasattr(torch.cuda, "MemPool") \
             or not hasattr(torch.cuda, "use_mem_pool"):
         return None
     try:

@@ -8,7 +8,7 @@ tell a 7% difference (session 47's first-step pool) from drift. Here every varia
 warmed up first (each under its own ``bench_whole_step.runtime_for``), then ``--rounds`` rounds time
 each variant in turn, the order reversed every round: ``--steps`` steps from an idle GPU (the loss
 read every step) and one back-to-back run of ``--steps`` steps. Name a variant twice as a control
-(``apollo apollo-first-step-pool apollo``): the spread between its two copies is what being a
+(``apollo apollo-no-first-step-pool apollo``): the spread between its two copies is what being a
 different compiled object in the same process costs (e.g. Dynamo checking another cache entry's
 guards first), the floor under which a difference means nothing.
 
@@ -19,7 +19,7 @@ copy's parameters, and fell back to running un-graphed (55-58 against 14.77 ms, 
 ``compile_step``'s steps already get graphs of their own per instance.
 
     PYTHONPATH=. python benchmarks/probes/interleaved_ab.py --models hf-clip --batch 8 \\
-        --variants apollo apollo-first-step-pool apollo
+        --variants apollo apollo-no-first-step-pool apollo
     python benchmarks/probes/interleaved_ab.py --device cpu --models hf-clip-tiny --batch 2 --rounds 2 --steps 2 \\
         --warmup 2 --variants apollo apollo --apollo-options '{"subgraph_compiler": "eager"}'
 """
@@ -71,7 +71,7 @@ def interleaved(steps: list, args, device: torch.device, partial: Path) -> list[
 
 
 def main(argv=None) -> int:
-    parsed = parse_step_args(argv, __doc__, ["apollo", "apollo-first-step-pool", "apollo"], 5,
+    parsed = parse_step_args(argv, __doc__, ["apollo", "apollo-no-first-step-pool", "apollo"], 5,
                              lambda p: p.add_argument("--rounds", type=int, default=8, help="rounds of --steps steps per variant"))
     if parsed is None:
         return 2

@@ -1,10 +1,18 @@
-"""One table from bench_whole_step runs made one variant per process (h200_session.sh
-first-step-pool-ab): each run's step times and memory, then per model each variant's mean against
-its reduce-overhead baseline (``inductor-ro`` or ``inductor-ro-step``).
+"""One table from bench_whole_step runs made one variant per process: each run's step times and
+memory, then per model each variant's mean against its reduce-overhead baseline (``inductor-ro``
+or ``inductor-ro-step``).
 
 Why separate processes: a variant that runs second in a process can be slower for reasons of
 order alone (session 48: identical kernels, 15% apart), and its memory is read less what the
-first left behind; alone in a process, neither applies.
+first left behind; alone in a process, neither applies. But processes differ too: session 48 ran
+module-compiled apollo on HF CLIP at batch 8 in two processes of one call, 9.15 and 13.07 ms per
+step, so a few percent needs probes/interleaved_ab.py. Session 48 ran it as (folders numbered in
+the order run)::
+
+    n=0; for v in apollo apollo-no-first-step-pool inductor-ro apollo-no-first-step-pool apollo; do
+      n=$((n + 1)); python benchmarks/bench_whole_step.py --models hf-clip --batch 8 --steps 40 \
+        --variants $v --out "$OUT/ab/$n-hf-clip-$v"; done
+    python benchmarks/probes/separate_runs.py "$OUT/ab"
 """
 
 from __future__ import annotations

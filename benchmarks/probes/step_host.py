@@ -2,7 +2,7 @@
 optimizer inside ran 7.42 ms back to back but 11.32 ms with the loss read every step, session 30).
 
 Per variant of ``bench_whole_step.py`` (``apollo-step-opt``, ``apollo-step``, ``inductor-ro-step``; the
-module-compiled ones too: ``apollo``, ``inductor-ro``, ``apollo-first-step-pool``),
+module-compiled ones too: ``apollo``, ``inductor-ro``, ``apollo-no-first-step-pool``),
 after ``--warmup`` steps, the median over ``--steps`` steps each from an idle GPU of:
 
 - ``to launch``: host ms from the step's start (``optimizer.zero_grad``, as the benchmark's loop)
