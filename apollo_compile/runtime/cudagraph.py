@@ -681,8 +681,12 @@ class CudaGraphRunner:
         if not self._inputs_in_place(args):
             self._warn_once("moved", "an input captured in place (a parameter or a saved activation) "
                                      "now lives at another address: parameters replaced (p.data = ...), "
-                                     "or another model instance running this compiled code, which "
-                                     "torch._dynamo.reset() before compiling it would give graphs of its own")
+                                     "or another instance of the model's class (Dynamo gives every instance "
+                                     "the graphs compiled for the first, whose CUDA graph reads that "
+                                     "instance's parameters; apollo does not capture one per instance yet). "
+                                     "Where the earlier instance is done with (a new model per run), "
+                                     "torch._dynamo.reset() before compiling the new one gives it graphs of "
+                                     "its own; two instances in use together run the second un-graphed")
             return self._eager(args)
         if self.family.lent is not None and not self.family.lent.reclaim(self.family.grad_owners,
                                                                            self.family.input_owners):
