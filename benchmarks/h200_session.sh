@@ -8,9 +8,10 @@
 #   run(command="bash benchmarks/h200_session.sh whole-step hf-clip 8", carry=[".device_cache"]) # the user's whole step
 #       (zero_grad, forward, backward, fused AdamW; loss read, and back to back), module- and step-compiled, at the
 #       batches named (one per call when the cache is cold); models hf-clip, hf-siglip, timm-vit-bert
-#   run(command="bash benchmarks/h200_session.sh module hf-siglip 32", carry=[".device_cache"]) # issue 24's memory parity:
-#       the model compiled as a module, reduce-overhead against apollo and against apollo timing its backward's
-#       candidates too (apollo-bw-measured, the rule before session 28), peak and reserved as ratios
+#   run(command="bash benchmarks/h200_session.sh module hf-siglip 8", carry=[".device_cache"]) # issue 24's memory parity (batch 32 in a call of its own):
+#       the model compiled as a module, reduce-overhead against apollo (its first step in a pool of its own, session 48's default)
+#       and against apollo with that step in the default pool (the rule before), peak and reserved as ratios;
+#       VARIANTS="inductor-ro apollo apollo-bw-measured" times the backward's candidates too (the rule before session 28)
 #   run(command="bash benchmarks/h200_session.sh first-step-pool", carry=[".device_cache"]) # the first step in a pool of its own
 #       (graph_pool.FIRST_STEP_POOL, forwards since session 48): reserved memory against the first step in the default pool, HF CLIP
 #       b8 as a module, and HF SigLIP b8's compile_step with the optimizer inside with the pool, each beside reduce-overhead in one process
@@ -75,7 +76,7 @@ case "${1:-}" in
   module)    # issue 24's table: module-compiled reduce-overhead and apollo, memory held between steps per pool
              model="${2:?module needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 20 \
-               --variants inductor-ro apollo apollo-bw-measured --out "$OUT/module" ;;
+               --variants ${VARIANTS:-inductor-ro apollo apollo-no-first-step-pool} --out "$OUT/module" ;;
   first-step-pool)  # issue 24's reserved memory: the first, un-graphed step in a pool of its own against the default
              timeout 260 python benchmarks/bench_whole_step.py --models hf-clip --batch 8 --steps 20 \
                --variants inductor-ro apollo apollo-no-first-step-pool --out "$OUT/first-step-pool-module"
