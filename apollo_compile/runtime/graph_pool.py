@@ -85,7 +85,9 @@ def release_cached_segments() -> None:
 # (HF CLIP B/16, batch 8, H100, session 47, both orders). Not a whole step's one graph (an
 # "inference" graph, compile_step): with the optimizer inside, its state is laid out before the
 # first call (optimizer_step.InGraphAdam.prepare), so there is nothing to keep apart, and the
-# pool changed no memory (SigLIP base, session 47). Its time: sessions 44 and 47 timed the pool's
+# pool changed no memory (SigLIP base, session 47); without it, the user's optimizer.step() makes
+# the state after the first call as on the module path, but that case was not measured and keeps
+# the default pool too. Its time: sessions 44 and 47 timed the pool's
 # variants one after the other in one process and found the step 7-8% slower (module) and 3-6%
 # (compile_step); session 48 found that order unreadable at that size (one variant ran 9.15 and
 # 13.07 ms in two processes of one call, and whichever ran second in a process 15% slower with
@@ -99,7 +101,7 @@ def release_cached_segments() -> None:
 FIRST_STEP_POOL: frozenset[str] = frozenset({"forward"})  # NOTE: The first step in a pool of its own
 
 
-def first_step_pool(device: torch.device | None, kind: str = "forward") -> tuple[object, torch.device] | None:
+def first_step_pool(device: torch.device | None, kind: str) -> tuple[object, torch.device] | None:
     """A new memory pool for a family's first, un-graphed step on `device`, opened by a graph of
     `kind` (NOTE: The first step in a pool of its own), with its device; None where that kind opens
     none (FIRST_STEP_POOL), off CUDA, or where this torch cannot make one."""
