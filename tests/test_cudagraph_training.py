@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -415,8 +416,9 @@ def test_a_graph_with_symbolic_sizes_replays_only_at_the_shapes_it_was_captured_
 
 def test_a_second_model_instance_runs_the_compiled_code_without_its_graph_and_says_why(runners):
     """Dynamo's cache is per code object: a fresh model of the same class compiled in the same
-    process reuses the first one's graphs, whose parameters were captured in place. It trains like
-    eager without the CUDA graphs, and each graph's one warning says how to give it graphs of its own."""
+    process reuses the first one's graphs, whose parameters were captured in place. While the
+    first is still in use (NOTE: A new instance of the model), the second trains like eager without
+    the CUDA graphs, each graph's one warning says why, and the first keeps replaying its graphs."""
     first = twins("eager")[2]
     for step in range(3):  # the first model's graphs captured and replayed
         first(*two_tower_inputs(seed=step)).backward()
@@ -425,8 +427,10 @@ def test_a_second_model_instance_runs_the_compiled_code_without_its_graph_and_sa
         warnings.simplefilter("always")
         backward_like_eager(compiled, model, ref, [two_tower_inputs(seed=step) for step in range(3)])
     messages = [str(w.message) for w in caught if "another address" in str(w.message)]
-    assert len(messages) == 2 and all("torch._dynamo.reset()" in m for m in messages), messages  # fw, bw
-    assert [(r.replays, r.ungraphed_calls) for r in runners] == [(2, 3), (2, 3)]
+    assert len(messages) == 2 and all("in use beside the one it was captured for" in m for m in messages), messages
+    assert [(r.replays, r.ungraphed_calls) for r in runners] == [(2, 3), (2, 3)]  # fw, bw
+    first(*two_tower_inputs(seed=9)).backward()
+    assert [(r.replays, r.summary()["captured_again"]) for r in runners] == [(3, 0), (3, 0)]
 
 
 @pytest.mark.parametrize("marked", [True, False], ids=["marked", "unmarked"])
@@ -558,3 +562,38 @@ def test_a_checkpoint_loaded_into_the_optimizer_keeps_its_graph(runners):
     assert [float(opt.state[p]["step"]) for p in model.parameters()][:1] == [4.0]  # 2 + steps 4 and 5
     (runner,) = runners
     assert runner.replays == 5 and runner.ungraphed_calls == 0
+
+
+def test_a_new_instance_of_the_model_is_captured_again_once_the_first_is_gone(runners):
+    """NOTE: A new instance of the model. A second TwoTower compiled in the same process runs the
+    graphs compiled for the first (Dynamo keys them by code object: no recompile). Once the first
+    instance is gone, its family starts over: the forward captures again for the new parameters,
+    the backward at its next call, no call runs un-graphed and training equals eager; the old
+    parameters' storages are no longer held."""
+    import gc
+
+    from apollo_compile.fallback import ApolloFallbackWarning
+
+    model, ref, compiled = twins("eager")
+    sgd_like_eager(compiled, model, ref, 3)
+    forward, backward = runners
+    assert (forward.replays, backward.replays) == (2, 2)  # call 1 eager, then capture and replays
+    gone = [weakref.ref(p) for p in model.parameters()]
+    del model, ref, compiled
+    gc.collect()
+    assert all(r() is None for r in gone) and forward.family.instance_gone()
+
+    torch.manual_seed(1)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)  # no call runs without its CUDA graph
+        sgd_like_eager(compiled, model, ref, 3)
+    assert len(runners) == 2  # the same graphs, not a recompile
+    assert (forward.replays, backward.replays) == (5, 5) and forward.ungraphed_calls == backward.ungraphed_calls == 0
+    assert forward.family is backward.family and forward.summary()["captured_again"] == 1
+    params = {p.data_ptr() for p in model.parameters()}
+    read_in_place = {forward.static_inputs[i].data_ptr() for i in forward.static_input_idxs.intersection(forward.fixed_ptrs)}
+    assert read_in_place and read_in_place <= params  # the new instance's parameters, not the old ones
+

@@ -140,6 +140,25 @@ log = logging.getLogger("apollo_compile")
 # back to back where lanes had run 7.56 in session 29.
 
 
+# [NOTE] A new instance of the model. Dynamo keys compiled graphs by code object, not by module
+# instance: a second model of the same class, compiled in the same process (a new model per run of a
+# sweep, a notebook cell run again), runs the graphs compiled for the first, whose CUDA graphs read
+# the first instance's parameters in place. Its calls find those inputs at other addresses. Where
+# the instance the graphs were captured for is gone (every parameter they read is dead: weak
+# references, GraphFamily.captured_for), the family starts over (GraphFamily.start_over): the
+# forward (or a whole step's graph) captures again at that call for the new instance, in a new
+# pool, and its backward at its next call; what the old captures held (the old parameters' storages,
+# which the static inputs kept alive, and the pool) is released with them. While that instance
+# lives (two models in use together, or parameters replaced with p.data = ...), the call runs
+# without the CUDA graph, with one warning, as before: capturing per instance would keep a pool
+# for each. A family starts over at most MAX_STARTS_OVER times, so a pattern that keeps replacing
+# the instance cannot make every step a capture. CUDA-graph trees record again for new addresses
+# too. Measured before this (session 48, H100): three live copies of HF CLIP B/16 at batch 8, the
+# copies after the first ran un-graphed at 56-59 ms a step against 15.
+
+MAX_STARTS_OVER = 8  # NOTE: A new instance of the model
+
+
 class GraphFamily:
     """State shared by the CUDA graphs of one Dynamo graph (forward + backward)."""
 
@@ -162,6 +181,11 @@ class GraphFamily:
         # of its own); opened once, by the family's first call
         self.first_step_pool: tuple[object, torch.device] | None = None
         self.first_step_opened = False
+        # the model instance the graphs were captured for (NOTE: A new instance of the model): weak
+        # references to the parameters the first graph read in place, and how often it started over
+        self.captured_for: list[weakref.ref] = []
+        self.starts_over = 0
+        self.runners: list[weakref.ref] = []  # its graphs' runners, which drop their captures when it starts over
 
     def open_first_step(self, args: list, kind: str) -> tuple[object, torch.device] | None:
         """The first step's pool: opened by the family's first call, a graph of `kind` (on the
@@ -179,6 +203,27 @@ class GraphFamily:
 
     def forward_outputs_alive(self) -> bool:
         return any(ref() is not None for ref in self.pending)
+
+    def instance_gone(self) -> bool:
+        """Whether every parameter the graphs were captured reading is dead: the model instance
+        they were captured for is gone (NOTE: A new instance of the model)."""
+        return bool(self.captured_for) and all(ref() is None for ref in self.captured_for)
+
+    def start_over(self) -> None:
+        """Forget what the family's captures shared, as a new family would have it, and every
+        graph's capture, for graphs captured again for another model instance at their next calls.
+        The pool is a new one: the old one goes back to the driver with the old graphs and tensors
+        (release_cached_segments, before the next capture)."""
+        self.starts_over += 1
+        self.pool = None
+        self.saved_ptrs, self.pending, self.lent = set(), [], None
+        self.grad_owners, self.input_owners, self.owners = [], [], {}
+        self.forward_chosen, self.forward_measured = None, False
+        self.capture_refused = self.backward_capture_failed = None
+        self.captured_for = []
+        for ref in self.runners:
+            if (runner := ref()) is not None:
+                runner._drop_capture()
 
 
 # all(tensors[i].data_ptr() == ptrs[i] for i in indices), in C++; CUDA builds only
@@ -249,6 +294,7 @@ class CudaGraphRunner:
         self._warned: set[str] = set()
         self._boxed_call = True
         self._fixed_check: tuple | None = None  # fixed_ptrs laid out for `_inputs_in_place` (per capture's dict)
+        family.runners.append(weakref.ref(self))
         self.replays = 0
         # host time of the replayed calls (checks, input copies, launch, handing out outputs) and of
         # their launches alone: where a small step's time goes (benchmarks/probes/host_split.py)
@@ -293,6 +339,7 @@ class CudaGraphRunner:
                 "peak_after_capture": self.peak_after_capture, "donated_bytes": self.donated_bytes,
                 "side_lane_donated_bytes": self.side_lane_donated_bytes, "withheld_bytes": self.withheld_bytes,
                 "ungraphed_calls": self.ungraphed_calls, "disabled": self.disabled,
+                "captured_again": self.family.starts_over,  # for a new model instance (NOTE: A new instance ...)
                 "capture_refused": self.capture_refused,
                 "lent_moved": self.lent.moved if self.lent is not None else 0,
                 # per replay: inputs copied into the graph's buffers / read in place, outputs lent / copied
@@ -377,6 +424,9 @@ class CudaGraphRunner:
         if self.kind == "forward" or self.lent_outputs:  # the parameters whose .grad they become
             self.family.grad_owners = [weakref.ref(args[i]) for i in sorted(self.fixed_ptrs)
                                        if i in self.static_input_idxs and args[i].requires_grad]
+        if self.kind != "backward":  # the instance whose parameters it reads (NOTE: A new instance of the model)
+            self.family.captured_for = [weakref.ref(args[i]) for i in sorted(self.fixed_ptrs)
+                                        if i in self.static_input_idxs]
         self.graph = graph
         log.info("apollo: captured %s as a CUDA graph, runtime %r (%d inputs copied, %d used in place)",
                  self.name, self.chosen, len(self.copy_idxs), len(self.fixed_ptrs))
@@ -630,6 +680,15 @@ class CudaGraphRunner:
         self.family.owners.clear()
         self._warn_once("capture", self.disabled)
 
+    def _drop_capture(self) -> None:
+        """Forget this graph's capture, to capture again at its next call: its family started over
+        for a new model instance (NOTE: A new instance of the model)."""
+        self.graph, self.chosen, self.lent = None, None, None
+        self.static_inputs, self.static_outputs = [], []
+        self.copy_idxs, self.fixed_ptrs, self.lent_idxs, self.copied_out_idxs = [], {}, [], []
+        self.output_is_input, self.sentinel_idx, self.captured_shapes = {}, None, None
+        self.donated_bytes = self.side_lane_donated_bytes = self.withheld_bytes = 0  # counted again at the capture
+
     def __call__(self, args: list) -> list:
         start = time.perf_counter()
         self.calls += 1
@@ -644,6 +703,11 @@ class CudaGraphRunner:
             self._warn_once("pending", "the previous forward's saved activations are still alive "
                                        "(two forwards before a backward, or retain_graph=True)")
             return self._eager(args)
+        moved = self.graph is not None and not self._inputs_in_place(args)
+        if moved and self.kind != "backward" and self.family.instance_gone() \
+                and self.family.starts_over < MAX_STARTS_OVER:  # a new instance of the model
+            self.family.start_over()  # this graph captures again below
+            moved = False
         if self.symbolic:
             shapes = input_shapes(args)
             if self.graph is None:
@@ -678,15 +742,14 @@ class CudaGraphRunner:
                 torch.cuda.synchronize()
                 return self._eager(args)
             start = time.perf_counter()  # capturing and measuring took seconds: not a replay's host time
-        if not self._inputs_in_place(args):
+            moved = not self._inputs_in_place(args)
+        if moved:
             self._warn_once("moved", "an input captured in place (a parameter or a saved activation) "
                                      "now lives at another address: parameters replaced (p.data = ...), "
-                                     "or another instance of the model's class (Dynamo gives every instance "
-                                     "the graphs compiled for the first, whose CUDA graph reads that "
-                                     "instance's parameters; apollo does not capture one per instance yet). "
-                                     "Where the earlier instance is done with (a new model per run), "
-                                     "torch._dynamo.reset() before compiling the new one gives it graphs of "
-                                     "its own; two instances in use together run the second un-graphed")
+                                     "or another instance of the model's class in use beside the one it "
+                                     "was captured for (Dynamo gives every instance the graphs compiled "
+                                     "for the first; apollo captures them again only once that instance "
+                                     "is gone: NOTE: A new instance of the model)")
             return self._eager(args)
         if self.family.lent is not None and not self.family.lent.reclaim(self.family.grad_owners,
                                                                            self.family.input_owners):
