@@ -597,3 +597,26 @@ def test_a_new_instance_of_the_model_is_captured_again_once_the_first_is_gone(ru
     read_in_place = {forward.static_inputs[i].data_ptr() for i in forward.static_input_idxs.intersection(forward.fixed_ptrs)}
     assert read_in_place and read_in_place <= params  # the new instance's parameters, not the old ones
 
+
+
+def test_a_new_instance_is_captured_again_for_inference_too(runners):
+    """NOTE: A new instance of the model, for a graph run under torch.no_grad() (an inference
+    graph, no backward): captured again for the second instance once the first is gone."""
+    import gc
+
+    from apollo_compile.fallback import ApolloFallbackWarning
+
+    for instance in range(2):
+        torch.manual_seed(instance)
+        model = TwoTower()
+        ref = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager"})
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("error", ApolloFallbackWarning)
+            for i in range(3):
+                inputs = two_tower_inputs(seed=i)
+                torch.testing.assert_close(compiled(*inputs), ref(*inputs), **TOLERANCE["eager"])
+        del model, ref, compiled
+        gc.collect()
+    (runner,) = runners
+    assert runner.kind == "inference" and runner.replays == 2 + 3 and runner.summary()["captured_again"] == 1
