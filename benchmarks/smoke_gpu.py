@@ -2,14 +2,16 @@
 
 The tiny CLIP of clip.py (``--config`` for another) with apollo's eager subgraph compiler (ATen
 ops, no Inductor compile, so it takes seconds), a memory budget (recomputation in the backward),
-and six training loops: plain steps, two micro-batches per step with
+and eight training loops: plain steps, two micro-batches per step with
 ``zero_grad(set_to_none=True)``, and the same with ``set_to_none=False``; then plain steps without
 a budget (the backward's lanes are measured and may be replayed) and with Inductor's subgraphs
 (which free each input at its last use, so the backward's capture really places its temporaries
 over the donated saved activations), with a budget and without one (lanes measured: a side lane
 may take over the saved activations the forward's same lane made); last, batch sizes that change
 between steps (Dynamo's automatic dynamic shapes: the graph with a symbolic batch replays at the
-size it was captured at and runs without its CUDA graph at the other). Every step's loss and every
+size it was captured at and runs without its CUDA graph at the other), and a second model trained
+after the first is deleted (its graphs captured again for it: cudagraph.py, NOTE: A new instance
+of the model). Every step's loss and every
 gradient is compared with eager PyTorch on the same weights (TF32 off, so both are true fp32), and
 each runner's summary is printed: replays, the runtime it chose, calls that ran without the graph
 (0 expected), gradients it moved out of the graph's memory because they were still held (the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import sys
 from pathlib import Path
@@ -52,6 +55,10 @@ MODES = {  # name: (micro-batches per step, zero_grad(set_to_none), apollo optio
     # batch sizes that change (VARYING): Dynamo recompiles with a symbolic batch at the second size;
     # that graph is captured at one size and runs without its CUDA graph at the other
     "batch varies, inductor": (1, True, {"subgraph_compiler": "inductor"}),
+    # a second model, built and compiled after the first is deleted, runs the first's graphs
+    # (Dynamo keys them by code object): they are captured again for it (cudagraph.py, NOTE: A new
+    # instance of the model), and it trains with no call un-graphed
+    "new instance, inductor": (1, True, {"subgraph_compiler": "inductor"}),
 }
 VARYING = (0, -1, -1, -1, 0, -1, 0)  # added to --batch, step by step ("batch varies" modes)
 
@@ -64,30 +71,35 @@ def run(mode: str, device: str, steps: int = 4, config: str = "tiny", batch_size
     micro, set_to_none, options = MODES[mode]
     rtol = INDUCTOR_RTOL if options["subgraph_compiler"] == "inductor" else RTOL
     torch._dynamo.reset()
-    model = clip.build(config, device=device)
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="apollo", options=options)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
     worst_loss = worst_grad = 0.0
     varying = mode.startswith("batch varies")
-    for step in range(len(VARYING) if varying else steps):
-        for k in range(micro):
-            size = batch_size + (VARYING[step] if varying else 0)
-            batch = clip.make_batch(size, device, config, seed=10 * step + k)
-            loss, ref_loss = compiled(*batch), ref(*batch)
-            loss.backward()
-            ref_loss.backward()
-            worst_loss = max(worst_loss, abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12))
-        worst_grad = max(worst_grad, max_rel_err(model, ref))
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad(set_to_none=set_to_none)
+    instances = 2 if mode.startswith("new instance") else 1
+    for seed in range(instances):  # each instance deleted before the next is built (the loop rebinds them)
+        model = clip.build(config, device=device, seed=seed)
+        ref = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="apollo", options=options)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
+        for step in range(len(VARYING) if varying else steps):
+            for k in range(micro):
+                size = batch_size + (VARYING[step] if varying else 0)
+                batch = clip.make_batch(size, device, config, seed=10 * step + k)
+                loss, ref_loss = compiled(*batch), ref(*batch)
+                loss.backward()
+                ref_loss.backward()
+                worst_loss = max(worst_loss, abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12))
+            worst_grad = max(worst_grad, max_rel_err(model, ref))
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad(set_to_none=set_to_none)
+        del model, ref, compiled, opt, ref_opt, loss, ref_loss
+        gc.collect()
     plan = apollo_compile.last_plan()
     runners = {kind: plan.graphs[kind].runner for kind in ("forward", "backward") if kind in plan.graphs}
     summaries = {kind: r.summary() if r is not None else None for kind, r in runners.items()}
     # with varying sizes the symbolic graph runs un-graphed at the sizes it was not captured at
     ok = worst_loss <= rtol and worst_grad <= rtol and (device == "cpu" or all(
-        s is not None and (varying or s["ungraphed_calls"] == 0) and s["replays"] > 0 for s in summaries.values()))
+        s is not None and (varying or s["ungraphed_calls"] == 0) and s["replays"] > 0
+        and s["captured_again"] == instances - 1 for s in summaries.values()))
     return {"mode": mode, "ok": ok, "loss_rel_err": worst_loss, "grad_rel_err": worst_grad, "runners": summaries}
 
 
