@@ -620,3 +620,54 @@ def test_a_new_instance_is_captured_again_for_inference_too(runners):
         gc.collect()
     (runner,) = runners
     assert runner.kind == "inference" and runner.replays == 2 + 3 and runner.summary()["captured_again"] == 1
+
+
+def test_a_sweep_over_new_models_needs_no_help_from_the_user(runners):
+    """NOTE: A new instance of the model, as a sweep writes it: each run builds, compiles and trains
+    a new model, and the previous run's last loss (its autograd graph holding the old parameters)
+    is rebound only once the new model's first forward returns. That first step runs without the
+    graphs and says nothing; from the second step on the graphs are captured for the new model."""
+    from apollo_compile.fallback import ApolloFallbackWarning
+
+    loss = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        for run in range(3):
+            torch.manual_seed(run)
+            model = TwoTower()
+            ref = copy.deepcopy(model)
+            compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager"})
+            opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+            for step in range(3):
+                inputs = two_tower_inputs(seed=step)
+                loss, ref_loss = compiled(*inputs), ref(*inputs)
+                loss.backward()
+                ref_loss.backward()
+                assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+                for o in (opt, ref_opt):
+                    o.step()
+                    o.zero_grad(set_to_none=True)
+    forward, backward = runners
+    assert [r.summary()["captured_again"] for r in runners] == [2, 2]
+    assert [(r.replays, r.ungraphed_calls) for r in runners] == [(2 + 2 + 2, 2), (2 + 2 + 2, 2)]
+
+
+def test_two_instances_trained_in_turn_warn_about_the_second(runners):
+    """NOTE: A new instance of the model: two live models of one class trained step by step in
+    turn (an ensemble). The second runs without the graphs captured for the first, which keeps
+    replaying them, and its second such call warns: never silently."""
+    from apollo_compile.fallback import ApolloFallbackWarning
+
+    first, first_ref, first_compiled = twins("eager")
+    torch.manual_seed(1)
+    second = TwoTower()
+    second_ref = copy.deepcopy(second)
+    second_compiled = torch.compile(second, backend="apollo", options={"subgraph_compiler": "eager"})
+    sgd_like_eager(first_compiled, first, first_ref, 2)  # the graphs captured for the first
+    with pytest.warns(ApolloFallbackWarning, match="in use beside the one it was captured for"):
+        for _ in range(2):
+            sgd_like_eager(second_compiled, second, second_ref, 1)
+            sgd_like_eager(first_compiled, first, first_ref, 1)
+    forward, backward = runners
+    assert len(runners) == 2 and forward.summary()["captured_again"] == 0
+    assert (forward.replays, forward.ungraphed_calls) == (3, 2)

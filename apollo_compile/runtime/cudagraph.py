@@ -150,11 +150,14 @@ log = logging.getLogger("apollo_compile")
 # pool, and its backward at its next call; what the old captures held (the old parameters' storages,
 # which the static inputs kept alive, and the pool) is released with them. While that instance
 # lives (two models in use together, or parameters replaced with p.data = ...), the call runs
-# without the CUDA graph, with one warning, as before: capturing per instance would keep a pool
-# for each. A family starts over at most MAX_STARTS_OVER times, so a pattern that keeps replacing
-# the instance cannot make every step a capture. CUDA-graph trees record again for new addresses
-# too. Measured before this (session 48, H100): three live copies of HF CLIP B/16 at batch 8, the
-# copies after the first ran un-graphed at 56-59 ms a step against 15.
+# without the CUDA graph, as before (capturing per instance would keep a pool for each), and the
+# second such call since the capture warns once. Not the first: a training loop's last loss keeps
+# its autograd graph, and through it the old parameters, alive until the new model's first forward
+# returns and the loop rebinds it, so a sweep's old instance is gone from the second call on. A
+# family starts over at most MAX_STARTS_OVER times, so a pattern that keeps replacing the instance
+# cannot make every step a capture. CUDA-graph trees record again for new addresses too. Measured
+# before this (session 48, H100): three live copies of HF CLIP B/16 at batch 8, the copies after
+# the first ran un-graphed at 56-59 ms a step against 15.
 
 MAX_STARTS_OVER = 8  # NOTE: A new instance of the model
 
@@ -271,6 +274,7 @@ class CudaGraphRunner:
         self.peak_after_capture = 0  # max_memory_allocated once captured: did capture set the peak?
         self.lent: LentOutputs | None = None  # a backward's gradients, once captured
         self.ungraphed_calls = 0  # calls after the first that ran without the CUDA graph
+        self.moved_calls = 0  # calls since its capture that found an input read in place moved (NOTE: A new instance ...)
         self.chosen: str | None = None
         self.static_input_idxs = static_input_idxs
         self.copy_idxs: list[int] = []  # inputs copied into the graph's buffers before each replay
@@ -688,6 +692,7 @@ class CudaGraphRunner:
         self.copy_idxs, self.fixed_ptrs, self.lent_idxs, self.copied_out_idxs = [], {}, [], []
         self.output_is_input, self.sentinel_idx, self.captured_shapes = {}, None, None
         self.donated_bytes = self.side_lane_donated_bytes = self.withheld_bytes = 0  # counted again at the capture
+        self.moved_calls = 0
 
     def __call__(self, args: list) -> list:
         start = time.perf_counter()
@@ -744,12 +749,14 @@ class CudaGraphRunner:
             start = time.perf_counter()  # capturing and measuring took seconds: not a replay's host time
             moved = not self._inputs_in_place(args)
         if moved:
-            self._warn_once("moved", "an input captured in place (a parameter or a saved activation) "
-                                     "now lives at another address: parameters replaced (p.data = ...), "
-                                     "or another instance of the model's class in use beside the one it "
-                                     "was captured for (Dynamo gives every instance the graphs compiled "
-                                     "for the first; apollo captures them again only once that instance "
-                                     "is gone: NOTE: A new instance of the model)")
+            self.moved_calls += 1
+            if self.moved_calls > 1:  # once may be a new instance whose predecessor is still dying (NOTE)
+                self._warn_once("moved", "an input captured in place (a parameter or a saved activation) "
+                                         "now lives at another address: parameters replaced (p.data = ...), "
+                                         "or another instance of the model's class in use beside the one it "
+                                         "was captured for (Dynamo gives every instance the graphs compiled "
+                                         "for the first; apollo captures them again only once that instance "
+                                         "is gone: NOTE: A new instance of the model)")
             return self._eager(args)
         if self.family.lent is not None and not self.family.lent.reclaim(self.family.grad_owners,
                                                                            self.family.input_owners):
