@@ -629,7 +629,7 @@ def test_a_sweep_over_new_models_needs_no_help_from_the_user(runners):
     graphs and says nothing; from the second step on the graphs are captured for the new model."""
     from apollo_compile.fallback import ApolloFallbackWarning
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # the loop written out, not sgd_like_eager: `loss` outlives each run into the next
         warnings.simplefilter("error", ApolloFallbackWarning)
         for run in range(3):
             torch.manual_seed(run)
@@ -646,7 +646,6 @@ def test_a_sweep_over_new_models_needs_no_help_from_the_user(runners):
                 for o in (opt, ref_opt):
                     o.step()
                     o.zero_grad(set_to_none=True)
-    # the loop's own training, as a user writes it: `loss` outlives each run into the next
     assert [r.summary()["captured_again"] for r in runners] == [2, 2]
     assert [(r.replays, r.ungraphed_calls) for r in runners] == [(2 + 2 + 2, 2), (2 + 2 + 2, 2)]
 
