@@ -38,7 +38,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent),  # benchmarks/: com
                 str(Path(__file__).resolve().parent)]  # probes/: step_host.py
 import bench_whole_step as bws  # noqa: E402
 import common  # noqa: E402
-from step_host import parse_step_args, training_step  # noqa: E402
+from step_host import parse_step_args, step_models, training_step  # noqa: E402
 
 
 class OwnCode(torch.nn.Module):
@@ -77,9 +77,7 @@ def main(argv=None) -> int:
         return 2
     args, device, out_dir = parsed
     table = []
-    for name in args.models:
-        base, shape = bws.build(name, args.seed)
-        batch = bws.make_batch(shape, args.batch, device, args.seed)
+    for name, base, batch in step_models(args, device):
         steps, held = [], []
         for k, variant in enumerate(args.variants):
             model = base if variant in bws.STEP_VARIANTS else OwnCode(base, k)

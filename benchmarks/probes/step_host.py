@@ -170,14 +170,20 @@ def parse_step_args(argv, doc: str, variants: list[str], steps: int, more=None):
     return (args, *setup)
 
 
+def step_models(args, device):
+    """(name, model on the CPU, batch on `device`) for each of a step probe's --models, built from
+    --seed at --batch, one after the other."""
+    for name in args.models:
+        base, shape = bws.build(name, args.seed)
+        yield name, base, bws.make_batch(shape, args.batch, device, args.seed)
+
+
 def main(argv=None) -> int:
     if (parsed := parse_step_args(argv, __doc__, ["inductor-ro-step", "apollo-step", "apollo-step-opt"], 30)) is None:
         return 2
     args, device, out_dir = parsed
     table = []
-    for name in args.models:
-        base, shape = bws.build(name, args.seed)
-        batch = bws.make_batch(shape, args.batch, device, args.seed)
+    for name, base, batch in step_models(args, device):
         for variant in args.variants:
             with bws.runtime_for(variant):  # a *-first-step-pool variant's pool, as bench_whole_step runs it
                 result = run(variant, name, base, batch, args, device)

@@ -123,9 +123,7 @@ def main(argv=None) -> int:
         common.log("step_kernels needs a CUDA device")
         return 2
     found, timelines = {}, {}
-    for name in args.models:
-        base, shape = bws.build(name, args.seed)
-        batch = bws.make_batch(shape, args.batch, device, args.seed)
+    for name, base, batch in step_host.step_models(args, device):
         for variant in args.variants:
             with bws.runtime_for(variant):  # a *-first-step-pool variant's pool, as bench_whole_step runs it
                 rows, timelines[f"{name} {variant}"] = kernels(variant, name, base, batch, args, device)
