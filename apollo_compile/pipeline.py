@@ -486,8 +486,14 @@ def cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_n
         static_idxs -= {i for i, x in enumerate(meta.input_info) if x.mutates_data}
     if meta is not None and kind == "forward" and hasattr(meta, "num_forward_returns"):
         user_visible = set(range(meta.num_forward_returns))
-    if meta is not None and kind == "backward":
-        donated = set(getattr(meta, "bw_donated_idxs", None) or ())
+    saved: list[int] | None = None
+    if kind == "backward":
+        donated = set(getattr(meta, "bw_donated_idxs", None) or ()) if meta is not None else set()
+        # its forward's saved outputs: every input but the gradients of the forward's outputs, which
+        # AOTAutograd names tangents_N (by which instances.py finds a backward's model instance)
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        saved = [i for i, name in enumerate(names) if not name.startswith("tangents")]
+        saved = saved if len(saved) < len(names) else None
     # a whole step's gradients (and the .grad values it updates) are lent as a backward's are:
     # returned in the graph's memory, reclaimed before the next replay, never copied per step
     lent = {i for i, o in enumerate(graph_outputs(gm)) if isinstance(o, torch.fx.Node) and info(o).backward} \
@@ -497,7 +503,7 @@ def cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_n
                            max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None,
                            donated_idxs=donated, capture_near_limit=ctx.options.cudagraphs is True,
                            symbolic=symbolic, lent_outputs=lent, written_idxs=written,
-                           predicted=predicted_plain(ctx), written_state=written_state(gm))
+                           predicted=predicted_plain(ctx), written_state=written_state(gm), saved_idxs=saved)
 
 
 def predicted_plain(ctx: GraphContext) -> str | None:

@@ -815,11 +815,16 @@ def test_a_failed_backward_capture_makes_the_forward_let_its_graph_go(monkeypatc
 
 
 def test_cudagraph_pending_forward_runs_eager_and_warns_once(monkeypatch):
-    """Two forwards before a backward: while the last forward's saved activations are alive the
+    """More forwards of one model instance before their backwards than get a family each
+    (runtime/instances.py; 1 here): while the last forward's saved activations are alive the
     forward runs without its graph (capture is not even tried); once they die, capture is tried."""
+    from apollo_compile.runtime import instances
+
+    monkeypatch.setattr(instances, "MAX_PER_INSTANCE", 1)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     family = GraphFamily()
-    runner, fake = _runner(family=family)
+    fake = FakeRuntimes()  # its input 0 a parameter, read in place
+    runner = CudaGraphRunner(fake.candidates(), "frame0_0_forward", "forward", family, {0}, None)
     attempts = []
 
     def capture(args):
@@ -828,14 +833,15 @@ def test_cudagraph_pending_forward_runs_eager_and_warns_once(monkeypatch):
 
     monkeypatch.setattr(runner, "_capture", capture)
     saved = torch.ones(1)
-    family.pending = [weakref.ref(saved)]
     x = torch.arange(3.0)
+    family.pending = [weakref.ref(saved)]  # as a replay leaves it, in a family bound to its instance
+    family.instances.bind(family, [x], runner.static_input_idxs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
             assert runner([x])[1] == "one_lane"
         assert attempts == [] and len(_graph_warnings(caught)) == 1
-        assert "still alive" in _graph_warnings(caught)[0]
+        assert "2 forwards of one model instance await their backwards" in _graph_warnings(caught)[0]
         del saved  # the pending backward ran: its activations are released
         assert runner([x])[1] == "one_lane"
     assert attempts == [1]

@@ -1,8 +1,9 @@
 """Replay a graph's whole runtime — every lane — as one CUDA graph.
 
-The forward and backward of one Dynamo graph share a :class:`GraphFamily`: one memory pool (so
-the backward reuses the forward's freed intermediates, as ``make_graphed_callables`` does) and
-the forward's saved outputs, which the backward reads in place instead of copying.
+The forward and backward of one Dynamo graph, for one model instance, share a
+:class:`GraphFamily`: one memory pool (so the backward reuses the forward's freed intermediates,
+as ``make_graphed_callables`` does) and the forward's saved outputs, which the backward reads in
+place instead of copying.
 
 Call 1 runs the runtime eagerly (Inductor/Triton compile their kernels lazily, which must not
 happen under capture); call 2 captures and replays; later calls replay. Inputs the graph was
@@ -13,7 +14,8 @@ lane, SM quotas) that replays, unmeasured or after capturing and timing each (``
 This module is the runner and the state a family shares; beside it ``graph_io.py`` (which inputs a
 graph can take, its output copies, the gradients it lends), ``graph_pool.py`` (pools, the
 allocator's segments and streams, borrowed storages, the memory-limit rule: NOTE: A capture needs
-headroom) and ``choice.py`` (the strategies).
+headroom), ``choice.py`` (the strategies) and ``instances.py`` (which family a call replays where
+one compiled graph serves several model instances: a family each).
 
 [NOTE] Outputs and the next replay::
 
@@ -37,8 +39,9 @@ without the CUDA graph, so nothing is overwritten.
 
 Saved activations are returned in place, one of them as a fresh alias whose liveness we track
 (they are all held by one autograd context): if the previous forward's is still alive when the
-forward runs again (two forwards before one backward, ``retain_graph=True``), that call runs
-without the CUDA graph, so nothing the pending backward needs is overwritten. A backward whose
+forward runs again (two forwards before one backward, ``retain_graph=True``), that call replays
+another family's graph, in memory of its own (``instances.py``, NOTE: One graph, several model
+instances), so nothing the pending backward needs is overwritten. A backward whose
 saved inputs are not where the captured one read them runs without the CUDA graph too. A graph
 with symbolic sizes (``dynamic=True``, or Dynamo's automatic dynamic shapes after a second batch
 size) is captured at the shapes of its second call; a call at other shapes runs without the
@@ -111,10 +114,11 @@ import torch
 
 from ..fallback import ApolloFallbackWarning
 from .choice import GraphFacts, Strategy, in_effect, memory_first_reason
-from .graph_io import LentOutputs, OutputCopier, WrittenInputs, host_values, input_shapes, is_non_overlapping
+from .graph_io import Addresses, LentOutputs, OutputCopier, WrittenInputs, host_values, input_shapes, is_non_overlapping
 from .graph_pool import (allocating_in, allocation_streams, borrowed, clear_cublas_workspaces, donations_safe_on_lanes,
                          first_step_pool, in_graph_pool, memory_pressure, pool_bytes, release_cached_segments,
                          too_close_to_the_limit, unowned)
+from .instances import GraphInstances
 
 __all__ = ["CudaGraphRunner", "GraphFamily"]
 
@@ -140,32 +144,11 @@ log = logging.getLogger("apollo_compile")
 # back to back where lanes had run 7.56 in session 29.
 
 
-# [NOTE] A new instance of the model. Dynamo keys compiled graphs by code object, not by module
-# instance: a second model of the same class, compiled in the same process (a new model per run of a
-# sweep, a notebook cell run again), runs the graphs compiled for the first, whose CUDA graphs read
-# the first instance's parameters in place. Its calls find those inputs at other addresses. Where
-# the instance the graphs were captured for is gone (every parameter they read is dead: weak
-# references, GraphFamily.captured_for), the family starts over (GraphFamily.start_over): the
-# forward (or a whole step's graph) captures again at that call for the new instance, in a new
-# pool, and its backward at its next call; what the old captures held (the old parameters' storages,
-# which the static inputs kept alive, and the pool) is released with them. While that instance
-# lives (two models in use together, or parameters replaced with p.data = ...), the call runs
-# without the CUDA graph, as before (capturing per instance would keep a pool for each), and the
-# second such call since the capture warns once. Not the first: a training loop's last loss keeps
-# its autograd graph, and through it the old parameters, alive until the new model's first forward
-# returns and the loop rebinds it, so a sweep's old instance is gone from the second call on. A
-# family starts over at most MAX_STARTS_OVER times, so a pattern that keeps replacing the instance
-# cannot make every step a capture. CUDA-graph trees record again for new addresses too. Measured
-# before this (session 48, H100): three live copies of HF CLIP B/16 at batch 8, the copies after
-# the first ran un-graphed at 56-59 ms a step against 15.
-
-MAX_STARTS_OVER = 8  # NOTE: A new instance of the model
-
-
 class GraphFamily:
-    """State shared by the CUDA graphs of one Dynamo graph (forward + backward)."""
+    """State shared by the CUDA graphs of one Dynamo graph (forward + backward) for one model
+    instance (instances.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, instances: GraphInstances | None = None) -> None:
         self.pool = None
         self.saved_ptrs: set[int] = set()  # data_ptrs of the forward's captured outputs
         self.pending: list[weakref.ref] = []  # aliases handed out by the last forward replay
@@ -184,11 +167,13 @@ class GraphFamily:
         # of its own); opened once, by the family's first call
         self.first_step_pool: tuple[object, torch.device] | None = None
         self.first_step_opened = False
-        # the model instance the graphs were captured for (NOTE: A new instance of the model): weak
-        # references to the parameters the first graph read in place, and how often it started over
-        self.captured_for: list[weakref.ref] = []
-        self.starts_over = 0
-        self.runners: list[weakref.ref] = []  # its graphs' runners, which drop their captures when it starts over
+        # the model instance it serves (instances.py, NOTE: One graph, several model instances): its
+        # parameters' addresses (None: free), weak references to them, its forward's replays since bound
+        self.instances = instances if instances is not None else GraphInstances(self)
+        self.key: Addresses | None = None
+        self.served: list[weakref.ref] = []
+        self.replays = 0
+        self.runners: list[weakref.ref] = []  # its graphs' runners, which drop their captures when it is released
 
     def open_first_step(self, args: list, kind: str) -> tuple[object, torch.device] | None:
         """The first step's pool: opened by the family's first call, a graph of `kind` (on the
@@ -207,30 +192,35 @@ class GraphFamily:
     def forward_outputs_alive(self) -> bool:
         return any(ref() is not None for ref in self.pending)
 
-    def instance_gone(self) -> bool:
-        """Whether every parameter the graphs were captured reading is dead: the model instance
-        they were captured for is gone (NOTE: A new instance of the model)."""
-        return bool(self.captured_for) and all(ref() is None for ref in self.captured_for)
+    def sibling(self) -> GraphFamily:
+        """A new family of the same graph, for another model instance."""
+        other = GraphFamily(self.instances)
+        other.side_streams = self.side_streams  # the runtimes' lanes run on these streams in every family
+        other.backward_donates = self.backward_donates
+        return other
 
-    def start_over(self) -> None:
-        """Forget what the family's captures shared, as a new family would have it, and every
-        graph's capture, for graphs captured again for another model instance at their next calls.
-        The pool is a new one: the old one goes back to the driver with the old graphs and tensors
-        (release_cached_segments, before the next capture)."""
-        self.starts_over += 1
+    def unused(self) -> bool:
+        """Whether the instance it serves is gone (every parameter dead) or its parameters moved
+        (``p.data = ...``): no call will replay it again."""
+        if not self.served:
+            return False
+        alive = [(i, ref()) for i, ref in zip(self.key.positions, self.served)]
+        return all(p is None for _, p in alive) or any(
+            p is not None and p.data_ptr() != self.key.ptrs[i] for i, p in alive)
+
+    def release(self) -> None:
+        """Forget what the family's captures shared and every graph's capture: free, it serves the
+        next new instance, captured at its first call. The pool goes back to the driver with the
+        old graphs and tensors (release_cached_segments, before the next capture)."""
         self.pool = None
         self.saved_ptrs, self.pending, self.lent = set(), [], None
         self.grad_owners, self.input_owners, self.owners = [], [], {}
         self.forward_chosen, self.forward_measured = None, False
         self.capture_refused = self.backward_capture_failed = None
-        self.captured_for = []
+        self.key, self.served, self.replays = None, [], 0
         for ref in self.runners:
             if (runner := ref()) is not None:
                 runner._drop_capture()
-
-
-# all(tensors[i].data_ptr() == ptrs[i] for i in indices), in C++; CUDA builds only
-_data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 class CudaGraphRunner:
@@ -248,8 +238,19 @@ class CudaGraphRunner:
                  capture_near_limit: bool = False, symbolic: bool = False, strategy: Strategy | None = None,
                  lent_outputs: set[int] | None = None, written_idxs: set[int] | None = None,
                  predicted: str | None = None,
-                 written_state: Callable[[], list[torch.Tensor]] | None = None) -> None:
+                 written_state: Callable[[], list[torch.Tensor]] | None = None,
+                 saved_idxs: list[int] | None = None) -> None:
+        # what a runner of the same graph for another model instance is built from (`for_family`)
+        self._config = dict(candidates=candidates, name=name, kind=kind, static_input_idxs=static_input_idxs,
+                            user_visible_outputs=user_visible_outputs, max_memory_ratio=max_memory_ratio,
+                            donated_idxs=donated_idxs, capture_near_limit=capture_near_limit, symbolic=symbolic,
+                            strategy=strategy, lent_outputs=lent_outputs, written_idxs=written_idxs,
+                            predicted=predicted, written_state=written_state, saved_idxs=saved_idxs)
+        self.first: CudaGraphRunner | None = None  # for another instance: the first family's runner, else None
         self.candidates, self.name, self.kind, self.family = candidates, name, kind, family
+        # a backward's inputs that are its forward's saved outputs (the rest: gradients of its outputs);
+        # None: unknown, all may be (instances.py finds a backward's family by them)
+        self.saved_idxs = saved_idxs
         self.strategy = strategy  # which candidate replays; None: `choice.in_effect()` at capture
         # sizes that vary between calls (dynamic shapes): replayed only at the captured ones
         self.symbolic = symbolic
@@ -274,9 +275,9 @@ class CudaGraphRunner:
         self.peak_after_capture = 0  # max_memory_allocated once captured: did capture set the peak?
         self.lent: LentOutputs | None = None  # a backward's gradients, once captured
         self.ungraphed_calls = 0  # calls after the first that ran without the CUDA graph
-        self.moved_calls = 0  # calls since its capture that found an input read in place moved (NOTE: A new instance ...)
         self.chosen: str | None = None
         self.static_input_idxs = static_input_idxs
+        self.first_static = min(static_input_idxs, default=None)  # where instances.py looks a call's family up
         self.copy_idxs: list[int] = []  # inputs copied into the graph's buffers before each replay
         self.fixed_ptrs: dict[int, int] = {}  # inputs read in place: their addresses at capture
         self.lent_idxs: list[int] = []  # outputs lent in the pool's memory
@@ -297,13 +298,21 @@ class CudaGraphRunner:
         self.capture_refused: str | None = None  # not captured by design (NOTE: A capture needs headroom)
         self._warned: set[str] = set()
         self._boxed_call = True
-        self._fixed_check: tuple | None = None  # fixed_ptrs laid out for `_inputs_in_place` (per capture's dict)
+        self._fixed_check: Addresses | None = None  # fixed_ptrs, for `_inputs_in_place` (per capture's dict)
         family.runners.append(weakref.ref(self))
         self.replays = 0
         # host time of the replayed calls (checks, input copies, launch, handing out outputs) and of
         # their launches alone: where a small step's time goes (benchmarks/probes/host_split.py)
         self.replay_host_s = 0.0
         self.launch_host_s = 0.0
+
+    def for_family(self, family: GraphFamily, warm: bool) -> CudaGraphRunner:
+        """This graph's runner for another model instance's `family` (instances.py, NOTE: One graph,
+        several model instances). `warm`: the runtime ran once, so it captures at its first call."""
+        other = CudaGraphRunner(**self._config, family=family)
+        other.first = self
+        other.calls = 1 if warm else 0
+        return other
 
     # -- helpers -------------------------------------------------------------------------
     def _warn_once(self, key: str, why: str) -> None:
@@ -312,16 +321,26 @@ class CudaGraphRunner:
             warnings.warn(f"apollo: {self.name} runs without its CUDA graph because {why} "
                           "(correct, but slower)", ApolloFallbackWarning, stacklevel=3)
 
-    def _eager(self, args: list) -> list:
-        if self.calls > 1:
+    def _eager(self, args: list, warm_up: bool = False) -> list:
+        """Run the runtime un-graphed; `warm_up`: as part of the graph's first step, not counted."""
+        if self.calls > 1 and not warm_up:
             self.ungraphed_calls += 1
         # a first call runs in the first step's pool: the forward's opens it, the backward's closes it
         # (graph_pool.py, NOTE: The first step in a pool of its own)
         first = self.calls == 1
         pool = self.family.open_first_step(args, self.kind) if first else None
+        # an un-graphed forward of a graph that captures: its backward runs un-graphed too (instances.py)
+        inputs = {args[i].data_ptr() for i in self.static_input_idxs if isinstance(args[i], torch.Tensor)} \
+            if self.kind == "forward" and self.disabled is None else None
         try:
             with allocating_in(pool):
-                return self.fn(args)
+                outs = self.fn(args)
+            self.family.instances.warm.add(self.kind)
+            if inputs is not None:
+                self.family.instances.ran_eagerly([o for j, o in enumerate(outs) if isinstance(o, torch.Tensor)
+                                                   and not self._is_user_visible(j) and o.data_ptr() not in inputs],
+                                                  warm_up=first)
+            return outs
         except torch.OutOfMemoryError as e:
             if self.disabled is not None and self.capture_refused is None and hasattr(e, "add_note"):
                 e.add_note(f"apollo: {self.name} runs without its CUDA graph because its capture failed "
@@ -335,15 +354,21 @@ class CudaGraphRunner:
                 self.family.close_first_step()
 
     def summary(self) -> dict:
-        return {"replays": self.replays, "chosen": self.chosen, "measured_ms": dict(self.measured_ms),
+        """What it did; `replays` and `ungraphed_calls` add up those of its runners for the other
+        model instances it served (instances.py: `instances` families, `instances_released` freed)."""
+        instances = self.family.instances
+        others = [r for (_, kind), r in instances.copies.items() if kind == self.kind] if self.first is None else []
+        return {"replays": self.replays + sum(r.replays for r in others), "chosen": self.chosen,
+                "instances": len(instances.families), "instances_released": instances.released,
+                "measured_ms": dict(self.measured_ms),
                 "replay_host_ms": round(1e3 * self.replay_host_s / self.replays, 4) if self.replays else None,
                 "launch_host_ms": round(1e3 * self.launch_host_s / self.replays, 4) if self.replays else None,
                 "measuring_left_bytes": self.measuring_left_bytes, "captured_bytes": self.captured_bytes,
                 "candidate_pool_bytes": dict(self.candidate_pool_bytes), "family_pool_bytes": self.family_pool_bytes,
                 "peak_after_capture": self.peak_after_capture, "donated_bytes": self.donated_bytes,
                 "side_lane_donated_bytes": self.side_lane_donated_bytes, "withheld_bytes": self.withheld_bytes,
-                "ungraphed_calls": self.ungraphed_calls, "disabled": self.disabled,
-                "captured_again": self.family.starts_over,  # for a new model instance (NOTE: A new instance ...)
+                "ungraphed_calls": self.ungraphed_calls + sum(r.ungraphed_calls for r in others),
+                "disabled": self.disabled,
                 "capture_refused": self.capture_refused,
                 "lent_moved": self.lent.moved if self.lent is not None else 0,
                 # per replay: inputs copied into the graph's buffers / read in place, outputs lent / copied
@@ -428,9 +453,10 @@ class CudaGraphRunner:
         if self.kind == "forward" or self.lent_outputs:  # the parameters whose .grad they become
             self.family.grad_owners = [weakref.ref(args[i]) for i in sorted(self.fixed_ptrs)
                                        if i in self.static_input_idxs and args[i].requires_grad]
-        if self.kind != "backward":  # the instance whose parameters it reads (NOTE: A new instance of the model)
-            self.family.captured_for = [weakref.ref(args[i]) for i in sorted(self.fixed_ptrs)
-                                        if i in self.static_input_idxs]
+        if self.kind != "backward":  # the instance whose parameters it reads (instances.py)
+            self.family.instances.bind(self.family, args, self.static_input_idxs)
+        if self.kind == "forward":  # where its backward's saved inputs will be, in this family alone
+            self.family.instances.captured(self.family, [self.static_outputs[j] for j in saved])
         self.graph = graph
         log.info("apollo: captured %s as a CUDA graph, runtime %r (%d inputs copied, %d used in place)",
                  self.name, self.chosen, len(self.copy_idxs), len(self.fixed_ptrs))
@@ -520,9 +546,19 @@ class CudaGraphRunner:
     def _choose_candidate(self) -> str:
         """The candidate to replay: the strategy's choice (choice.py), unmeasured or from every
         candidate captured and timed (`_measure`). A strategy's choice the graph lacks raises
-        (the capture then fails and the graph runs without it, with one warning)."""
+        (the capture then fails and the graph runs without it, with one warning). A runner for
+        another model instance replays what the graph's first capture of its kind chose, unmeasured."""
         if len(self.candidates) == 1:
             return next(iter(self.candidates))
+        chosen = self.family.instances.chosen
+        if self.first is not None and chosen.get(self.kind) in self.candidates:  # another instance's graph
+            log.info("apollo: %s replays %r for another model instance, as for the first", self.name, chosen[self.kind])
+            return chosen[self.kind]
+        pick = self._choose_anew()
+        chosen.setdefault(self.kind, pick)
+        return pick
+
+    def _choose_anew(self) -> str:
         strategy = self.strategy if self.strategy is not None else in_effect()
         graph = self.facts()
         pick = strategy.unmeasured(graph)
@@ -624,23 +660,9 @@ class CudaGraphRunner:
 
     # -- replay ----------------------------------------------------------------------------
     def _inputs_in_place(self, args: list) -> bool:
-        # hundreds of parameters and saved activations per call, before the launch: at batch 8 on
-        # the H200 everything the host does before the forward's launch is step time. CUDA builds
-        # have the check CUDA-graph trees use on their hot path, in C++; elsewhere one list
-        # comparison rather than a Python test each
-        if self._fixed_check is None or self._fixed_check[0] is not self.fixed_ptrs:
-            positions = sorted(self.fixed_ptrs)
-            ptrs: list[int | None] = [None] * (positions[-1] + 1 if positions else 0)
-            for i in positions:
-                ptrs[i] = self.fixed_ptrs[i]
-            self._fixed_check = (self.fixed_ptrs, ptrs, positions, list(self.fixed_ptrs.values()))
-        _, ptrs, positions, values = self._fixed_check
-        try:
-            if _data_ptrs_equal is not None:
-                return _data_ptrs_equal(args, ptrs, positions)
-            return [args[i].data_ptr() for i in self.fixed_ptrs] == values
-        except (AttributeError, TypeError, RuntimeError):  # no longer a tensor
-            return False
+        if self._fixed_check is None or self._fixed_check.ptrs is not self.fixed_ptrs:
+            self._fixed_check = Addresses(self.fixed_ptrs)
+        return self._fixed_check.hold(args)
 
     def _replay(self, args: list) -> list:
         for i in self.copy_idxs:
@@ -651,6 +673,8 @@ class CudaGraphRunner:
         self.graph.replay()
         self.launch_host_s += time.perf_counter() - launch
         self.replays += 1
+        if self.kind != "backward":
+            self.family.replays += 1
         for i in self.written_copied:
             args[i].copy_(self.static_inputs[i])
         outs = list(self.static_outputs)
@@ -685,16 +709,46 @@ class CudaGraphRunner:
         self._warn_once("capture", self.disabled)
 
     def _drop_capture(self) -> None:
-        """Forget this graph's capture, to capture again at its next call: its family started over
-        for a new model instance (NOTE: A new instance of the model)."""
+        """Forget this graph's capture, to capture again at its next call: its family was released
+        (instances.py, NOTE: One graph, several model instances)."""
         self.graph, self.chosen, self.lent = None, None, None
         self.static_inputs, self.static_outputs = [], []
         self.copy_idxs, self.fixed_ptrs, self.lent_idxs, self.copied_out_idxs = [], {}, [], []
         self.output_is_input, self.sentinel_idx, self.captured_shapes = {}, None, None
         self.donated_bytes = self.side_lane_donated_bytes = self.withheld_bytes = 0  # counted again at the capture
-        self.moved_calls = 0
+
+    def _route(self, args: list) -> tuple[CudaGraphRunner | None, bool | None]:
+        """Which runner takes this call (instances.py, NOTE: One graph, several model instances):
+        this one, another family's, or None (it runs un-graphed); and whether this one's inputs were
+        found in place (None: not checked, or no longer known)."""
+        instances = self.family.instances
+        if instances.some_gone:  # a model instance died: release its family now, not at the next new one
+            instances.release_unused()
+        if self.kind == "backward":
+            if len(instances.families) == 1 and not instances.eager_saved:
+                return self, None
+            return instances.backward_runner(self, args), None
+        in_place = self.graph is not None and self._inputs_in_place(args)
+        if in_place and not (self.kind == "forward" and self.family.forward_outputs_alive()):
+            return self, True
+        return instances.forward_runner(self, args), None
+
+    def _unrouted(self, args: list) -> list:
+        """A call no family's graph takes: a limit on instances (one warning says which), or a
+        backward whose forward ran un-graphed (not counted where that was its graph's first call)."""
+        self.calls += 1
+        if self.kind != "backward":
+            self._warn_once("instances", self.family.instances.refused)
+            return self._eager(args)
+        return self._eager(args, warm_up=self.family.instances.warm_up_backward)
 
     def __call__(self, args: list) -> list:
+        in_place = None
+        # the runner Dynamo calls; a backward finds its family's runner even where its own is disabled
+        if self.first is None and self.calls > 0 and (self.disabled is None or self.kind == "backward"):
+            runner, in_place = self._route(args)
+            if runner is not self:
+                return runner(args) if runner is not None else self._unrouted(args)
         start = time.perf_counter()
         self.calls += 1
         if self.calls > 1 and self.family.first_step_pool is not None:  # a second step began
@@ -704,15 +758,11 @@ class CudaGraphRunner:
             self._let_go()
         if self.disabled is not None or self.calls == 1:
             return self._eager(args)
-        if self.kind == "forward" and self.family.forward_outputs_alive():
+        if self.kind == "forward" and self.family.forward_outputs_alive():  # a guard: `_route` sends none here
             self._warn_once("pending", "the previous forward's saved activations are still alive "
                                        "(two forwards before a backward, or retain_graph=True)")
             return self._eager(args)
-        moved = self.graph is not None and not self._inputs_in_place(args)
-        if moved and self.kind != "backward" and self.family.instance_gone() \
-                and self.family.starts_over < MAX_STARTS_OVER:  # a new instance of the model
-            self.family.start_over()  # this graph captures again below
-            moved = False
+        moved = self.graph is not None and not (in_place if in_place is not None else self._inputs_in_place(args))
         if self.symbolic:
             shapes = input_shapes(args)
             if self.graph is None:
@@ -749,14 +799,9 @@ class CudaGraphRunner:
             start = time.perf_counter()  # capturing and measuring took seconds: not a replay's host time
             moved = not self._inputs_in_place(args)
         if moved:
-            self.moved_calls += 1
-            if self.moved_calls > 1:  # once may be a new instance whose predecessor is still dying (NOTE)
-                self._warn_once("moved", "an input captured in place (a parameter or a saved activation) "
-                                         "now lives at another address: parameters replaced (p.data = ...), "
-                                         "or another instance of the model's class in use beside the one it "
-                                         "was captured for (Dynamo gives every instance the graphs compiled "
-                                         "for the first; apollo captures them again only once that instance "
-                                         "is gone: NOTE: A new instance of the model)")
+            self._warn_once("moved", "an input captured in place (a parameter or a saved activation) now lives "
+                                     "at another address: parameters replaced (p.data = ...), or saved "
+                                     "activations of a forward that ran without its CUDA graph")
             return self._eager(args)
         if self.family.lent is not None and not self.family.lent.reclaim(self.family.grad_owners,
                                                                            self.family.input_owners):

@@ -1,0 +1,293 @@
+"""One compiled graph serving several model instances (runtime/instances.py, NOTE: One graph,
+several model instances), on the CPU with fake CUDA graphs: Dynamo hands every instance of a class
+the graphs compiled for the first; each instance's calls replay a family of graphs of their own,
+training equals eager PyTorch step by step (the eager subgraph compiler: TOLERANCE["eager"]), and
+what runs un-graphed, beyond a graph's first calls, says why."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from apollo_compile.fallback import ApolloFallbackWarning
+from apollo_compile.runtime import instances
+from helpers import TOLERANCE, assert_same_loss_and_grads
+from models import TwoTower, two_tower_inputs
+from test_cudagraph_training import runners, sgd_like_eager, twins  # noqa: F401  (runners: the fixture)
+
+EAGER = {"subgraph_compiler": "eager"}
+
+
+def families_reading(forward, model) -> int:
+    """How many of the graph's families read `model`'s parameters in place (their addresses)."""
+    params = {p.data_ptr() for p in model.parameters()}
+    return sum(1 for f in forward.family.instances.families
+               if f.key is not None and f.key.ptrs and set(f.key.ptrs.values()) & params)
+
+
+def test_two_live_instances_each_replay_graphs_of_their_own(runners):
+    """Two models of one class trained in turn (an ensemble): the second gets a family of its own
+    (its parameters, its pool), the first keeps replaying its graphs, nothing runs un-graphed after
+    the graph's first call, and no warning."""
+    first, first_ref, first_compiled = twins("eager")
+    torch.manual_seed(1)
+    second = TwoTower()
+    second_ref = copy.deepcopy(second)
+    second_compiled = torch.compile(second, backend="apollo", options=EAGER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        for _ in range(3):
+            sgd_like_eager(first_compiled, first, first_ref, 1)
+            sgd_like_eager(second_compiled, second, second_ref, 1)
+    forward, backward = runners  # the same graphs for both: no recompile
+    for runner in runners:
+        summary = runner.summary()
+        assert summary["instances"] == 2 and summary["ungraphed_calls"] == 0, summary
+    assert families_reading(forward, first) == families_reading(forward, second) == 1
+    assert forward.summary()["replays"] == 5  # six calls: the graph's first ran eagerly
+
+
+def test_a_new_instance_takes_over_the_family_of_one_that_is_gone(runners):
+    """A second TwoTower after the first is deleted: the family captured for the first is released
+    (its graphs, its pool, and the old parameters' storages its static inputs held) and captured
+    for the new one at its first call; nothing runs un-graphed, training equals eager."""
+    model, ref, compiled = twins("eager")
+    sgd_like_eager(compiled, model, ref, 3)
+    forward, backward = runners
+    gone = [weakref.ref(p) for p in model.parameters()]
+    del model, ref, compiled
+    gc.collect()
+    assert all(r() is None for r in gone)
+
+    torch.manual_seed(1)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="apollo", options=EAGER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        sgd_like_eager(compiled, model, ref, 3)
+    assert len(runners) == 2  # the same graphs, not a recompile
+    for runner in runners:
+        summary = runner.summary()
+        assert (summary["instances"], summary["instances_released"]) == (1, 1), summary
+        assert runner.replays == 5 and summary["ungraphed_calls"] == 0
+    params = {p.data_ptr() for p in model.parameters()}
+    read_in_place = {forward.static_inputs[i].data_ptr()
+                     for i in forward.static_input_idxs.intersection(forward.fixed_ptrs)}
+    assert read_in_place and read_in_place <= params  # the new instance's parameters, not the old ones
+
+
+def test_a_new_instance_takes_over_for_inference_too(runners):
+    """The same for a graph run under torch.no_grad() (an inference graph, no backward)."""
+    for seed in range(2):
+        torch.manual_seed(seed)
+        model = TwoTower()
+        ref = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="apollo", options=EAGER)
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("error", ApolloFallbackWarning)
+            for i in range(3):
+                inputs = two_tower_inputs(seed=i)
+                torch.testing.assert_close(compiled(*inputs), ref(*inputs), **TOLERANCE["eager"])
+        del model, ref, compiled
+        gc.collect()
+    (runner,) = runners
+    summary = runner.summary()
+    assert runner.kind == "inference" and runner.replays == 2 + 3
+    assert (summary["instances"], summary["instances_released"]) == (1, 1)
+
+
+def test_a_sweep_over_new_models_needs_no_help_from_the_user(runners):
+    """A sweep: each run builds, compiles and trains a new model, and the last run's loss (its
+    autograd graph holding the old parameters) is rebound only once the new model's first forward
+    returns. That forward gets a family of its own; the old one is released once the old model is
+    gone and serves the run after. No call runs un-graphed, no warning, training equals eager."""
+    steps = instances.MIN_REPLAYS + 2  # a run long enough not to count as a short-lived instance
+    with warnings.catch_warnings():  # the loop written out, not sgd_like_eager: `loss` outlives each run into the next
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        for run in range(3):
+            torch.manual_seed(run)
+            model = TwoTower()
+            ref = copy.deepcopy(model)
+            compiled = torch.compile(model, backend="apollo", options=EAGER)
+            opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+            for step in range(steps):
+                inputs = two_tower_inputs(seed=step)
+                loss, ref_loss = compiled(*inputs), ref(*inputs)
+                loss.backward()
+                ref_loss.backward()
+                assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+                for o in (opt, ref_opt):
+                    o.step()
+                    o.zero_grad(set_to_none=True)
+    for runner in runners:
+        summary = runner.summary()
+        assert summary["instances"] == 2 and summary["instances_released"] == 2, summary
+        assert summary["ungraphed_calls"] == 0 and summary["replays"] == 3 * steps - 1
+
+
+class Layer(nn.Module):
+    """A residual MLP layer; `graph_break` puts a graph break inside its forward, which makes the
+    forward a frame of its own that Dynamo compiles once for every layer."""
+
+    def __init__(self, width: int, graph_break: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.graph_break = nn.Linear(width, 2 * width), nn.Linear(2 * width, width), graph_break
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        if self.graph_break:
+            print("", end="")  # graph break
+        return x + self.fc2(h)
+
+
+class Stack(nn.Module):
+    def __init__(self, depth: int = 3, width: int = 16, graph_break: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(width, graph_break) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
+def stack_like_eager(compiled, model, ref, steps: int) -> None:
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
+    for step in range(steps):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        loss, ref_loss = compiled(x), ref(x)
+        loss.backward()
+        ref_loss.backward()
+        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("how", ["regional", "graph break in the layer"])
+def test_every_layer_of_a_stack_replays_the_one_graph_compiled_for_its_class(runners, how):
+    """Repeated layers compiled one by one (regional compilation) or a graph break inside the
+    layer's forward: Dynamo compiles the layer's forward for the first layer, then once more for
+    all the others, which call that graph with their own parameters. Each layer gets a family; the
+    last step replays every call, and none ran un-graphed beyond the first step's (a first forward
+    call runs eagerly, and so does its backward, wherever it comes in the step)."""
+    depth = 4
+    torch.manual_seed(0)
+    model = Stack(depth, graph_break=how != "regional")
+    ref = copy.deepcopy(model)
+    if how == "regional":
+        for layer in model.layers:
+            layer.compile(backend="apollo", options=EAGER)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="apollo", options=EAGER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        stack_like_eager(compiled, model, ref, 3)
+        before = [r.summary()["replays"] for r in runners]
+        stack_like_eager(compiled, model, ref, 1)
+    served = {r.name: r.summary()["instances"] for r in runners}
+    shared = [r for r in runners if served[r.name] == depth - 1]  # the layers after the first
+    assert shared and {r.kind for r in shared} == {"forward", "backward"}, served
+    for runner, replays in zip(runners, before):  # the last step: every call of every graph replayed
+        assert runner.summary()["replays"] - replays == served[runner.name], runner.name
+    assert not [r.name for r in runners if r.summary()["ungraphed_calls"]]
+    forward = next(r for r in shared if r.kind == "forward")
+    assert [families_reading(forward, layer) for layer in model.layers] == [0] + [1] * (depth - 1)
+
+
+class Encoder(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_one_instance_twice_before_its_backward(runners, set_to_none):
+    """Two views through one encoder, one backward (a Siamese or SimCLR step): the second forward
+    finds the first's saved activations alive, so it replays a second family bound to the same
+    parameters; each backward finds its own. The gradients from both add up as eager's do, whether
+    .grad starts each step as None (the first backward's lent gradient becomes it, the second's is
+    added into it, in the other family's memory) or as a zeroed tensor."""
+    torch.manual_seed(0)
+    encoder = Encoder()
+    ref = copy.deepcopy(encoder)
+    compiled = torch.compile(encoder, backend="apollo", options=EAGER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            a, b = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+            loss = (compiled(a) - compiled(b)).square().mean()
+            ref_loss = (ref(a) - ref(b)).square().mean()
+            loss.backward()
+            ref_loss.backward()
+            assert_same_loss_and_grads(loss, ref_loss, encoder, ref, TOLERANCE["eager"], step)
+            encoder.zero_grad(set_to_none=set_to_none)
+            ref.zero_grad(set_to_none=set_to_none)
+    for runner in runners:
+        summary = runner.summary()
+        assert summary["instances"] == 2 and summary["ungraphed_calls"] == 0, summary
+
+
+def test_parameters_replaced_in_place_release_their_family(runners):
+    """p.data = ... moves every parameter: the family bound to the old addresses can never replay
+    again, so it is released and captured anew for the new ones (no second family kept)."""
+    model, ref, compiled = twins("eager")
+    sgd_like_eager(compiled, model, ref, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        sgd_like_eager(compiled, model, ref, 3)
+    for runner in runners:
+        summary = runner.summary()
+        assert summary["instances"] == 1 and summary["instances_released"] == 1 and summary["ungraphed_calls"] == 0
+
+
+def test_past_the_most_instances_a_graph_keeps_calls_run_ungraphed_and_say_why(runners, monkeypatch):
+    """MAX_FAMILIES (2 here): a third live model of the class trains without CUDA graphs, correctly,
+    with one warning naming the limit; the first two keep theirs."""
+    monkeypatch.setattr(instances, "MAX_FAMILIES", 2)
+    models = [twins("eager") for _ in range(3)]
+    with pytest.warns(ApolloFallbackWarning, match="captured for 2 model instances already"):
+        for _ in range(3):
+            for model, ref, compiled in models:
+                sgd_like_eager(compiled, model, ref, 1)
+    forward, backward = runners
+    assert forward.summary()["instances"] == 2
+    assert forward.summary()["ungraphed_calls"] == 3 - 1  # the third model's calls, less the first capture call
+
+
+def test_an_instance_replaced_every_step_stops_being_captured(runners):
+    """A new model instance every step (a copy per step): each would be a capture for one replay.
+    After MAX_SHORT_LIVED such families are released, new instances run un-graphed with one
+    warning that says so; training stays equal to eager."""
+    torch.manual_seed(0)
+    base = TwoTower()
+    with pytest.warns(ApolloFallbackWarning, match="were replaced within"):
+        for step in range(8):
+            model, ref = copy.deepcopy(base), copy.deepcopy(base)
+            compiled = torch.compile(model, backend="apollo", options=EAGER)
+            inputs = two_tower_inputs(seed=step)
+            loss, ref_loss = compiled(*inputs), ref(*inputs)
+            loss.backward()
+            ref_loss.backward()
+            assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+            del model, ref, compiled, loss, ref_loss
+            gc.collect()
+    forward = runners[0]
+    assert forward.family.instances.short_lived == instances.MAX_SHORT_LIVED
