@@ -60,6 +60,9 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
                    before session 48: NOTE: The first step in a pool of its own)
     apollo-step-opt-first-step-pool  apollo-step-opt with its first step in a pool of its own
                    ("inference" added to ``FIRST_STEP_POOL``; off by default, no memory effect measured)
+    inductor-ro-regional, apollo-regional  regional compilation: every block of a list of blocks
+                   of one class compiled on its own (``compile_regions``, as accelerate's), the
+                   rest eager; one compiled graph serves every block (runtime/instances.py)
 
 A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
 its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
@@ -111,7 +114,7 @@ VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "a
             "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-uncut",
             "apollo-step-opt-lists-small", "apollo-step-opt-per-param", "apollo-step-opt-narrow",
             "apollo-step-opt-masks-as-traced", "apollo-no-first-step-pool", "apollo-step-opt-first-step-pool",
-            "apollo-step-opt-cut-by-chunks")
+            "apollo-step-opt-cut-by-chunks", "inductor-ro-regional", "apollo-regional")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -239,7 +242,7 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
                  "apollo-step-opt-uncut", "apollo-step-opt-lists-small", "apollo-step-opt-per-param",
                  "apollo-step-opt-narrow", "apollo-step-opt-masks-as-traced", "apollo-step-opt-first-step-pool",
-                 "apollo-step-opt-cut-by-chunks")
+                 "apollo-step-opt-cut-by-chunks", "inductor-ro-regional", "apollo-regional")
 # how the update and its gradients are laid out (fused_update.py, NOTE: Small parameters share a launch;
 # passes/gradients.py, NOTE: A weight's gradient leaves its matmul in float32), or which passes run, per variant:
 # "module.NAME" of apollo_compile -> the value it has while the variant's step is traced
@@ -377,6 +380,29 @@ def loss_and_grads_from_update(model: nn.Module, f: Callable, optimizer: torch.o
     return loss, grads
 
 
+def compile_regions(model: nn.Module, **compile_kwargs) -> nn.Module:
+    """Regional compilation (accelerate's ``compile_regions``, PyTorch's regional compilation
+    recipe): each block of every outermost ``nn.ModuleList`` whose blocks share one class compiled
+    on its own, in place; the rest runs eagerly. Dynamo compiles the block's forward once (twice:
+    the first block's graph is specialized) and every block calls it with its own parameters."""
+    blocks = 0
+
+    def visit(module: nn.Module) -> None:
+        nonlocal blocks
+        for child in module.children():
+            if isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(b) for b in child}) == 1:
+                for block in child:
+                    block.compile(**compile_kwargs)
+                    blocks += 1
+            else:
+                visit(child)
+
+    visit(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no list of repeated blocks to compile")
+    return model
+
+
 def compile_variant(variant: str, model: nn.Module, args) -> Callable:
     if variant == "eager":
         return model
@@ -384,9 +410,13 @@ def compile_variant(variant: str, model: nn.Module, args) -> Callable:
         return torch.compile(model)
     if variant == "inductor-ro":
         return torch.compile(model, mode="reduce-overhead")
-    if variant in ("apollo", "apollo-bw-measured", "apollo-no-first-step-pool"):
+    if variant == "inductor-ro-regional":
+        return compile_regions(model, mode="reduce-overhead")
+    if variant in ("apollo", "apollo-bw-measured", "apollo-no-first-step-pool", "apollo-regional"):
         import apollo_compile  # noqa: F401  (importing registers backend="apollo")
 
+        if variant == "apollo-regional":
+            return compile_regions(model, backend="apollo", options=dict(args.apollo_options))
         return torch.compile(model, backend="apollo", options=dict(args.apollo_options))
     raise ValueError(f"unknown variant {variant!r}")
 

@@ -9,9 +9,10 @@ a budget (the backward's lanes are measured and may be replayed) and with Induct
 over the donated saved activations), with a budget and without one (lanes measured: a side lane
 may take over the saved activations the forward's same lane made); last, batch sizes that change
 between steps (Dynamo's automatic dynamic shapes: the graph with a symbolic batch replays at the
-size it was captured at and runs without its CUDA graph at the other), and a second model trained
-after the first is deleted (its graphs captured again for it: cudagraph.py, NOTE: A new instance
-of the model). Every step's loss and every
+size it was captured at and runs without its CUDA graph at the other), a second model trained
+after the first is deleted (the family of graphs captured for the first is released and captured
+again for it), and two live models trained in turn (a family each: runtime/instances.py, NOTE: One
+graph, several model instances). Every step's loss and every
 gradient is compared with eager PyTorch on the same weights (TF32 off, so both are true fp32), and
 each runner's summary is printed: replays, the runtime it chose, calls that ran without the graph
 (0 expected), gradients it moved out of the graph's memory because they were still held (the
@@ -56,9 +57,11 @@ MODES = {  # name: (micro-batches per step, zero_grad(set_to_none), apollo optio
     # that graph is captured at one size and runs without its CUDA graph at the other
     "batch varies, inductor": (1, True, {"subgraph_compiler": "inductor"}),
     # a second model, built and compiled after the first is deleted, runs the first's graphs
-    # (Dynamo keys them by code object): they are captured again for it (cudagraph.py, NOTE: A new
-    # instance of the model), and it trains with no call un-graphed
+    # (Dynamo keys them by code object): their family is released and captured again for it
+    # (runtime/instances.py), and it trains with no call un-graphed
     "new instance, inductor": (1, True, {"subgraph_compiler": "inductor"}),
+    # two live models of the class trained step by step in turn: a family of graphs each
+    "two live instances, inductor": (1, True, {"subgraph_compiler": "inductor"}),
 }
 VARYING = (0, -1, -1, -1, 0, -1, 0)  # added to --batch, step by step ("batch varies" modes)
 
@@ -71,36 +74,54 @@ def run(mode: str, device: str, steps: int = 4, config: str = "tiny", batch_size
     micro, set_to_none, options = MODES[mode]
     rtol = INDUCTOR_RTOL if options["subgraph_compiler"] == "inductor" else RTOL
     torch._dynamo.reset()
-    worst_loss = worst_grad = 0.0
+    worst = [0.0, 0.0]  # loss, gradient relative errors
     varying = mode.startswith("batch varies")
-    instances = 2 if mode.startswith("new instance") else 1
-    for seed in range(instances):  # each instance deleted before the next is built (the loop rebinds them)
+    together = mode.startswith("two live")
+    instances = 2 if mode.startswith(("new instance", "two live")) else 1
+
+    def build(seed: int) -> dict:
         model = clip.build(config, device=device, seed=seed)
         ref = copy.deepcopy(model)
-        compiled = torch.compile(model, backend="apollo", options=options)
-        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
-        for step in range(len(VARYING) if varying else steps):
-            for k in range(micro):
-                size = batch_size + (VARYING[step] if varying else 0)
-                batch = clip.make_batch(size, device, config, seed=10 * step + k)
-                loss, ref_loss = compiled(*batch), ref(*batch)
-                loss.backward()
-                ref_loss.backward()
-                worst_loss = max(worst_loss, abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12))
-            worst_grad = max(worst_grad, max_rel_err(model, ref))
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad(set_to_none=set_to_none)
-        del model, ref, compiled, opt, ref_opt, loss, ref_loss
-        gc.collect()
+        return {"model": model, "ref": ref, "compiled": torch.compile(model, backend="apollo", options=options),
+                "opts": [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]}
+
+    def train_step(run: dict, step: int) -> None:
+        for k in range(micro):
+            size = batch_size + (VARYING[step] if varying else 0)
+            batch = clip.make_batch(size, device, config, seed=10 * step + k)
+            loss, ref_loss = run["compiled"](*batch), run["ref"](*batch)
+            loss.backward()
+            ref_loss.backward()
+            worst[0] = max(worst[0], abs(float(loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-12))
+        worst[1] = max(worst[1], max_rel_err(run["model"], run["ref"]))
+        for o in run["opts"]:
+            o.step()
+            o.zero_grad(set_to_none=set_to_none)
+
+    n_steps = len(VARYING) if varying else steps
+    if together:
+        runs = [build(seed) for seed in range(instances)]
+        for step in range(n_steps):
+            for one in runs:
+                train_step(one, step)
+        del runs
+    else:
+        for seed in range(instances):  # each instance deleted before the next is built
+            one = build(seed)
+            for step in range(n_steps):
+                train_step(one, step)
+            del one
+            gc.collect()
     plan = apollo_compile.last_plan()
     runners = {kind: plan.graphs[kind].runner for kind in ("forward", "backward") if kind in plan.graphs}
     summaries = {kind: r.summary() if r is not None else None for kind, r in runners.items()}
-    # with varying sizes the symbolic graph runs un-graphed at the sizes it was not captured at
-    ok = worst_loss <= rtol and worst_grad <= rtol and (device == "cpu" or all(
+    # with varying sizes the symbolic graph runs un-graphed at the sizes it was not captured at;
+    # a deleted instance's family is released and serves the next (runtime/instances.py)
+    families = (instances, 0) if together else (1, instances - 1)
+    ok = worst[0] <= rtol and worst[1] <= rtol and (device == "cpu" or all(
         s is not None and (varying or s["ungraphed_calls"] == 0) and s["replays"] > 0
-        and s["captured_again"] == instances - 1 for s in summaries.values()))
-    return {"mode": mode, "ok": ok, "loss_rel_err": worst_loss, "grad_rel_err": worst_grad, "runners": summaries}
+        and (s["instances"], s["instances_released"]) == families for s in summaries.values()))
+    return {"mode": mode, "ok": ok, "loss_rel_err": worst[0], "grad_rel_err": worst[1], "runners": summaries}
 
 
 def main() -> int:

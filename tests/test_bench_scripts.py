@@ -442,17 +442,19 @@ def test_common_judges_gradients_against_eager_and_bf16_noise():
 def test_whole_step_benchmark_runs_on_the_cpu(tmp_path):
     """bench_whole_step.py (the README's table) end to end on the CPU with the tiny HF CLIP (and the
     tiny timm ViT + BERT where timm is installed): every row trains and matches eager, the module
-    compiled and the step compiled whole (compile_step) alike."""
+    compiled, the step compiled whole (compile_step) and each layer compiled on its own alike."""
     import importlib.util
     import json
 
     models = ["hf-clip-tiny"] + (["timm-vit-bert-tiny"] if importlib.util.find_spec("timm") else [])
     argv = ["--device", "cpu", "--models", *models, "--batch", "2", "--steps", "1", "--warmup", "1",
-            "--variants", "eager", "apollo", "apollo-step", "apollo-step-opt", "--apollo-options", '{"subgraph_compiler": "eager"}', "--out", str(tmp_path)]
+            "--variants", "eager", "apollo", "apollo-step", "apollo-step-opt", "apollo-regional",
+            "--apollo-options", '{"subgraph_compiler": "eager"}', "--out", str(tmp_path)]
     assert bench_whole_step.main(argv) == 0
     results = json.loads((tmp_path / "whole_step_results.json").read_text())["results"]
     rows = [(e["model"], r["variant"], r["status"], r["numerics"]["pass"]) for e in results for r in e["variants"]]
-    assert rows == [(m, v, "ok", True) for m in models for v in ("eager", "apollo", "apollo-step", "apollo-step-opt")], rows
+    variants = ("eager", "apollo", "apollo-step", "apollo-step-opt", "apollo-regional")
+    assert rows == [(m, v, "ok", True) for m in models for v in variants], rows
     assert "| hf-clip-tiny | 2 | apollo |" in (tmp_path / "whole_step_results.md").read_text()
     with pytest.raises(SystemExit):
         bench_whole_step.parse_args(["--models", "hf-bert"])
