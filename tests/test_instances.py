@@ -291,3 +291,26 @@ def test_an_instance_replaced_every_step_stops_being_captured(runners):
             gc.collect()
     forward = runners[0]
     assert forward.family.instances.short_lived == instances.MAX_SHORT_LIVED
+
+
+def test_a_decoder_layer_that_breaks_the_graph_replays_a_family_per_layer(runners):
+    """Model code nobody here wrote: Hugging Face Qwen2-VL (benchmarks/probes/hf_zoo.py's tiny
+    config: two decoder layers, random weights) breaks the graph inside its decoder layer, so some
+    frames of the layer's forward are compiled once and called by both layers. With CUDA graphs
+    (fake ones, on the CPU) each such graph keeps a family per layer, four AdamW steps match eager's
+    (hf_zoo's rtol 1e-4 / atol 1e-5 per element; the eager subgraph compiler runs eager's ops), and
+    nothing runs un-graphed beyond the first step, with no warning."""
+    import os
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes"))
+    import hf_zoo
+
+    if not hasattr(transformers, hf_zoo.MODEL_CLASSES["qwen2-vl"]):
+        pytest.skip(f"transformers {transformers.__version__} has no {hf_zoo.MODEL_CLASSES['qwen2-vl']}")
+    out = hf_zoo.run_one("qwen2-vl", "apollo", "module", steps=4, options=EAGER, rtol=1e-4, atol=1e-5)
+    assert out.status == "PASS" and not out.warnings, (out.status, out.worst_grad, out.warnings, out.error)
+    shared = [r for r in runners if r.summary()["instances"] == 2]  # frames both layers call
+    assert {r.kind for r in shared} == {"forward", "backward"}, [(r.name, r.summary()["instances"]) for r in runners]
+    assert not [r.name for r in runners if r.summary()["ungraphed_calls"] or r.disabled]
