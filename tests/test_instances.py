@@ -278,7 +278,7 @@ def test_an_instance_replaced_every_step_stops_being_captured(runners):
     warning that says so; training stays equal to eager."""
     torch.manual_seed(0)
     base = TwoTower()
-    with pytest.warns(ApolloFallbackWarning, match="were replaced within"):
+    with pytest.warns(ApolloFallbackWarning, match=f"were replaced within {instances.MIN_REPLAYS} calls"):
         for step in range(8):
             model, ref = copy.deepcopy(base), copy.deepcopy(base)
             compiled = torch.compile(model, backend="apollo", options=EAGER)

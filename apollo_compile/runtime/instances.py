@@ -26,7 +26,7 @@ marks the graph for a check at its next dispatch) or whose parameters now live e
 past which a call runs without the CUDA graph, with one warning that says which: MAX_FAMILIES per
 graph; MAX_PER_INSTANCE forwards of one instance awaiting their backwards; and no new captures once
 MAX_SHORT_LIVED families were released before replaying MIN_REPLAYS times (a new instance every
-step or two would make every step a capture).
+step would make every step a capture).
 
 CUDA-graph trees record a graph per parameter set as well (a static input at another address
 re-records without counting to their limit), all in one pool whose liveness the tree tracks; here
@@ -53,8 +53,11 @@ MAX_FAMILIES = 128  # NOTE: One graph, several model instances
 # forwards of one instance awaiting their backwards, each in a family of its own: a multi-view step
 # (SimCLR, DINO's global crops) has 2, gradient accumulation with every forward first a few
 MAX_PER_INSTANCE = 8
-MIN_REPLAYS = 8  # a family released before replaying this often was short-lived
-MAX_SHORT_LIVED = 2  # ... and after this many, new instances are not captured
+# a family released before replaying this often (its capture call included) was short-lived, and
+# once this many were, new instances are not captured: a new instance every step would make every
+# step a capture, while a fresh model per evaluation of a few batches still gets its graphs
+MIN_REPLAYS = 3
+MAX_SHORT_LIVED = 3
 
 
 class GraphInstances:
@@ -121,9 +124,8 @@ class GraphInstances:
             return (f"{awaiting + 1} forwards of one model instance await their backwards (at most "
                     f"{MAX_PER_INSTANCE} are captured, a family each: runtime/instances.py)")
         if self.short_lived >= MAX_SHORT_LIVED:
-            return (f"the model instances it serves were replaced within {MIN_REPLAYS} steps {self.short_lived} "
-                    "times, so new ones are not captured (each would cost a capture for a few replays: "
-                    "runtime/instances.py)")
+            return (f"{self.short_lived} model instances it served were replaced within {MIN_REPLAYS} calls, so new "
+                    "ones are not captured (each would cost a capture for a replay or two: runtime/instances.py)")
         if new and len(self.families) >= MAX_FAMILIES:
             return (f"it is captured for {MAX_FAMILIES} model instances already, the most one graph keeps "
                     "(runtime/instances.py)")
