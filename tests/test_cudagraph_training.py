@@ -67,13 +67,14 @@ def backward_like_eager(compiled, model, ref, batches) -> None:
         ref.zero_grad(set_to_none=True)
 
 
-def sgd_like_eager(compiled, model, ref, steps: int, micro_batches: int = 1, forwards_first: bool = False) -> None:
+def sgd_like_eager(compiled, model, ref, steps: int, micro_batches: int = 1, forwards_first: bool = False,
+                   make_inputs=lambda seed: two_tower_inputs(seed=seed)) -> None:
     """`steps` SGD steps through `compiled` and its eager twin `ref`, each over `micro_batches`
     micro-batches (gradients accumulated; `forwards_first`: every micro-batch's forward before
-    their backwards): after each step the loss and every gradient match."""
+    their backwards) of `make_inputs(seed)`: after each step the loss and every gradient match."""
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     for step in range(steps):
-        batches = [two_tower_inputs(seed=10 * step + micro) for micro in range(micro_batches)]
+        batches = [make_inputs(10 * step + micro) for micro in range(micro_batches)]
         forwards = [(compiled(*inputs), ref(*inputs)) for inputs in batches] if forwards_first else None
         for k, inputs in enumerate(batches):
             loss, ref_loss = forwards[k] if forwards_first else (compiled(*inputs), ref(*inputs))

@@ -25,6 +25,11 @@ from test_cudagraph_training import runners, sgd_like_eager, twins  # noqa: F401
 EAGER = {"subgraph_compiler": "eager"}
 
 
+def compiled_twins(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(model, its eager twin with the same weights, the model compiled by apollo)."""
+    return model, copy.deepcopy(model), torch.compile(model, backend="apollo", options=EAGER)
+
+
 def families_reading(forward, model) -> int:
     """How many of the graph's families read `model`'s parameters in place (their addresses)."""
     params = {p.data_ptr() for p in model.parameters()}
@@ -38,9 +43,7 @@ def test_two_live_instances_each_replay_graphs_of_their_own(runners):
     the graph's first call, and no warning."""
     first, first_ref, first_compiled = twins("eager")
     torch.manual_seed(1)
-    second = TwoTower()
-    second_ref = copy.deepcopy(second)
-    second_compiled = torch.compile(second, backend="apollo", options=EAGER)
+    second, second_ref, second_compiled = compiled_twins(TwoTower())
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
         for _ in range(3):
@@ -67,9 +70,7 @@ def test_a_new_instance_takes_over_the_family_of_one_that_is_gone(runners):
     assert all(r() is None for r in gone)
 
     torch.manual_seed(1)
-    model = TwoTower()
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="apollo", options=EAGER)
+    model, ref, compiled = compiled_twins(TwoTower())
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
         sgd_like_eager(compiled, model, ref, 3)
@@ -88,9 +89,7 @@ def test_a_new_instance_takes_over_for_inference_too(runners):
     """The same for a graph run under torch.no_grad() (an inference graph, no backward)."""
     for seed in range(2):
         torch.manual_seed(seed)
-        model = TwoTower()
-        ref = copy.deepcopy(model)
-        compiled = torch.compile(model, backend="apollo", options=EAGER)
+        model, ref, compiled = compiled_twins(TwoTower())
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("error", ApolloFallbackWarning)
             for i in range(3):
@@ -114,9 +113,7 @@ def test_a_sweep_over_new_models_needs_no_help_from_the_user(runners):
         warnings.simplefilter("error", ApolloFallbackWarning)
         for run in range(3):
             torch.manual_seed(run)
-            model = TwoTower()
-            ref = copy.deepcopy(model)
-            compiled = torch.compile(model, backend="apollo", options=EAGER)
+            model, ref, compiled = compiled_twins(TwoTower())
             opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
             for step in range(steps):
                 inputs = two_tower_inputs(seed=step)
@@ -148,6 +145,10 @@ class Layer(nn.Module):
         return x + self.fc2(h)
 
 
+def stack_inputs(seed: int) -> tuple[torch.Tensor]:
+    return (torch.randn(4, 16, generator=torch.Generator().manual_seed(seed)),)
+
+
 class Stack(nn.Module):
     def __init__(self, depth: int = 3, width: int = 16, graph_break: bool = False) -> None:
         super().__init__()
@@ -158,19 +159,6 @@ class Stack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x).square().mean()
-
-
-def stack_like_eager(compiled, model, ref, steps: int) -> None:
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
-    for step in range(steps):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        loss, ref_loss = compiled(x), ref(x)
-        loss.backward()
-        ref_loss.backward()
-        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("how", ["regional", "graph break in the layer"])
@@ -192,9 +180,9 @@ def test_every_layer_of_a_stack_replays_the_one_graph_compiled_for_its_class(run
         compiled = torch.compile(model, backend="apollo", options=EAGER)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
-        stack_like_eager(compiled, model, ref, 3)
+        sgd_like_eager(compiled, model, ref, 3, make_inputs=stack_inputs)
         before = [r.summary()["replays"] for r in runners]
-        stack_like_eager(compiled, model, ref, 1)
+        sgd_like_eager(compiled, model, ref, 1, make_inputs=stack_inputs)
     served = {r.name: r.summary()["instances"] for r in runners}
     shared = [r for r in runners if served[r.name] == depth - 1]  # the layers after the first
     assert shared and {r.kind for r in shared} == {"forward", "backward"}, served
@@ -222,9 +210,7 @@ def test_one_instance_twice_before_its_backward(runners, set_to_none):
     .grad starts each step as None (the first backward's lent gradient becomes it, the second's is
     added into it, in the other family's memory) or as a zeroed tensor."""
     torch.manual_seed(0)
-    encoder = Encoder()
-    ref = copy.deepcopy(encoder)
-    compiled = torch.compile(encoder, backend="apollo", options=EAGER)
+    encoder, ref, compiled = compiled_twins(Encoder())
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
         for step in range(4):
@@ -280,8 +266,7 @@ def test_an_instance_replaced_every_step_stops_being_captured(runners):
     base = TwoTower()
     with pytest.warns(ApolloFallbackWarning, match=f"were replaced within {instances.MIN_REPLAYS} calls"):
         for step in range(8):
-            model, ref = copy.deepcopy(base), copy.deepcopy(base)
-            compiled = torch.compile(model, backend="apollo", options=EAGER)
+            model, ref, compiled = compiled_twins(copy.deepcopy(base))
             inputs = two_tower_inputs(seed=step)
             loss, ref_loss = compiled(*inputs), ref(*inputs)
             loss.backward()
