@@ -242,7 +242,7 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
                  "apollo-step-opt-uncut", "apollo-step-opt-lists-small", "apollo-step-opt-per-param",
                  "apollo-step-opt-narrow", "apollo-step-opt-masks-as-traced", "apollo-step-opt-first-step-pool",
-                 "apollo-step-opt-cut-by-chunks", "inductor-ro-regional", "apollo-regional")
+                 "apollo-step-opt-cut-by-chunks")
 # how the update and its gradients are laid out (fused_update.py, NOTE: Small parameters share a launch;
 # passes/gradients.py, NOTE: A weight's gradient leaves its matmul in float32), or which passes run, per variant:
 # "module.NAME" of apollo_compile -> the value it has while the variant's step is traced

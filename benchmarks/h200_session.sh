@@ -80,7 +80,7 @@ case "${1:-}" in
   regional)  # one compiled graph serving every layer (runtime/instances.py): each layer compiled on its own (regional
              # compilation, as accelerate's compile_regions) under reduce-overhead and apollo, beside the whole model
              # compiled; each apollo runner's summary says how many layers (instances) it served and what ran un-graphed
-             model="${2:-hf-clip}"; shift 2
+             model="${2:?regional needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 20 \
                --variants ${VARIANTS:-inductor-ro-regional apollo-regional inductor-ro apollo} --out "$OUT/regional" ;;
   first-step-pool)  # issue 24's reserved memory: the first, un-graphed step in a pool of its own against the default
