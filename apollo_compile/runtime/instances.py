@@ -16,7 +16,8 @@ backward, a pool) bound to the parameters at this call's addresses whose last fo
 activations are dead; where there is none, it binds a free family or a new one and captures it at
 that call (no un-graphed warm-up: the graph's first call compiled the kernels). A backward finds
 its family by its saved activations, which the family's forward wrote at addresses only it uses
-(``GraphInstances.backward_runner``); where its forward ran un-graphed, it runs un-graphed too.
+(``GraphInstances.backward_runner``), and is captured at its first call (its second where the
+graph's backward has never run); where its forward ran un-graphed, it runs un-graphed too.
 The first family keeps its runners (the ones Dynamo calls); the others get copies of them
 (``CudaGraphRunner.for_family``), which replay the first one's choice of candidate unmeasured.
 
