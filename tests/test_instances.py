@@ -193,6 +193,39 @@ def test_every_layer_of_a_stack_replays_the_one_graph_compiled_for_its_class(run
     assert [families_reading(forward, layer) for layer in model.layers] == [0] + [1] * (depth - 1)
 
 
+class SharedStack(nn.Module):
+    """One layer applied `depth` times (ALBERT's sharing across depth), breaking the graph inside."""
+
+    def __init__(self, depth: int = 3, width: int = 16) -> None:
+        super().__init__()
+        self.depth, self.layer, self.head = depth, Layer(width, graph_break=True), nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.depth):
+            x = self.layer(x)
+        return self.head(x).square().mean()
+
+
+def test_a_layer_shared_across_depth_replays_a_family_per_application(runners):
+    """The same layer (one set of parameters) called three times before the backward: a call that
+    finds an earlier one's saved activations alive replays another family bound to the same
+    parameters; the last step replays every call and training equals eager."""
+    torch.manual_seed(0)
+    model, ref, compiled = compiled_twins(SharedStack())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        sgd_like_eager(compiled, model, ref, 3, make_inputs=stack_inputs)
+        before = [r.summary()["replays"] for r in runners]
+        sgd_like_eager(compiled, model, ref, 1, make_inputs=stack_inputs)
+    served = {r.name: r.summary()["instances"] for r in runners}
+    # Dynamo compiles the layer's two pieces for its first application and again for the others
+    # (their input requires grad): those graphs serve two applications of one parameter set
+    assert sorted(set(served.values())) == [1, 2] and list(served.values()).count(2) == 4, served
+    for runner, replays in zip(runners, before):
+        assert runner.summary()["replays"] - replays == served[runner.name], runner.name
+    assert not [r.name for r in runners if r.summary()["ungraphed_calls"]]
+
+
 class Encoder(nn.Module):
     def __init__(self, width: int = 16) -> None:
         super().__init__()

@@ -52,8 +52,10 @@ __all__ = ["GraphInstances", "MAX_FAMILIES", "MAX_PER_INSTANCE", "MAX_SHORT_LIVE
 
 MAX_FAMILIES = 128  # NOTE: One graph, several model instances
 # forwards of one instance awaiting their backwards, each in a family of its own: a multi-view step
-# (SimCLR, DINO's global crops) has 2, gradient accumulation with every forward first a few
-MAX_PER_INSTANCE = 8
+# (SimCLR, DINO's global crops) has 2, gradient accumulation with every forward first a few, a layer
+# shared across depth (ALBERT) 12 when it is compiled on its own or breaks the graph; past this,
+# more likely a loop that keeps every step's loss and so its activations (a family per step)
+MAX_PER_INSTANCE = 32
 # a family released before replaying this often (its capture call included) was short-lived, and
 # once this many were, new instances are not captured: a new instance every step would make every
 # step a capture, while a fresh model per evaluation of a few batches still gets its graphs
