@@ -14,8 +14,10 @@ guards first), the floor under which a difference means nothing.
 
 Each copy of a module-compiled variant compiles a wrapper whose ``forward`` has a code object of
 its own (:class:`OwnCode`): Dynamo keys its graphs by code object, not by module instance, so
-without it every copy after the first ran the first's graphs, whose CUDA graphs read the first
-copy's parameters, and fell back to running un-graphed (55-58 against 14.77 ms, session 48).
+without it every copy after the first ran the first's graphs. In session 48 those fell back to
+running un-graphed (55-58 against 14.77 ms); since session 49 each copy would get a family of
+CUDA graphs of its own (runtime/instances.py), but captured without the un-graphed first step
+and the choices a variant's first capture makes, so each copy still compiles its own.
 ``compile_step``'s steps already get graphs of their own per instance.
 
     PYTHONPATH=. python benchmarks/probes/interleaved_ab.py --models hf-clip --batch 8 \\
