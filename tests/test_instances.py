@@ -332,3 +332,30 @@ def test_a_decoder_layer_that_breaks_the_graph_replays_a_family_per_layer(runner
     shared = [r for r in runners if r.summary()["instances"] == 2]  # frames both layers call
     assert {r.kind for r in shared} == {"forward", "backward"}, [(r.name, r.summary()["instances"]) for r in runners]
     assert not [r.name for r in runners if r.summary()["ungraphed_calls"] or r.disabled]
+
+
+def test_a_backward_finds_its_family_by_its_saved_inputs_alone():
+    """GraphInstances.backward_runner: the first saved input (not a gradient of the forward's
+    outputs, AOTAutograd's tangents) whose address a captured forward wrote names the family; one an
+    un-graphed forward saved, while alive, sends the call un-graphed; a tangent at a captured
+    address decides nothing."""
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+
+    first_family = GraphFamily()
+    other = first_family.sibling()
+    group = first_family.instances
+    group.families.append(other)
+    backward = CudaGraphRunner({"lanes": lambda args: args}, "g_backward", "backward", first_family, set(), None,
+                               saved_idxs=[0, 1])
+    mine, theirs, tangent = torch.zeros(2), torch.ones(2), torch.full((2,), 3.0)
+    group.captured(first_family, [mine])
+    group.captured(other, [theirs, tangent])
+    routed = group.backward_runner(backward, [theirs, mine, tangent])
+    assert routed is not backward and routed.family is other and routed.first is backward
+    assert group.backward_runner(backward, [mine, theirs, tangent]) is backward
+    assert group.backward_runner(backward, [torch.zeros(1), torch.zeros(1), tangent]) is backward  # tangent ignored
+    eager = torch.zeros(3)
+    group.ran_eagerly([eager], warm_up=True)
+    assert group.backward_runner(backward, [eager, mine, tangent]) is None and group.warm_up_backward
+    del eager
+    assert group.backward_runner(backward, [torch.zeros(3), mine, tangent]) is backward and not group.eager_saved
