@@ -327,8 +327,8 @@ class CudaGraphRunner:
             self.ungraphed_calls += 1
         # a first call runs in the first step's pool: the forward's opens it, the backward's closes it
         # (graph_pool.py, NOTE: The first step in a pool of its own)
-        first = self.calls == 1
-        pool = self.family.open_first_step(args, self.kind) if first else None
+        first_call = self.calls == 1
+        pool = self.family.open_first_step(args, self.kind) if first_call else None
         # an un-graphed forward of a graph that captures: its backward runs un-graphed too (instances.py)
         inputs = {args[i].data_ptr() for i in self.static_input_idxs if isinstance(args[i], torch.Tensor)} \
             if self.kind == "forward" and self.disabled is None else None
@@ -339,7 +339,7 @@ class CudaGraphRunner:
             if inputs is not None:
                 self.family.instances.ran_eagerly([o for j, o in enumerate(outs) if isinstance(o, torch.Tensor)
                                                    and not self._is_user_visible(j) and o.data_ptr() not in inputs],
-                                                  warm_up=first)
+                                                  warm_up=first_call)
             return outs
         except torch.OutOfMemoryError as e:
             if self.disabled is not None and self.capture_refused is None and hasattr(e, "add_note"):
@@ -350,7 +350,7 @@ class CudaGraphRunner:
                            "trains this size that way from the start.")
             raise
         finally:
-            if first and self.kind != "forward":
+            if first_call and self.kind != "forward":
                 self.family.close_first_step()
 
     def summary(self) -> dict:
