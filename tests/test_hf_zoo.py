@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes"))
 
 import hf_zoo  # noqa: E402
+from test_cudagraph_training import runners  # noqa: E402,F401  (the fixture: fake CUDA graphs)
 
 EAGER = {"subgraph_compiler": "eager"}
 
@@ -95,3 +96,17 @@ def test_a_gradient_of_only_noise_is_judged_by_how_far_adam_moves_it():
     assert hf_zoo._update_err(p, q, 1e-5, 1e-4, None, moved=2e-3) == pytest.approx(150)
     p[0, 0] = 1.5e-3  # the same distance on an element with signal
     assert hf_zoo._update_err(p, q, 1e-5, 1e-4, mask["weight"], moved=2e-3) == pytest.approx(150)
+
+
+@pytest.mark.parametrize("name", ["clap", "llava", "idefics3"])
+def test_through_the_cuda_graph_runner_every_call_replays(name, runners):
+    """The same models through apollo's CUDA-graph runner (fake graphs on the CPU, tests/helpers.py):
+    lent gradients, donated activations, a family per model instance where a frame serves several
+    layers (runtime/instances.py), on graphs nobody here wrote. Four AdamW steps match eager at the
+    probe's tolerance; no runner is disabled and nothing runs un-graphed after the first step."""
+    if not hasattr(transformers, hf_zoo.MODEL_CLASSES[name]):
+        pytest.skip(f"transformers {transformers.__version__} has no {hf_zoo.MODEL_CLASSES[name]}")
+    out = hf_zoo.run_one(name, "apollo", "module", steps=4, options=EAGER, rtol=1e-4, atol=1e-5)
+    assert out.status == "PASS" and not out.warnings, (out.status, out.worst_grad, out.warnings, out.error)
+    assert runners and all(r.replays for r in runners), [(r.name, r.replays) for r in runners]
+    assert not [(r.name, r.disabled) for r in runners if r.summary()["ungraphed_calls"] or r.disabled]
