@@ -268,6 +268,27 @@ def test_subgraphs_bind_the_symbols_of_a_symbolic_head_count(dynamic):
     assert binders and all(isinstance(a.meta["val"], torch.SymInt) for a in binders), binders
 
 
+def test_a_symint_input_binds_the_symbol_it_was_passed_as_not_its_replacement():
+    """benchmarks/clip.py's tiny model at a second batch size (automatic dynamic shapes, Inductor's
+    subgraphs): Dynamo passes the batch size as a SymInt s52 that the shape environment knows to
+    equal s34, and a subgraph holding only the loss's arange(s34) took that SymInt alone. Inductor
+    binds a forward's SymInt input by its placeholder expression (s52), not by the replaced one, so
+    its code read an unbound s34: NameError at the graph's first call, and the forward fell back to
+    eager ATen (smoke_gpu.py's "batch varies" mode on an H100, session 49). Such a SymInt now binds
+    nothing for certain, and the subgraph takes a binder of s34 too (lanes.plain_symbols)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import clip
+
+    apollo_compile.clear_plans()
+    batches = [clip.make_batch(b, "cpu", "tiny", seed=b) for b in (4, 3, 3)]
+    messages = train_like_eager(clip.build("tiny", device="cpu", seed=0), batches, {"subgraph_compiler": "inductor"})
+    assert messages == [], messages
+    assert_apollo_ran(apollo_compile.last_plan())
+
+
 # ------------------------------------------------------------------------ (c) failures in a pass / in subgraph compilation
 
 def _broken_pass(message, kinds=("forward", "backward", "inference")):

@@ -324,10 +324,17 @@ def _symbols(val) -> set[sympy.Symbol]:
 
 def plain_symbols(val) -> set[sympy.Symbol]:
     """The symbols Inductor binds from an input of this value: a SymInt (SymFloat) that is one
-    symbol, a tensor's sizes and strides that are one symbol each (``codegen_input_symbol_assignment``)."""
+    symbol, a tensor's sizes and strides that are one symbol each (``codegen_input_symbol_assignment``).
+
+    A SymInt input of a forward is bound to its placeholder expression, before the shape
+    environment's replacements (torch's ``_get_placeholder_expr``), a backward's to the replaced
+    one: where the two differ (Dynamo passed the batch size twice, ``s52`` known equal to ``s34``,
+    and the subgraph's sizes say ``s34``) it binds neither for certain, and counts for none."""
     if isinstance(val, (torch.SymInt, torch.SymFloat)):
-        dims = [val]
-    elif isinstance(val, torch.Tensor) and not val.is_sparse:
+        expr = val.node.expr
+        raw = getattr(val.node, "_expr", expr)
+        return {expr} if isinstance(expr, sympy.Symbol) and raw == expr else set()
+    if isinstance(val, torch.Tensor) and not val.is_sparse:
         dims = [*val.shape, *val.stride()]
     else:
         return set()
@@ -336,12 +343,13 @@ def plain_symbols(val) -> set[sympy.Symbol]:
 
 
 def symbol_binders(nodes: list[torch.fx.Node]) -> dict[sympy.Symbol, torch.fx.Node]:
-    """Symbol -> the first node of the graph that binds it: a SymInt placeholder or the op making an
-    unbacked symbol (torch's ``is_symbol_binding_fx_node``), else a placeholder tensor with the
-    symbol as a plain size or stride. Graph inputs first: any subgraph can take them."""
+    """Symbol -> the first node of the graph that binds it: the op making an unbacked symbol
+    (torch's ``is_symbol_binding_fx_node``), else the first placeholder that binds it for certain
+    (`plain_symbols`: a SymInt, or a tensor with the symbol as a plain size or stride). Graph inputs
+    first: any subgraph can take them."""
     binders: dict[sympy.Symbol, torch.fx.Node] = {}
-    for n in nodes:
-        if "val" in n.meta and (s := is_symbol_binding_fx_node(n)) is not None:
+    for n in nodes:  # a SymInt placeholder binds what plain_symbols says it does, below
+        if n.op != "placeholder" and "val" in n.meta and (s := is_symbol_binding_fx_node(n)) is not None:
             binders.setdefault(s, n)
     for n in nodes:
         if n.op == "placeholder":
