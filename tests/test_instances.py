@@ -149,6 +149,22 @@ def stack_inputs(seed: int) -> tuple[torch.Tensor]:
     return (torch.randn(4, 16, generator=torch.Generator().manual_seed(seed)),)
 
 
+def last_step_replays_every_call(runners, compiled, model, ref) -> dict[str, int]:
+    """Three SGD steps of `compiled` against its eager twin on stack_inputs, then a fourth in which
+    every graph replays once per instance it serves, with no warning and no call un-graphed since
+    the first; returns graph name -> the instances it serves."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        sgd_like_eager(compiled, model, ref, 3, make_inputs=stack_inputs)
+        before = [r.summary()["replays"] for r in runners]
+        sgd_like_eager(compiled, model, ref, 1, make_inputs=stack_inputs)
+    served = {r.name: r.summary()["instances"] for r in runners}
+    for runner, replays in zip(runners, before):
+        assert runner.summary()["replays"] - replays == served[runner.name], runner.name
+    assert not [r.name for r in runners if r.summary()["ungraphed_calls"]]
+    return served
+
+
 class Stack(nn.Module):
     def __init__(self, depth: int = 3, width: int = 16, graph_break: bool = False) -> None:
         super().__init__()
@@ -178,17 +194,9 @@ def test_every_layer_of_a_stack_replays_the_one_graph_compiled_for_its_class(run
         compiled = model
     else:
         compiled = torch.compile(model, backend="apollo", options=EAGER)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ApolloFallbackWarning)
-        sgd_like_eager(compiled, model, ref, 3, make_inputs=stack_inputs)
-        before = [r.summary()["replays"] for r in runners]
-        sgd_like_eager(compiled, model, ref, 1, make_inputs=stack_inputs)
-    served = {r.name: r.summary()["instances"] for r in runners}
+    served = last_step_replays_every_call(runners, compiled, model, ref)
     shared = [r for r in runners if served[r.name] == depth - 1]  # the layers after the first
     assert shared and {r.kind for r in shared} == {"forward", "backward"}, served
-    for runner, replays in zip(runners, before):  # the last step: every call of every graph replayed
-        assert runner.summary()["replays"] - replays == served[runner.name], runner.name
-    assert not [r.name for r in runners if r.summary()["ungraphed_calls"]]
     forward = next(r for r in shared if r.kind == "forward")
     assert [families_reading(forward, layer) for layer in model.layers] == [0] + [1] * (depth - 1)
 
@@ -212,18 +220,10 @@ def test_a_layer_shared_across_depth_replays_a_family_per_application(runners):
     parameters; the last step replays every call and training equals eager."""
     torch.manual_seed(0)
     model, ref, compiled = compiled_twins(SharedStack())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ApolloFallbackWarning)
-        sgd_like_eager(compiled, model, ref, 3, make_inputs=stack_inputs)
-        before = [r.summary()["replays"] for r in runners]
-        sgd_like_eager(compiled, model, ref, 1, make_inputs=stack_inputs)
-    served = {r.name: r.summary()["instances"] for r in runners}
+    served = last_step_replays_every_call(runners, compiled, model, ref)
     # Dynamo compiles the layer's two pieces for its first application and again for the others
     # (their input requires grad): those graphs serve two applications of one parameter set
     assert sorted(set(served.values())) == [1, 2] and list(served.values()).count(2) == 4, served
-    for runner, replays in zip(runners, before):
-        assert runner.summary()["replays"] - replays == served[runner.name], runner.name
-    assert not [r.name for r in runners if r.summary()["ungraphed_calls"]]
 
 
 class Encoder(nn.Module):
