@@ -758,7 +758,8 @@ class CudaGraphRunner:
             self._let_go()
         if self.disabled is not None or self.calls == 1:
             return self._eager(args)
-        if self.kind == "forward" and self.family.forward_outputs_alive():  # a guard: `_route` sends none here
+        # a guard where `_route` did not check it (it found the inputs in place only for a dead forward)
+        if in_place is None and self.kind == "forward" and self.family.forward_outputs_alive():
             self._warn_once("pending", "the previous forward's saved activations are still alive "
                                        "(two forwards before a backward, or retain_graph=True)")
             return self._eager(args)
