@@ -12,6 +12,8 @@
 #       the model compiled as a module, reduce-overhead against apollo (its first step in a pool of its own, session 48's default)
 #       and against apollo with that step in the default pool (the rule before), peak and reserved as ratios;
 #       VARIANTS="inductor-ro apollo apollo-bw-measured" times the backward's candidates too (the rule before session 28)
+#   run(command="bash benchmarks/h200_session.sh module-memory hf-siglip 8", carry=[".device_cache"]) # where that
+#       reserved surplus sits: the run's highest reserved memory, by segment, allocating line and pool (LIMIT=seconds)
 #   run(command="bash benchmarks/h200_session.sh first-step-pool", carry=[".device_cache"]) # the first step in a pool of its own
 #       (graph_pool.FIRST_STEP_POOL, forwards since session 48): reserved memory against the first step in the default pool, HF CLIP
 #       b8 as a module, and HF SigLIP b8's compile_step with the optimizer inside with the pool, each beside reduce-overhead in one process
@@ -77,6 +79,13 @@ case "${1:-}" in
              model="${2:?module needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 20 \
                --variants ${VARIANTS:-inductor-ro apollo apollo-no-first-step-pool} --out "$OUT/module" ;;
+  module-memory)  # where issue 24's module-path reserved surplus sits: the highest reserved memory of the run
+             # (first steps included) with the segments held there, by allocating line and pool, and what each
+             # pool holds after the steps, reduce-overhead against apollo (probes/whole_step_memory.py)
+             model="${2:?module-memory needs a model: hf-clip, hf-siglip or timm-vit-bert}"
+             timeout "${LIMIT:-400}" python benchmarks/probes/whole_step_memory.py --model "$model" --batch "${3:-8}" \
+               --steps 5 --variants ${VARIANTS:-inductor-ro apollo} --out "$OUT/module-memory" > "$OUT/module_memory.txt" 2>&1
+             status=$?; grep -E "^######## |^== |highest|GiB x|pool " "$OUT/module_memory.txt" | tail -c 9000; exit $status ;;
   regional)  # one compiled graph serving every layer (runtime/instances.py): each layer compiled on its own (regional
              # compilation, as accelerate's compile_regions) under reduce-overhead and apollo, beside the whole model
              # compiled; each apollo runner's summary says how many layers (instances) it served and what ran un-graphed
@@ -152,7 +161,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|first-step-pool|first-step-pool-interleaved [siglip]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|step-memory|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|module-memory MODEL [BATCH]|regional MODEL [BATCH...]|first-step-pool|first-step-pool-interleaved [siglip]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|step-memory|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?

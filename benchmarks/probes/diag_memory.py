@@ -107,6 +107,55 @@ def summarize(trace: list[dict], phases: list[dict], k: int, header: str = "") -
     return report, "\n".join(lines)
 
 
+def reserved_peak(trace: list[dict], phases: list[dict], k: int, segments: list[dict]) -> str:
+    """Reserved memory (the allocator's segments) over the recorded run: at each phase's start
+    (marker 0..k) and its highest, the run's highest and the segments held there, by the line whose
+    allocation made each segment and by the pool that still holds it after the run (from the final
+    snapshot's `segments`; "released" where the segment was returned to the driver before the end).
+    The peak reserved is what a process holds at its worst (what nvidia-smi shows), issue 24's
+    reserved column."""
+    pool_of = {seg["address"]: ("default" if tuple(seg.get("segment_pool_id") or (0, 0)) == (0, 0)
+                                else "graph pool {}.{}".format(*seg["segment_pool_id"])) for seg in segments}
+    grow, shrink = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
+    cur, phase, start, opened, best, overall = 0, None, {}, {}, {}, (-1, 0)
+    for i, e in enumerate(trace):
+        d = e.get("size", 0) - MARK
+        if e["action"] == "alloc" and d >= 0 and d % 512 == 0 and d // 512 <= k:
+            phase = d // 512
+            start[phase], opened[phase] = cur, i
+        if e["action"] in grow:
+            cur += e["size"]
+            if phase is not None and cur > best.get(phase, (-1, 0))[0]:
+                best[phase] = (cur, i)
+            if cur > overall[0]:
+                overall = (cur, i)
+        elif e["action"] in shrink:
+            cur -= e["size"]
+    names = {ph["marker"]: ph["phase"] for ph in phases}
+    lines = ["\n== reserved (segments made since recording began), per phase: start -> highest GiB"]
+    for m in sorted(start):
+        lines.append(f"  {names.get(m, f'marker {m}')}: {start[m] / 2**30:.3f} -> {best.get(m, (start[m], 0))[0] / 2**30:.3f}")
+    peak, index = overall
+    live: dict[int, dict] = {}
+    for e in trace[:index + 1]:
+        if e["action"] in grow:
+            live[e["addr"]] = e
+        elif e["action"] in shrink:
+            live.pop(e["addr"], None)
+    in_phase = max((m for m, i in opened.items() if i <= index), default=None)
+    freed_later = {e["addr"] for e in trace[index + 1:] if e["action"] in shrink}  # its address may be remade
+    lines.append(f"  highest: {peak / 2**30:.3f} GiB, in {names.get(in_phase, in_phase)}; segments held there, by the "
+                 f"line that made them and the pool that holds them after the run:")
+    groups, counts = collections.Counter(), collections.Counter()
+    for e in live.values():
+        pool = "released later" if e["addr"] in freed_later else pool_of.get(e["addr"], "?")
+        key = f"[{pool}] {where(e.get('frames', []))}"
+        groups[key] += e["size"]
+        counts[key] += 1
+    lines += [f"    {b / 2**30:6.3f} GiB x{counts[g]:<4d} {g}" for g, b in groups.most_common(16)]
+    return "\n".join(lines)
+
+
 def pools(segments: list[dict]) -> dict[str, dict]:
     """Per allocator pool (the default one, each CUDA-graph pool): segments, reserved, allocated and
     free bytes, the largest free block, and the free bytes in blocks under 512 MiB, which no request

@@ -4,8 +4,10 @@ pool, and what set its peak, by allocating line (issue 24: apollo's surplus over
 For each variant of bench_whole_step.py, on a fresh copy of the model: the allocator's history
 recorded (Python stacks) over `--steps` whole steps (zero_grad, forward, backward, fused AdamW,
 loss.item()); after the last one, the live blocks of every pool (the default one, each CUDA
-graph's) grouped by the line that allocated them, and each step's peak with what was alive
-there (diag_memory.summarize). apollo's runners' summaries (inputs copied or read in place,
+graph's) grouped by the line that allocated them, each step's peak with what was alive there
+(diag_memory.summarize), the run's highest reserved memory with the segments held there
+(diag_memory.reserved_peak: which step, which line made them, which pool keeps them), and each
+pool's reserved, allocated and free memory after the run. apollo's runners' summaries (inputs copied or read in place,
 outputs lent or copied) are printed with them.
 
     PYTHONPATH=. python benchmarks/probes/whole_step_memory.py --model hf-clip --batch 8 \
@@ -27,7 +29,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 import apollo_compile  # noqa: E402
 import bench_whole_step as W  # noqa: E402
 import common  # noqa: E402
-from diag_memory import mark, summarize, where  # noqa: E402
+from diag_memory import mark, pools, pools_text, reserved_peak, summarize, where  # noqa: E402
 
 
 def live_by_line(segments: list[dict]) -> dict[str, list[tuple[str, float, int]]]:
@@ -91,6 +93,8 @@ def run(variant: str, name: str, base, shape: dict, batch_size: int, steps: int,
             lines.append(f"  recomputed at cuts: {json.dumps(recomputed, default=str)[:600]}")
     lines.append(f"  parameters: {sum(1 for _ in model.parameters())}")
     lines.append(text)
+    lines.append(reserved_peak(snap["device_traces"][0], phases, steps, snap["segments"]))
+    lines.append(pools_text(f"after step {steps}", pools(snap["segments"])))
     del f, model, opt, loss, batch
     return {"variant": variant, "held": held, "phases": phases, "runners": runners}
 
