@@ -58,9 +58,6 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
     apollo-no-first-step-pool  apollo with its first, un-graphed step in the default memory pool,
                    not in one of its own (``runtime.graph_pool.FIRST_STEP_POOL`` empty; the default
                    before session 48: NOTE: The first step in a pool of its own)
-    apollo-candidate-pools-kept  apollo with each timed candidate's dead graph pool left reserved
-                   until the allocator needs it (``graph_pool.release_dead_pool`` a no-op: the rule
-                   before session 50, NOTE: A dead graph pool stays reserved)
     apollo-step-opt-first-step-pool  apollo-step-opt with its first step in a pool of its own
                    ("inference" added to ``FIRST_STEP_POOL``; off by default, no memory effect measured)
     inductor-ro-regional, apollo-regional  regional compilation: every block of a list of blocks
@@ -117,7 +114,7 @@ VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "a
             "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-uncut",
             "apollo-step-opt-lists-small", "apollo-step-opt-per-param", "apollo-step-opt-narrow",
             "apollo-step-opt-masks-as-traced", "apollo-no-first-step-pool", "apollo-step-opt-first-step-pool",
-            "apollo-step-opt-cut-by-chunks", "inductor-ro-regional", "apollo-regional", "apollo-candidate-pools-kept")
+            "apollo-step-opt-cut-by-chunks", "inductor-ro-regional", "apollo-regional")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -415,8 +412,7 @@ def compile_variant(variant: str, model: nn.Module, args) -> Callable:
         return torch.compile(model, mode="reduce-overhead")
     if variant == "inductor-ro-regional":
         return compile_regions(model, mode="reduce-overhead")
-    if variant in ("apollo", "apollo-bw-measured", "apollo-no-first-step-pool", "apollo-regional",
-                   "apollo-candidate-pools-kept"):
+    if variant in ("apollo", "apollo-bw-measured", "apollo-no-first-step-pool", "apollo-regional"):
         import apollo_compile  # noqa: F401  (importing registers backend="apollo")
 
         if variant == "apollo-regional":
@@ -445,7 +441,7 @@ def reference(base: nn.Module, name: str, batch: tuple, device: torch.device, am
 def runtime_for(variant: str) -> contextlib.AbstractContextManager:
     """What a variant's runners run under, for the whole variant: the candidate-choosing rule they
     use at their capture (runtime/choice.py), or the memory pool their first step runs in
-    (runtime/graph_pool.py, FIRST_STEP_POOL), or what becomes of a timed candidate's pool."""
+    (runtime/graph_pool.py, FIRST_STEP_POOL)."""
     if variant.endswith("-first-step-pool"):  # which graphs' first calls open a pool of their own
         from unittest import mock
 
@@ -453,12 +449,6 @@ def runtime_for(variant: str) -> contextlib.AbstractContextManager:
 
         kinds = frozenset() if variant.endswith("-no-first-step-pool") else graph_pool.FIRST_STEP_POOL | {"inference"}
         return mock.patch.object(graph_pool, "FIRST_STEP_POOL", kinds)
-    if variant == "apollo-candidate-pools-kept":
-        from unittest import mock
-
-        from apollo_compile.runtime import cudagraph
-
-        return mock.patch.object(cudagraph, "release_dead_pool", torch.cuda.synchronize)
     if variant != "apollo-bw-measured":
         return contextlib.nullcontext()
     from apollo_compile.runtime import choice

@@ -9,9 +9,8 @@
 #       (zero_grad, forward, backward, fused AdamW; loss read, and back to back), module- and step-compiled, at the
 #       batches named (one per call when the cache is cold); models hf-clip, hf-siglip, timm-vit-bert
 #   run(command="bash benchmarks/h200_session.sh module hf-siglip 8", carry=[".device_cache"]) # issue 24's memory parity (batch 32 in a call of its own):
-#       the model compiled as a module, reduce-overhead against apollo and against apollo with its timed candidates' dead
-#       graph pools left reserved (the rule before session 50), peak and reserved as ratios; VARIANTS="inductor-ro apollo
-#       apollo-no-first-step-pool": its first step in the default pool (the rule before session 48);
+#       the model compiled as a module, reduce-overhead against apollo (its first step in a pool of its own, session 48's default)
+#       and against apollo with that step in the default pool (the rule before), peak and reserved as ratios;
 #       VARIANTS="inductor-ro apollo apollo-bw-measured" times the backward's candidates too (the rule before session 28)
 #   run(command="bash benchmarks/h200_session.sh module-memory hf-siglip 8", carry=[".device_cache"]) # where that
 #       reserved surplus sits: the run's highest reserved memory, by segment, allocating line and pool (LIMIT=seconds)
@@ -79,7 +78,7 @@ case "${1:-}" in
   module)    # issue 24's table: module-compiled reduce-overhead and apollo, memory held between steps per pool
              model="${2:?module needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 20 \
-               --variants ${VARIANTS:-inductor-ro apollo apollo-candidate-pools-kept} --out "$OUT/module" ;;
+               --variants ${VARIANTS:-inductor-ro apollo apollo-no-first-step-pool} --out "$OUT/module" ;;
   module-memory)  # where issue 24's module-path reserved surplus sits: the highest reserved memory of the run
              # (first steps included) with the segments held there, by allocating line and pool, and what each
              # pool holds after the steps, reduce-overhead against apollo (probes/whole_step_memory.py)

@@ -543,10 +543,19 @@ def test_each_capture_gets_cublas_workspaces_of_its_own(monkeypatch):
     assert events == ["clear", "capture", "end", "clear"]
 
 
-def fake_timing(monkeypatch, ms: dict[str, float], timing: list[str]) -> None:
-    """CUDA events that time each candidate's replays at `ms[name]`, for the candidate last
-    appended to `timing` (by the stand-in capture), and no-op CUDA calls around them."""
+def test_each_candidate_reports_the_memory_its_capture_pool_holds(monkeypatch):
+    """Measuring the candidates times their replays and reads each capture's private pool from the
+    allocator (temporaries included, which a replay's max_memory_allocated does not show); the
+    fastest wins, and the summary carries both."""
+    import itertools
+
     from apollo_compile.runtime import cudagraph
+    from helpers import FakeGraph
+
+    pools = itertools.count(1)
+    ms = {"lanes": 4.0, "one_lane": 5.0}
+    reserved = {(0, 1): 6 << 20, (0, 2): 4 << 20}  # lanes' pool holds both towers' temporaries
+    timing = []
 
     class FakeEvent:
         def __init__(self, enable_timing=False):
@@ -558,40 +567,6 @@ def fake_timing(monkeypatch, ms: dict[str, float], timing: list[str]) -> None:
         def elapsed_time(self, end):
             return ms[timing[-1]] * cudagraph.CudaGraphRunner.timing_replays
 
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
-
-
-def two_candidates():
-    """A forward's runner with two candidates, "lanes" and "one_lane", each doubling its input."""
-    from apollo_compile.runtime import cudagraph
-
-    def lanes(args):
-        return [args[0] * 2]
-
-    def one_lane(args):
-        return [args[0] * 2]
-
-    runner = cudagraph.CudaGraphRunner({"lanes": lanes, "one_lane": one_lane}, "g_forward", "forward",
-                                       cudagraph.GraphFamily(), set(), None)
-    runner.static_inputs = [torch.ones(2)]
-    return runner
-
-
-def test_each_candidate_reports_the_memory_its_capture_pool_holds(monkeypatch):
-    """Measuring the candidates times their replays and reads each capture's private pool from the
-    allocator (temporaries included, which a replay's max_memory_allocated does not show); the
-    fastest wins, and the summary carries both."""
-    import itertools
-
-    from apollo_compile.runtime import cudagraph
-    from helpers import FakeGraph
-
-    pools = itertools.count(1)
-    reserved = {(0, 1): 6 << 20, (0, 2): 4 << 20}  # lanes' pool holds both towers' temporaries
-    timing = []
-
     def capture_one(self, fn, pool):
         timing.append(next(name for name, f in self.candidates.items() if f is fn))
         outputs = fn(list(self.static_inputs))
@@ -601,10 +576,19 @@ def test_each_candidate_reports_the_memory_its_capture_pool_holds(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [
         {"segment_pool_id": pool, "total_size": size} for pool, size in reserved.items()] + [
         {"segment_pool_id": (0, 0), "total_size": 1 << 30}])  # eager memory: not a pool's
-    fake_timing(monkeypatch, {"lanes": 4.0, "one_lane": 5.0}, timing)
-    monkeypatch.setattr(cudagraph, "release_dead_pool", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
     monkeypatch.setattr(cudagraph.CudaGraphRunner, "_capture_one", capture_one)
-    runner = two_candidates()
+    def lanes(args):
+        return [args[0] * 2]
+
+    def one_lane(args):
+        return [args[0] * 2]
+
+    runner = cudagraph.CudaGraphRunner({"lanes": lanes, "one_lane": one_lane}, "g_forward", "forward",
+                                       cudagraph.GraphFamily(), set(), None)
+    runner.static_inputs = [torch.ones(2)]
     assert runner._choose_candidate() == "lanes"
     summary = runner.summary()
     assert summary["measured_ms"] == {"lanes": 4.0, "one_lane": 5.0}
@@ -613,35 +597,6 @@ def test_each_candidate_reports_the_memory_its_capture_pool_holds(monkeypatch):
     pools = itertools.count(1)  # the same two pools again  # noqa: F841 (read by the graph_pool_handle stub)
     runner.max_memory_ratio = 1.1  # a memory_budget puts memory first: lanes hold 1.5x one lane's pool
     assert runner._choose_candidate() == "one_lane"
-
-
-def test_a_timed_candidates_pool_goes_back_to_the_driver_once_its_graph_is_gone(monkeypatch):
-    """The allocator returns a dead graph's private pool to the driver only at an empty_cache
-    (graph_pool.py, NOTE: A dead graph pool stays reserved): each timed candidate's pool is
-    released as soon as its graph and outputs are gone, before the next candidate is captured, so
-    neither the timing nor the rest of training keeps it reserved."""
-    import weakref
-
-    from apollo_compile.runtime import cudagraph
-    from helpers import FakeGraph
-
-    timing, graphs, released = [], [], []
-
-    def capture_one(self, fn, pool):
-        timing.append(next(name for name, f in self.candidates.items() if f is fn))
-        outputs = fn(list(self.static_inputs))
-        graph = FakeGraph(fn, self.static_inputs, outputs)
-        graphs.append((weakref.ref(graph), [weakref.ref(o) for o in outputs]))
-        return graph, outputs
-
-    fake_timing(monkeypatch, {"lanes": 4.0, "one_lane": 5.0}, timing)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
-    monkeypatch.setattr(cudagraph, "pool_bytes", lambda pool: None)
-    monkeypatch.setattr(cudagraph, "release_dead_pool", lambda: released.append(
-        [g() is None and all(o() is None for o in outs) for g, outs in graphs]))
-    monkeypatch.setattr(cudagraph.CudaGraphRunner, "_capture_one", capture_one)
-    assert two_candidates()._choose_candidate() == "lanes"
-    assert released == [[True], [True, True]]  # after each candidate, its graph and outputs already dead
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the allocator answers on CUDA")

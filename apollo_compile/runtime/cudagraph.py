@@ -117,7 +117,7 @@ from .choice import GraphFacts, Strategy, in_effect, memory_first_reason
 from .graph_io import Addresses, LentOutputs, OutputCopier, WrittenInputs, host_values, input_shapes, is_non_overlapping
 from .graph_pool import (allocating_in, allocation_streams, borrowed, clear_cublas_workspaces, donations_safe_on_lanes,
                          first_step_pool, in_graph_pool, memory_pressure, pool_bytes, release_cached_segments,
-                         release_dead_pool, too_close_to_the_limit, unowned)
+                         too_close_to_the_limit, unowned)
 from .instances import GraphInstances
 
 __all__ = ["CudaGraphRunner", "GraphFamily"]
@@ -612,10 +612,9 @@ class CudaGraphRunner:
         two plain streams), so the single-stream schedule of the same subgraphs is always a
         candidate. Candidates are captured one at a time, each into a pool of its own that dies
         with it after timing (a pool outlives no graph: capturing into the pool of a deleted
-        graph trips the allocator) and goes back to the driver at once (graph_pool.py, NOTE: A
-        dead graph pool stays reserved), so memory never holds two of them; the winner is
-        captured again into the family's pool. Replays advance the CUDA RNG: a graph with
-        dropout draws other masks afterwards than an untimed run would (still random)."""
+        graph trips the allocator), so memory never holds two of them; the winner is captured
+        again into the family's pool. Replays advance the CUDA RNG: a graph with dropout draws
+        other masks afterwards than an untimed run would (still random)."""
         torch.cuda.synchronize()
         allocated_before = torch.cuda.memory_allocated()
         for name, fn in self.candidates.items():
@@ -632,10 +631,9 @@ class CudaGraphRunner:
             torch.cuda.synchronize()
             self.measured_ms[name] = start.elapsed_time(end) / self.timing_replays
             del graph, outputs
-            release_dead_pool()  # NOTE: A dead graph pool stays reserved
+            torch.cuda.synchronize()
         # a candidate's graph, pool and outputs die with it, its cuBLAS workspaces too (they were
-        # in its pool: _capture_one), and its pool's segments go back to the driver; anything
-        # left allocated would be a leak
+        # in its pool: _capture_one); anything left would be a leak
         self.measuring_left_bytes = torch.cuda.memory_allocated() - allocated_before
         return allocated_before
 

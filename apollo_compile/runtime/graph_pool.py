@@ -20,7 +20,7 @@ log = logging.getLogger("apollo_compile")
 __all__ = [
     "CAPTURE_HEADROOM", "allocating_in", "allocation_streams", "allocator_segments", "borrowed",
     "clear_cublas_workspaces", "donations_safe_on_lanes", "first_step_pool", "in_graph_pool", "memory_pressure",
-    "pool_bytes", "release_cached_segments", "release_dead_pool", "too_close_to_the_limit", "unowned",
+    "pool_bytes", "release_cached_segments", "too_close_to_the_limit", "unowned",
 ]
 
 
@@ -63,24 +63,6 @@ def release_cached_segments() -> None:
     too."""
     torch.cuda.synchronize()
     clear_cublas_workspaces()
-    torch.cuda.empty_cache()
-
-
-def release_dead_pool() -> None:
-    """Return a dead graph's private pool to the driver now: a timed candidate's, once its graph
-    and outputs are gone (cudagraph.py, `_measure`).
-
-    [NOTE] A dead graph pool stays reserved. When the last graph using a private pool dies, the
-    caching allocator only marks the pool freeable (c10's CUDACachingAllocator, ``releasePool``:
-    ``graph_pools_freeable``); its segments go back to the driver at the next ``empty_cache``, or
-    when an allocation would otherwise fail, and no other pool can use them until then. Each
-    candidate timed at a capture is captured into a pool of its own, so without this every
-    candidate's forward memory (activations and temporaries at the training batch) stayed reserved
-    for the rest of training beside the family's pool, and the candidates measured one after the
-    other added their pools up while they were timed. Issue 24's module-path surplus in reserved
-    memory at batch 8 was about that size (0.22-0.25 GiB on SigLIP and timm on the H100, session
-    49); the measurement with this in place is in RESULTS.md."""
-    torch.cuda.synchronize()
     torch.cuda.empty_cache()
 
 
