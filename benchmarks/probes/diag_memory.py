@@ -111,7 +111,8 @@ def reserved_peak(trace: list[dict], phases: list[dict], k: int, segments: list[
     """Reserved memory (the allocator's segments) over the recorded run: at each phase's start
     (marker 0..k) and its highest, the run's highest and the segments held there, by the line whose
     allocation made each segment and by the pool that still holds it after the run (from the final
-    snapshot's `segments`; "released" where the segment was returned to the driver before the end).
+    snapshot's `segments`; "released later" where it went back to the driver before the end, "?"
+    where the final snapshot does not know its address).
     The peak reserved is what a process holds at its worst (what nvidia-smi shows), issue 24's
     reserved column."""
     pool_of = {seg["address"]: ("default" if tuple(seg.get("segment_pool_id") or (0, 0)) == (0, 0)

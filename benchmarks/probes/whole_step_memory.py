@@ -7,8 +7,8 @@ loss.item()); after the last one, the live blocks of every pool (the default one
 graph's) grouped by the line that allocated them, each step's peak with what was alive there
 (diag_memory.summarize), the run's highest reserved memory with the segments held there
 (diag_memory.reserved_peak: which step, which line made them, which pool keeps them), and each
-pool's reserved, allocated and free memory after the run. apollo's runners' summaries (inputs copied or read in place,
-outputs lent or copied) are printed with them.
+pool's reserved, allocated and free memory after the run. apollo's runners' summaries (inputs
+copied or read in place, outputs lent or copied) are printed with them.
 
     PYTHONPATH=. python benchmarks/probes/whole_step_memory.py --model hf-clip --batch 8 \
         --variants inductor-ro-step apollo-step --out $OUT/who
