@@ -40,6 +40,12 @@ def mark(k: int) -> None:
     torch.cuda.synchronize()
 
 
+def marker(e: dict, k: int) -> int | None:
+    """The phase `e` opens, where it is the allocation of one of `mark`'s markers 0..k; else None."""
+    d = e.get("size", 0) - MARK
+    return d // 512 if e["action"] == "alloc" and d >= 0 and d % 512 == 0 and d // 512 <= k else None
+
+
 def where(frames: list[dict]) -> str:
     for f in frames:
         fn = f["filename"]
@@ -54,15 +60,14 @@ def summarize(trace: list[dict], phases: list[dict], k: int, header: str = "") -
     """Per phase (bracketed by marker allocations 0..k): the peak of the running allocated bytes and
     what is alive at it, by allocating line and by file. Returns (report records, text)."""
     def is_marker(e):
-        d = e.get("size", 0) - MARK
-        return e["action"] == "alloc" and d >= 0 and d % 512 == 0 and d // 512 <= k
+        return marker(e, k) is not None
 
     # pass 1: each phase's peak (event index) of the running allocated bytes since recording began
     sizes: dict[int, int] = {}
     cur, phase_of, start, best = 0, None, {}, {}
     for i, e in enumerate(trace):
         if is_marker(e):
-            phase_of = (e["size"] - MARK) // 512
+            phase_of = marker(e, k)
             start[phase_of] = cur
         elif e["action"] == "alloc":
             sizes[e["addr"]] = e["size"]
@@ -120,9 +125,8 @@ def reserved_peak(trace: list[dict], phases: list[dict], k: int, segments: list[
     grow, shrink = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
     cur, phase, start, opened, best, overall = 0, None, {}, {}, {}, (-1, 0)
     for i, e in enumerate(trace):
-        d = e.get("size", 0) - MARK
-        if e["action"] == "alloc" and d >= 0 and d % 512 == 0 and d // 512 <= k:
-            phase = d // 512
+        if (m := marker(e, k)) is not None:
+            phase = m
             start[phase], opened[phase] = cur, i
         if e["action"] in grow:
             cur += e["size"]
