@@ -60,6 +60,7 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
                    before session 48: NOTE: The first step in a pool of its own)
     apollo-step-opt-first-step-pool  apollo-step-opt with its first step in a pool of its own
                    ("inference" added to ``FIRST_STEP_POOL``; off by default, no memory effect measured)
+    apollo-1lane   apollo with ``max_lanes=1``: every graph on one stream (what lanes cost in memory)
     inductor-ro-regional, apollo-regional  regional compilation: every block of a list of blocks
                    of one class compiled on its own (``compile_regions``, as accelerate's), the
                    rest eager; one compiled graph serves every block (runtime/instances.py)
@@ -114,7 +115,7 @@ VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "a
             "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-uncut",
             "apollo-step-opt-lists-small", "apollo-step-opt-per-param", "apollo-step-opt-narrow",
             "apollo-step-opt-masks-as-traced", "apollo-no-first-step-pool", "apollo-step-opt-first-step-pool",
-            "apollo-step-opt-cut-by-chunks", "inductor-ro-regional", "apollo-regional")
+            "apollo-step-opt-cut-by-chunks", "inductor-ro-regional", "apollo-regional", "apollo-1lane")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -412,8 +413,11 @@ def compile_variant(variant: str, model: nn.Module, args) -> Callable:
         return torch.compile(model, mode="reduce-overhead")
     if variant == "inductor-ro-regional":
         return compile_regions(model, mode="reduce-overhead")
-    if variant in ("apollo", "apollo-bw-measured", "apollo-no-first-step-pool", "apollo-regional"):
+    if variant in ("apollo", "apollo-bw-measured", "apollo-no-first-step-pool", "apollo-regional", "apollo-1lane"):
         import apollo_compile  # noqa: F401  (importing registers backend="apollo")
+
+        if variant == "apollo-1lane":  # every graph on one stream: what lanes cost in memory
+            return torch.compile(model, backend="apollo", options={**args.apollo_options, "max_lanes": 1})
 
         if variant == "apollo-regional":
             return compile_regions(model, backend="apollo", options=dict(args.apollo_options))
