@@ -85,6 +85,60 @@ def test_a_new_instance_takes_over_the_family_of_one_that_is_gone(runners):
     assert read_in_place and read_in_place <= params  # the new instance's parameters, not the old ones
 
 
+def test_a_deleted_model_frees_its_family_without_another_call(runners):
+    """A model deleted and never called again (the next one compiled with other options, which
+    Dynamo compiles anew): its family is released at once, with the old parameters' storages its
+    static inputs held (NOTE: A gone instance's memory goes at once), not at a call that never
+    comes."""
+    model, ref, compiled = twins("eager")
+    sgd_like_eager(compiled, model, ref, 3)
+    forward, backward = runners
+    assert forward.graph is not None and forward.static_inputs
+    held = [x for x in forward.static_inputs if isinstance(x, torch.Tensor)]
+    storages = {x.untyped_storage().data_ptr() for x in held}
+    assert storages & {p.untyped_storage().data_ptr() for p in model.parameters()}
+    del model, ref, compiled, held
+    gc.collect()
+    for runner in runners:
+        summary = runner.summary()
+        assert (summary["instances"], summary["instances_released"]) == (1, 1), summary
+        assert runner.graph is None and runner.static_inputs == [] and runner.family.pool is None
+
+
+def test_a_deleted_model_whose_saved_activations_live_is_freed_when_they_die(runners):
+    """Deleted after a forward whose loss is kept: the family waits for those saved activations
+    (its backward could still come), and is released when they die, with no call in between."""
+    model, ref, compiled = twins("eager")
+    sgd_like_eager(compiled, model, ref, 2)
+    loss = compiled(*two_tower_inputs(seed=7))  # its autograd graph keeps the parameters alive
+    forward, _ = runners
+    del model, ref, compiled
+    gc.collect()
+    assert forward.summary()["instances_released"] == 0 and forward.graph is not None
+    del loss
+    gc.collect()
+    assert forward.summary()["instances_released"] == 1 and forward.graph is None
+
+
+def test_no_family_is_released_during_a_call(runners, monkeypatch):
+    """A collection inside a call (any thread's) leaves the gone family to the graph's next
+    dispatch: the call's own families must not change under it."""
+    model, ref, compiled = twins("eager")
+    sgd_like_eager(compiled, model, ref, 2)
+    forward, _ = runners
+    instances.call_began()
+    try:
+        del model, ref, compiled
+        gc.collect()
+        assert forward.summary()["instances_released"] == 0 and forward.family.instances.some_gone
+    finally:
+        instances.call_ended()
+    torch.manual_seed(1)
+    model, ref, compiled = compiled_twins(TwoTower())  # the same graph's next dispatch releases it
+    sgd_like_eager(compiled, model, ref, 2)
+    assert forward.summary()["instances_released"] == 1 and forward.summary()["instances"] == 1
+
+
 def test_a_new_instance_takes_over_for_inference_too(runners):
     """The same for a graph run under torch.no_grad() (an inference graph, no backward)."""
     for seed in range(2):
@@ -100,7 +154,8 @@ def test_a_new_instance_takes_over_for_inference_too(runners):
     (runner,) = runners
     summary = runner.summary()
     assert runner.kind == "inference" and runner.replays == 2 + 3
-    assert (summary["instances"], summary["instances_released"]) == (1, 1)
+    # the first model's family served the second; the second's was released when it was deleted
+    assert (summary["instances"], summary["instances_released"]) == (1, 2)
 
 
 def test_a_sweep_over_new_models_needs_no_help_from_the_user(runners):

@@ -118,7 +118,7 @@ from .graph_io import Addresses, LentOutputs, OutputCopier, WrittenInputs, host_
 from .graph_pool import (allocating_in, allocation_streams, borrowed, clear_cublas_workspaces, donations_safe_on_lanes,
                          first_step_pool, in_graph_pool, memory_pressure, pool_bytes, release_cached_segments,
                          too_close_to_the_limit, unowned)
-from .instances import GraphInstances
+from .instances import GraphInstances, call_began, call_ended
 
 __all__ = ["CudaGraphRunner", "GraphFamily"]
 
@@ -691,7 +691,7 @@ class CudaGraphRunner:
             alias = outs[self.sentinel_idx].detach()
             outs[self.sentinel_idx] = alias
             if self.kind == "forward":
-                self.family.pending = [weakref.ref(alias)]
+                self.family.pending = [weakref.ref(alias, self.family.instances.saved_died)]
         args.clear()
         return outs
 
@@ -743,6 +743,13 @@ class CudaGraphRunner:
         return self._eager(args, warm_up=self.family.instances.warm_up_backward)
 
     def __call__(self, args: list) -> list:
+        call_began()  # no family is released under a call (instances.py, NOTE: A gone instance's memory ...)
+        try:
+            return self._call(args)
+        finally:
+            call_ended()
+
+    def _call(self, args: list) -> list:
         in_place = None
         # the runner Dynamo calls; a backward finds its family's runner even where its own is disabled
         if self.first is None and self.calls > 0 and (self.disabled is None or self.kind == "backward"):

@@ -22,12 +22,27 @@ The first family keeps its runners (the ones Dynamo calls); the others get copie
 (``CudaGraphRunner.for_family``), which replay the first one's choice of candidate unmeasured.
 
 A family whose instance is gone (every parameter it reads is dead: weak references, whose callback
-marks the graph for a check at its next dispatch) or whose parameters now live elsewhere (``p.data
-= ...``) is released: its graphs and pool go, and the family serves the next new instance. Limits,
+releases it at once where it can, NOTE: A gone instance's memory goes at once) or whose parameters
+now live elsewhere (``p.data = ...``, found at the graph's next dispatch) is released: its graphs and
+pool go, and the family serves the next new instance. Limits,
 past which a call runs without the CUDA graph, with one warning that says which: MAX_FAMILIES per
 graph; MAX_PER_INSTANCE forwards of one instance awaiting their backwards; and no new captures once
 MAX_SHORT_LIVED families were released before replaying MIN_REPLAYS times (a new instance every
 step would make every step a capture).
+
+[NOTE] A gone instance's memory goes at once. Released only at the graph's next dispatch, a family
+outlived its model wherever that graph was never called again: a notebook that compiles a new model
+with other options, a sweep whose runs differ in their options (Dynamo compiles anew for another
+backend configuration). The family's static inputs (aliases of the old parameters), graphs and pool
+then stayed allocated until ``torch._dynamo.reset()``: measured on the H200 (session 51, HF SigLIP
+base at batch 8, probes/whole_step_memory.py running variants one after another), the deleted
+model's 0.76 GiB of parameters and its 1.45 GiB graph pool held through the next variant, which
+reduce-overhead's model did not. So the parameters' weak-reference callback releases the family
+itself once every parameter it reads is dead and its last forward's saved activations are too (a
+callback on their alias tries again when they die). Not while an apollo graph is being called or
+captured on any thread, nor while this thread's stream captures: a collection can run inside a
+call, whose families it would change under it, and a capture cannot free a graph. Then the
+family is released at the graph's next dispatch, as before.
 
 CUDA-graph trees record a graph per parameter set as well (a static input at another address
 re-records without counting to their limit), all in one pool whose liveness the tree tracks; here
@@ -38,6 +53,8 @@ first ran un-graphed at 56-59 ms a step against 15.
 
 from __future__ import annotations
 
+import logging
+import threading
 import weakref
 from typing import TYPE_CHECKING, Sequence
 
@@ -48,7 +65,10 @@ from .graph_io import Addresses
 if TYPE_CHECKING:
     from .cudagraph import CudaGraphRunner, GraphFamily
 
-__all__ = ["GraphInstances", "MAX_FAMILIES", "MAX_PER_INSTANCE", "MAX_SHORT_LIVED", "MIN_REPLAYS"]
+__all__ = ["GraphInstances", "MAX_FAMILIES", "MAX_PER_INSTANCE", "MAX_SHORT_LIVED", "MIN_REPLAYS", "call_began",
+           "call_ended", "releasable_now"]
+
+log = logging.getLogger("apollo_compile")
 
 MAX_FAMILIES = 128  # NOTE: One graph, several model instances
 # forwards of one instance awaiting their backwards, each in a family of its own: a multi-view step
@@ -61,6 +81,34 @@ MAX_PER_INSTANCE = 32
 # step a capture, while a fresh model per evaluation of a few batches still gets its graphs
 MIN_REPLAYS = 3
 MAX_SHORT_LIVED = 3
+
+
+_calls_underway = 0  # apollo graph calls in progress, on any thread (NOTE: A gone instance's memory goes at once)
+_calls_lock = threading.Lock()
+
+
+def call_began() -> None:
+    """A runner's call (its capture included) began: no family is released until `call_ended`."""
+    global _calls_underway
+    with _calls_lock:
+        _calls_underway += 1
+
+
+def call_ended() -> None:
+    global _calls_underway
+    with _calls_lock:
+        _calls_underway -= 1
+
+
+def releasable_now() -> bool:
+    """Whether a gone instance's family may be released here and now: no apollo graph call or
+    capture underway, and this thread's stream not capturing (someone else's CUDA graph)."""
+    if _calls_underway:
+        return False
+    try:
+        return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    except Exception:  # CUDA in a state that cannot say: leave it to the next dispatch
+        return False
 
 
 class GraphInstances:
@@ -167,14 +215,27 @@ class GraphInstances:
                 bound.remove(family)
 
     def _died(self, ref: weakref.ref) -> None:
-        self.some_gone = True  # released at the graph's next call, not here: a collection may run mid-capture
+        """A parameter a family reads died (or the alias of its last forward's saved activations):
+        release what is gone now where that is safe (NOTE: A gone instance's memory goes at once),
+        else at the graph's next dispatch."""
+        self.some_gone = True
+        if not releasable_now():
+            return
+        try:
+            self.release_unused()
+        except Exception as e:  # an interpreter shutting down, say: the next dispatch (if any) tries again
+            self.some_gone = True
+            log.debug("apollo: a gone model instance's family is released later: %s", e)
 
     def release_unused(self) -> None:
         """Release every family whose instance is gone or whose parameters moved, once the
         activations its last forward saved are dead."""
         self.some_gone = False
         for family in self.families:
-            if family.key is None or family.forward_outputs_alive() or not family.unused():
+            if family.key is None or not family.unused():
+                continue
+            if family.forward_outputs_alive():
+                self.some_gone = True  # checked again when they die (`saved_died`) or at the next dispatch
                 continue
             if family.replays < MIN_REPLAYS:
                 self.short_lived += 1
@@ -182,6 +243,12 @@ class GraphInstances:
             self._unindex(family)
             family.release()
             self.released += 1
+
+    def saved_died(self, ref: weakref.ref) -> None:
+        """The alias of a forward's saved activations died: a family whose instance is gone and
+        which waited for them is released now (NOTE: A gone instance's memory goes at once)."""
+        if self.some_gone:
+            self._died(ref)
 
     def captured(self, family: GraphFamily, saved: list[torch.Tensor]) -> None:
         """A forward of `family` was captured: its saved outputs live at these addresses."""
