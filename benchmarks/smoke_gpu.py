@@ -98,31 +98,40 @@ def run(mode: str, device: str, steps: int = 4, config: str = "tiny", batch_size
             o.step()
             o.zero_grad(set_to_none=set_to_none)
 
+    def summaries() -> dict:
+        plan = apollo_compile.last_plan()
+        runners = {kind: plan.graphs[kind].runner for kind in ("forward", "backward") if kind in plan.graphs}
+        return {kind: r.summary() if r is not None else None for kind, r in runners.items()}
+
     n_steps = len(VARYING) if varying else steps
     if together:
         runs = [build(seed) for seed in range(instances)]
         for step in range(n_steps):
             for one in runs:
                 train_step(one, step)
-        del runs
+        trained = summaries()  # before the last instance is deleted: what it replays
+        del runs, one
     else:
         for seed in range(instances):  # each instance deleted before the next is built
             one = build(seed)
             for step in range(n_steps):
                 train_step(one, step)
+            trained = summaries()
             del one
             gc.collect()
-    plan = apollo_compile.last_plan()
-    runners = {kind: plan.graphs[kind].runner for kind in ("forward", "backward") if kind in plan.graphs}
-    summaries = {kind: r.summary() if r is not None else None for kind, r in runners.items()}
+    gc.collect()
+    gone = summaries()
     # with varying sizes the symbolic graph runs un-graphed at the sizes it was not captured at;
-    # a deleted instance's family is released at its deletion and serves the next, and every
-    # instance is deleted by now (runtime/instances.py, NOTE: A gone instance's memory goes at once)
-    families = (instances, instances) if together else (1, instances)
+    # a deleted instance's family is released at its deletion and serves the next; once every
+    # instance is deleted, every family is released (runtime/instances.py, NOTE: A gone instance's
+    # memory goes at once)
+    families = (instances, 0) if together else (1, instances - 1)
     ok = worst[0] <= rtol and worst[1] <= rtol and (device == "cpu" or all(
         s is not None and (varying or s["ungraphed_calls"] == 0) and s["replays"] > 0
-        and (s["instances"], s["instances_released"]) == families for s in summaries.values()))
-    return {"mode": mode, "ok": ok, "loss_rel_err": worst[0], "grad_rel_err": worst[1], "runners": summaries}
+        and (s["instances"], s["instances_released"]) == families for s in trained.values()) and all(
+        s is not None and s["instances_released"] == instances for s in gone.values()))
+    return {"mode": mode, "ok": ok, "loss_rel_err": worst[0], "grad_rel_err": worst[1], "runners": trained,
+            "released_once_deleted": {kind: s["instances_released"] if s else None for kind, s in gone.items()}}
 
 
 def main() -> int:
