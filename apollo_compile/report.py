@@ -248,8 +248,9 @@ class Report:
             if rows:
                 any_candidates = True
                 lines.append(f"candidates: {gp.name}: " + ", ".join(
-                    f"{name} {pred} µs" + (f" / measured {ms} ms" if ms != "-" else "") + (f" ({note})" if note else "")
-                    for name, pred, ms, note in rows))
+                    f"{name} {pred} µs" + (f" / measured {ms} ms" if ms != "-" else "")
+                    + (f", pool {pool}" if pool != "-" else "") + (f" ({note})" if note else "")
+                    for name, pred, ms, pool, note in rows))
         if any_candidates:
             lines += textwrap.wrap(f"{CANDIDATE_NAMES}. µs: predicted by the performance model; {MEASURED_NOTE}.",
                                    width=110, initial_indent="  ", subsequent_indent="  ")

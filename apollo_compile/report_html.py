@@ -116,8 +116,8 @@ def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
                    'model; measured as CUDA-graph replays on a GPU'
                    + (f"; refitted from them: {_esc(', '.join(f'{k} {v:.3f}' for k, v in calibrated.items()))}"
                       if calibrated else "") + '</small></h3><table class="summary"><thead><tr>'
-                   + "".join(f"<th>{h}</th>" for h in ("runtime", "predicted µs", "measured ms (GPU)", "",
-                                                       "what it runs"))
+                   + "".join(f"<th>{h}</th>" for h in ("runtime", "predicted µs", "measured ms (GPU)",
+                                                       "graph pool (GPU)", "", "what it runs"))
                    + "</tr></thead><tbody>"
                    + "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row)
                              + f'<td class="what">{_esc(describe_candidate(row[0]))}</td></tr>' for row in cands)

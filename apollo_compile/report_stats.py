@@ -136,7 +136,7 @@ CANDIDATE_NAMES = ("one_lane: every subgraph on the caller's stream, in launch o
                    "quota:LANE=SMS,...: the lane plan with each listed side lane held to SMS streaming "
                    "multiprocessors (a green context), lane 0 (the caller's stream) on the SMs they leave")
 MEASURED_NOTE = ("measured fills in on a CUDA device only: on the graph's second call the CUDA-graph runner "
-                 "captures each candidate, times its replays and keeps one (the fastest that beats one stream; "
+                 "captures each candidate, times its replays, reads the memory pool its capture held and keeps one (the fastest that beats one stream; "
                  "under a memory budget one_lane, unmeasured); explain() runs one step, so there and on CPU it "
                  "stays empty (-); Report(apollo_compile.plans()) after a few training steps on a GPU shows it "
                  "while the compiled model lives")
@@ -157,17 +157,23 @@ def describe_candidate(name: str) -> str:
     return ""
 
 
-def candidate_rows(gp: GraphPlan) -> list[tuple[str, str, str, str]]:
-    """(runtime, predicted µs, measured ms, note) for each candidate the quotas pass proposed; the
-    measured column and the replayed mark come from the CUDA-graph runner while the graph lives."""
+def candidate_rows(gp: GraphPlan) -> list[tuple[str, str, str, str, str]]:
+    """(runtime, predicted µs, measured ms, its capture's memory pool, note) for each candidate the
+    quotas pass proposed; the measured columns and the replayed mark come from the CUDA-graph runner
+    while the graph lives. The pool is what the candidate's capture held (its temporaries and
+    outputs): lanes cost memory where one stream's freed blocks cannot serve another's (RESULTS.md,
+    session 51), and this is where a user sees that trade beside the time."""
     decision = gp.decisions.get("quotas")
     if decision is None or not decision.candidates:
         return []
     runner = gp.runner.summary() if gp.runner is not None else {}
     measured = runner.get("measured_ms") or {}
+    pools = runner.get("candidate_pool_bytes") or {}
     rows = []
     for c in decision.candidates:
         note = "replayed" if runner.get("chosen") == c.name else ("not captured" if measured and c.name not in measured else "")
         ms = measured.get(c.name)
-        rows.append((c.name, f"{c.predicted_us:.1f}", f"{ms:.3f}" if ms is not None else "-", note))
+        pool = pools.get(c.name)
+        rows.append((c.name, f"{c.predicted_us:.1f}", f"{ms:.3f}" if ms is not None else "-",
+                     f"{pool / 2**20:,.0f} MiB" if pool else "-", note))
     return rows

@@ -76,16 +76,20 @@ def test_candidates_show_predicted_and_measured_times(h200_report, monkeypatch):
 
     class Runner:
         def summary(self):
-            return {"chosen": "lanes", "measured_ms": {"lanes": 1.5, "one_lane": 2.0}}
+            return {"chosen": "lanes", "measured_ms": {"lanes": 1.5, "one_lane": 2.0},
+                    "candidate_pool_bytes": {"lanes": 1222639616, "one_lane": 1163919360}}
 
     runner = Runner()
     monkeypatch.setattr(gp, "runner_ref", weakref.ref(runner))
     line = str(h200_report).split(f"candidates: {gp.name}: ")[1].split("\n")[0]
-    assert "lanes" in line and "measured 1.500 ms (replayed)" in line and "measured 2.000 ms" in line
+    # each measured candidate with the memory pool its capture held: lanes' speed beside their memory
+    assert "lanes" in line and "measured 1.500 ms, pool 1,166 MiB (replayed)" in line
+    assert "measured 2.000 ms, pool 1,110 MiB" in line
     if any(n.startswith("quota:") for n in names):
         assert "(not captured)" in line
     page = h200_report.to_html()
     assert _has_class(page, "candidates") and "replayed" in page
+    assert "graph pool (GPU)" in page and "<td>1,166 MiB</td>" in page
 
 
 def test_text_table_names_lanes_modalities_and_predicted_times(two_tower):
