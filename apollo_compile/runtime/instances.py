@@ -84,7 +84,9 @@ MAX_SHORT_LIVED = 3
 
 
 _calls_underway = 0  # apollo graph calls in progress, on any thread (NOTE: A gone instance's memory goes at once)
-_calls_lock = threading.Lock()
+# held while a call begins or ends, and while a callback releases families, so that no call begins
+# under a release on another thread; reentrant: a release frees tensors, whose callbacks come back here
+_calls_lock = threading.RLock()
 
 
 def call_began() -> None:
@@ -102,7 +104,8 @@ def call_ended() -> None:
 
 def releasable_now() -> bool:
     """Whether a gone instance's family may be released here and now: no apollo graph call or
-    capture underway, and this thread's stream not capturing (someone else's CUDA graph)."""
+    capture underway, and this thread's stream not capturing (someone else's CUDA graph). Asked
+    holding `_calls_lock`."""
     if _calls_underway:
         return False
     try:
@@ -130,6 +133,7 @@ class GraphInstances:
         self.released = 0
         self.short_lived = 0
         self.some_gone = False  # a parameter a family reads died since the last check
+        self.releasing = False  # a weak-reference callback is releasing families (`_died`)
         self.refused: str | None = None  # why the last call found no family to replay
 
     # -- which family ----------------------------------------------------------------------
@@ -219,13 +223,19 @@ class GraphInstances:
         release what is gone now where that is safe (NOTE: A gone instance's memory goes at once),
         else at the graph's next dispatch."""
         self.some_gone = True
-        if not releasable_now():
+        if self.releasing:  # a tensor this release freed: the release under way sees to it
             return
-        try:
-            self.release_unused()
-        except Exception as e:  # an interpreter shutting down, say: the next dispatch (if any) tries again
-            self.some_gone = True
-            log.debug("apollo: a gone model instance's family is released later: %s", e)
+        with _calls_lock:  # no call begins on another thread while this releases
+            if not releasable_now():
+                return
+            self.releasing = True
+            try:
+                self.release_unused()
+            except Exception as e:  # an interpreter shutting down, say: the next dispatch (if any) tries again
+                self.some_gone = True
+                log.debug("apollo: a gone model instance's family is released later: %s", e)
+            finally:
+                self.releasing = False
 
     def release_unused(self) -> None:
         """Release every family whose instance is gone or whose parameters moved, once the
