@@ -85,7 +85,7 @@ case "${1:-}" in
              model="${2:?module-memory needs a model: hf-clip, hf-siglip or timm-vit-bert}"
              timeout "${LIMIT:-400}" python benchmarks/probes/whole_step_memory.py --model "$model" --batch "${3:-8}" \
                --steps 5 --variants ${VARIANTS:-inductor-ro apollo} --out "$OUT/module-memory" > "$OUT/module_memory.txt" 2>&1
-             status=$?; grep -E "^######## |^== |^  (step|marker) |highest|GiB x|pool " "$OUT/module_memory.txt" | tail -c 9000; exit $status ;;
+             status=$?; grep -E "^######## |^== |^  (step|marker) |highest|GiB x|pool |by stream" "$OUT/module_memory.txt" | tail -c 9000; exit $status ;;
   regional)  # one compiled graph serving every layer (runtime/instances.py): each layer compiled on its own (regional
              # compilation, as accelerate's compile_regions) under reduce-overhead and apollo, beside the whole model
              # compiled; each apollo runner's summary says how many layers (instances) it served and what ran un-graphed

@@ -165,15 +165,21 @@ def pools(segments: list[dict]) -> dict[str, dict]:
     """Per allocator pool (the default one, each CUDA-graph pool): segments, reserved, allocated and
     free bytes, the largest free block, and the free bytes in blocks under 512 MiB, which no request
     of that size or more can use (inside a capture the allocator cannot release a live pool's
-    segments to make a larger one)."""
+    segments to make a larger one). Also per stream that made the segments (`by_stream`: the stream's
+    handle -> reserved and allocated bytes): the allocator hands a freed block only to an allocation
+    on the stream that made it, so a pool captured on lanes is one high-water mark per stream
+    (RESULTS.md, session 51)."""
     out: dict[str, dict] = {}
     for seg in segments:
         key = str(tuple(seg.get("segment_pool_id") or (0, 0)))
         d = out.setdefault(key, {"segments": 0, "reserved": 0, "allocated": 0, "free": 0, "largest_free": 0,
-                                 "free_in_blocks_under_512MiB": 0, "segment_sizes_MiB": []})
+                                 "free_in_blocks_under_512MiB": 0, "segment_sizes_MiB": [], "by_stream": {}})
         d["segments"] += 1
         d["reserved"] += seg["total_size"]
         d["allocated"] += seg["allocated_size"]
+        per = d["by_stream"].setdefault(seg.get("stream", "?"), {"reserved": 0, "allocated": 0})
+        per["reserved"] += seg["total_size"]
+        per["allocated"] += seg["allocated_size"]
         d["segment_sizes_MiB"].append(seg["total_size"] >> 20)
         for b in seg["blocks"]:
             if b["state"] == "inactive":
@@ -192,6 +198,10 @@ def pools_text(title: str, summary: dict[str, dict]) -> str:
                      f"{d['allocated'] / 2**30:.2f}, free {d['free'] / 2**30:.2f} (largest free block "
                      f"{d['largest_free'] / 2**30:.3f}, in blocks under 512 MiB "
                      f"{d['free_in_blocks_under_512MiB'] / 2**30:.2f}); largest segments MiB {sizes[:12]}")
+        streams = sorted(d.get("by_stream", {}).items(), key=lambda kv: -kv[1]["reserved"])
+        if len(streams) > 1:
+            lines.append("    by stream (reserved/allocated GiB): " + ", ".join(
+                f"{stream}: {v['reserved'] / 2**30:.2f}/{v['allocated'] / 2**30:.2f}" for stream, v in streams))
     return "\n".join(lines)
 
 
