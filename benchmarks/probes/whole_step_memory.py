@@ -116,7 +116,8 @@ def main() -> None:
     results = []
     for v in args.variants:
         try:
-            results.append(run(v, args.model, base, shape, args.batch, args.steps, lines))
+            with W.runtime_for(v):  # a variant's rule (its first step's pool, its choice), as bench_whole_step runs it
+                results.append(run(v, args.model, base, shape, args.batch, args.steps, lines))
         except Exception as e:  # keep the other variants' findings
             lines.append(f"\n######## {v}: FAILED {type(e).__name__}: {str(e)[:500]}")
             torch.cuda.memory._record_memory_history(enabled=None)
