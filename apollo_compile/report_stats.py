@@ -136,8 +136,9 @@ CANDIDATE_NAMES = ("one_lane: every subgraph on the caller's stream, in launch o
                    "quota:LANE=SMS,...: the lane plan with each listed side lane held to SMS streaming "
                    "multiprocessors (a green context), lane 0 (the caller's stream) on the SMs they leave")
 MEASURED_NOTE = ("measured fills in on a CUDA device only: on the graph's second call the CUDA-graph runner "
-                 "captures each candidate, times its replays, reads the memory pool its capture held and keeps one (the fastest that beats one stream; "
-                 "under a memory budget one_lane, unmeasured); explain() runs one step, so there and on CPU it "
+                 "captures each candidate, times its replays, reads the memory pool its capture held and keeps "
+                 "one (the fastest that beats one stream; under a memory budget one_lane, unmeasured); "
+                 "explain() runs one step, so there and on CPU it "
                  "stays empty (-); Report(apollo_compile.plans()) after a few training steps on a GPU shows it "
                  "while the compiled model lives")
 
