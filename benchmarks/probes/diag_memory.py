@@ -168,7 +168,8 @@ def pools(segments: list[dict]) -> dict[str, dict]:
     segments to make a larger one). Also per stream that made the segments (`by_stream`: the stream's
     handle -> reserved and allocated bytes): the allocator hands a freed block only to an allocation
     on the stream that made it, so a pool captured on lanes is one high-water mark per stream
-    (RESULTS.md, session 51)."""
+    (RESULTS.md, session 51); `small` is the part in the small pool's 2 MiB segments, whose blocks
+    (1 MiB and under) no larger request can use."""
     out: dict[str, dict] = {}
     for seg in segments:
         key = str(tuple(seg.get("segment_pool_id") or (0, 0)))
@@ -177,9 +178,11 @@ def pools(segments: list[dict]) -> dict[str, dict]:
         d["segments"] += 1
         d["reserved"] += seg["total_size"]
         d["allocated"] += seg["allocated_size"]
-        per = d["by_stream"].setdefault(seg.get("stream", "?"), {"reserved": 0, "allocated": 0})
+        per = d["by_stream"].setdefault(seg.get("stream", "?"), {"reserved": 0, "allocated": 0, "small": 0})
         per["reserved"] += seg["total_size"]
         per["allocated"] += seg["allocated_size"]
+        if seg.get("segment_type") == "small":
+            per["small"] += seg["total_size"]
         d["segment_sizes_MiB"].append(seg["total_size"] >> 20)
         for b in seg["blocks"]:
             if b["state"] == "inactive":
@@ -200,8 +203,9 @@ def pools_text(title: str, summary: dict[str, dict]) -> str:
                      f"{d['free_in_blocks_under_512MiB'] / 2**30:.2f}); largest segments MiB {sizes[:12]}")
         streams = sorted(d.get("by_stream", {}).items(), key=lambda kv: -kv[1]["reserved"])
         if len(streams) > 1:
-            lines.append("    by stream (reserved/allocated GiB): " + ", ".join(
-                f"{stream}: {v['reserved'] / 2**30:.2f}/{v['allocated'] / 2**30:.2f}" for stream, v in streams))
+            lines.append("    by stream (reserved/allocated GiB, of it in small segments): " + ", ".join(
+                f"{stream}: {v['reserved'] / 2**30:.2f}/{v['allocated'] / 2**30:.2f} "
+                f"({v.get('small', 0) / 2**30:.2f})" for stream, v in streams))
     return "\n".join(lines)
 
 
