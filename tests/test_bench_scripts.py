@@ -118,7 +118,7 @@ def test_diag_memory_sums_each_pool_and_the_free_bytes_no_large_request_can_use(
     MiB = 1 << 20
     segments = [
         {"segment_pool_id": (0, 3), "total_size": 1024 * MiB, "allocated_size": 600 * MiB, "stream": 7,
-         "blocks": [{"size": 600 * MiB, "state": "active_allocated"}, {"size": 424 * MiB, "state": "inactive"}]},
+         "segment_type": "large", "blocks": [{"size": 600 * MiB, "state": "active_allocated"}, {"size": 424 * MiB, "state": "inactive"}]},
         {"segment_pool_id": (0, 3), "total_size": 2048 * MiB, "allocated_size": 1024 * MiB, "stream": 0,
          "blocks": [{"size": 1024 * MiB, "state": "inactive"}, {"size": 1024 * MiB, "state": "active_allocated"}]},
         {"segment_pool_id": (0, 0), "total_size": 20 * MiB, "allocated_size": 20 * MiB,
@@ -130,11 +130,12 @@ def test_diag_memory_sums_each_pool_and_the_free_bytes_no_large_request_can_use(
     assert graph["free"] == 1448 * MiB and graph["largest_free"] == 1024 * MiB
     assert graph["free_in_blocks_under_512MiB"] == 424 * MiB
     assert summary["(0, 0)"]["free"] == 0
-    assert graph["by_stream"] == {0: {"reserved": 2048 * MiB, "allocated": 1024 * MiB},
-                                  7: {"reserved": 1024 * MiB, "allocated": 600 * MiB}}
+    assert graph["by_stream"] == {0: {"reserved": 2048 * MiB, "allocated": 1024 * MiB, "small": 0},
+                                  7: {"reserved": 1024 * MiB, "allocated": 600 * MiB, "small": 0}}
     text = diag_memory.pools_text("at the out-of-memory error", summary)
     assert "pool (0, 3): 2 segments, reserved 3.00 GiB" in text and "[2048, 1024]" in text
-    assert "by stream (reserved/allocated GiB): 0: 2.00/1.00, 7: 1.00/0.59" in text  # lanes: a mark each
+    assert ("by stream (reserved/allocated GiB, of it in small segments): 0: 2.00/1.00 (0.00), "
+            "7: 1.00/0.59 (0.00)") in text  # lanes: a mark each
     assert text.count("by stream") == 1  # the default pool's one stream gets no such line
 
 

@@ -1,0 +1,241 @@
+"""Main-allocated gradients pass: a backward's side lane writes its last gradients into memory
+the main lane has freed.
+
+Reads the :class:`~apollo_compile.passes.lanes.LanePlan`, ``NodeInfo.est_us`` and ``meta["val"]``;
+cuts the costliest side subgraph and the costliest main subgraph of a backward in two (each head
+keeps its id), makes the side tail wait for the main head, and sets the tail's
+``main_allocated`` (the gradients it writes into buffers) and ``allocate_after`` (the main head);
+returns a :class:`MainAllocated` (what moved, for the dumps and the log). ``runtime/subgraphs.py``
+compiles the tail with one more input per such value, written in place (``copy_`` right after the
+value is made, so Inductor frees its temporary at once and the next one reuses it), and the codegen
+pass allocates the buffers on the main lane right after the main head (codegen, NOTE:
+Main-allocated).
+
+[NOTE] Why the main lane allocates a side lane's gradients. PyTorch's caching allocator hands a
+freed block only to an allocation on the stream that made it, inside a CUDA graph's pool too, so a
+pool captured on lanes holds one high-water mark per stream. A backward's side lane frees its
+tower's saved activations and makes that tower's fp32 gradients; where the gradients are the
+larger (a text tower at batch 8: small bf16 activations, many in the small pool's blocks, which no
+gradient-sized request can use), the side stream grows the pool past its forward's mark, while
+the main stream frees its tower's activations and cannot lend them. Measured on an H100 (HF
+SigLIP base, batch 8, bf16, fused AdamW; RESULTS.md, session 52), graph pool on lanes 1.45 GiB:
+0.76 made on the main stream (0.36 of it gradients, 0.40 free between steps), 0.70 on the side
+stream (0.42 gradients, 0.14 in small-pool segments); on one lane 1.20.
+
+The buffers must come from memory the main lane has already freed. Allocated at the backward's
+top, before the fork, they did not: the main stream's mark is set early in the backward, when all
+of its tower's saved activations are alive, so the main stream grew by all 0.42 GiB while the side
+stream shrank by 0.18 (pool 1.71 GiB, reserved 1.12x reduce-overhead's against 1.06x; session 52).
+So the cut: the main head is what runs, by the cost model, before the side tail starts (the tail
+then waits for nothing, by estimate), and the tail takes the side subgraph's last gradients, as
+many bytes as the main head frees (saved activations it reads last, `_freed_by_prefix`), and no
+more. A side stream's mark is set at its backward's end, with every gradient alive, so the last
+ones are those that raise it.
+
+Safe both ways: the tail waits for the main head, which orders its writes after the freed blocks'
+last readers; and a buffer is a graph output, alive until after the graph, so no later allocation
+on either stream takes it. The cost: a copy per gradient made by a matmul (Inductor writes an
+extern kernel's output to a temporary of its own and copies it into the input; pointwise and
+reduction producers write the input directly), and the cuts' lost fusions.
+
+Only where it can pay and cannot change results:
+- a backward (its outputs are gradients, each handed to the caller); not a forward, whose side
+  lane's outputs are saved activations that lane itself must free and reuse (cudagraph.py, NOTE:
+  Donation on side lanes);
+- not when the user put memory first (a memory budget or offloading): those graphs replay one
+  lane;
+- a value of at least :data:`MIN_BYTES` (smaller requests come from the small pool, which a
+  gradient-sized block could not serve anyway), with static sizes, dense and not overlapping, that
+  aliases no graph input and no other graph output (a copy would break the alias);
+- one side lane, the costliest side subgraph's (a model with three towers cuts only that one).
+
+On one lane (the one-lane candidate, and CPU runs) the same subgraphs run, and each buffer is
+allocated right before the tail, so the program and its results are the same as on lanes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..annotations import info
+from ..shapes import concrete_numel
+from ..tracing import fw_metadata
+from .lanes import LanePlan, Subgraph, wire
+
+MIN_BYTES = 1 << 20  # the caching allocator's small-pool limit (kSmallSize)
+
+# Off until a GPU measures it: the first form (buffers before the fork) raised the reserved memory
+# (module docstring); this one has run on the CPU only. The benchmarks' A/B variants turn it on
+# (`apollo-main-allocated`) or off (`apollo-side-grads-own`).
+ENABLED = False
+
+
+@dataclass
+class MainAllocated:
+    values: dict[int, list[str]] = field(default_factory=dict)  # side subgraph -> values it writes in place
+    nbytes: int = 0
+    reason: str = ""
+
+    def summary(self) -> dict:
+        return {"values": sum(len(v) for v in self.values.values()), "bytes": self.nbytes, "reason": self.reason}
+
+
+def _static_dense(val) -> bool:
+    if not isinstance(val, torch.Tensor):
+        return False
+    if any(not isinstance(d, int) for d in (*val.shape, *val.stride())) or not isinstance(val.storage_offset(), int):
+        return False
+    expected = 1  # dense, not overlapping: sorted by stride, each stride is the product of the sizes below it
+    for size, stride in sorted(((d, s) for d, s in zip(val.shape, val.stride()) if d != 1), key=lambda ds: ds[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _storage(val) -> StorageWeakRef | None:
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:  # a tensor without storage (a sparse or subclass value): treat as aliasing
+        return None
+
+
+def eligible(gm: torch.fx.GraphModule, sg) -> list[torch.fx.Node]:
+    """`sg`'s outputs a buffer may take (module docstring): graph outputs of at least MIN_BYTES,
+    static, dense, aliasing no graph input and no other graph output."""
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outputs = list(out_node.all_input_nodes)
+    holders: dict[StorageWeakRef | None, int] = {}  # storage -> graph inputs and distinct outputs on it
+    for n in [n for n in gm.graph.nodes if n.op == "placeholder"] + outputs:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            key = _storage(val)
+            holders[key] = holders.get(key, 0) + 1
+    output_set = set(outputs)
+    chosen = []
+    for n in sg.outputs:
+        val = n.meta.get("val")
+        if n not in output_set or not _static_dense(val) or concrete_numel(val) * val.element_size() < MIN_BYTES:
+            continue
+        key = _storage(val)
+        if key is not None and holders.get(key, 0) == 1:
+            chosen.append(n)
+    return chosen
+
+
+def _nbytes(n: torch.fx.Node) -> int:
+    val = n.meta.get("val")
+    return concrete_numel(val) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _freed_by_prefix(gm: torch.fx.GraphModule, plan: LanePlan, main: Subgraph) -> list[int]:
+    """freed[q]: bytes of saved activations that `main`'s first q nodes read last (no other
+    subgraph reads them): what the main lane has freed once those nodes ran."""
+    meta = fw_metadata()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if meta is not None and getattr(meta, "bw_donated_idxs", None) is not None:
+        donated = {placeholders[i] for i in meta.bw_donated_idxs if i < len(placeholders)}
+    else:  # outside AOTAutograd (tests): every saved value but parameters and the outputs' gradients
+        donated = {n for n in placeholders if not n.name.startswith(("primals", "tangents"))}
+    elsewhere = {a for sg in plan.subgraphs if sg is not main for a in sg.inputs}
+    last: dict[torch.fx.Node, int] = {}
+    for i, n in enumerate(main.nodes):
+        for a in n.all_input_nodes:
+            if a in donated and a not in elsewhere:
+                last[a] = i
+    freed = [0] * (len(main.nodes) + 1)
+    for a, i in last.items():
+        freed[i + 1] += _nbytes(a)
+    for q in range(1, len(freed)):
+        freed[q] += freed[q - 1]
+    return freed
+
+
+def _cut_ok(nodes: list[torch.fx.Node], k: int) -> bool:
+    """A subgraph may be cut before nodes[k] unless that takes an item of an op before the cut
+    (lanes.py, NOTE: An item stays with its tuple)."""
+    n = nodes[k]
+    return not (n.target is operator.getitem and n.args and n.args[0] in set(nodes[:k]))
+
+
+def _split(plan: LanePlan, sg: Subgraph, k: int) -> Subgraph:
+    """Cut `sg` before its k-th node: `sg` keeps the head, a new subgraph on its lane takes the rest."""
+    tail = Subgraph(len(plan.subgraphs), sg.lane, sg.nodes[k:])
+    sg.nodes = sg.nodes[:k]
+    for n in tail.nodes:
+        info(n).subgraph = tail.id
+    plan.subgraphs.append(tail)
+    plan.dag.add_node(tail.id)
+    for succ in list(plan.dag.successors(sg.id)):
+        plan.dag.add_edge(tail.id, succ)
+    plan.dag.add_edge(sg.id, tail.id)
+    return tail
+
+
+def choose(gm: torch.fx.GraphModule, plan: LanePlan, kind: str, memory_first: bool) -> MainAllocated:
+    if not ENABLED:
+        return MainAllocated(reason="turned off")
+    if kind != "backward":
+        return MainAllocated(reason=f"a {kind} graph's side-lane outputs stay on their lane")
+    if memory_first:
+        return MainAllocated(reason="memory first: the graph replays one lane")
+    side = [sg for sg in plan.subgraphs if sg.lane != 0]
+    main = [sg for sg in plan.subgraphs if sg.lane == 0]
+    if not side or not main:
+        return MainAllocated(reason="no side lane")
+    S = max(side, key=lambda sg: (sg.est_us, -sg.id))  # the costliest side subgraph
+    M = max(main, key=lambda sg: (sg.est_us, -sg.id))  # ... and the main lane's, whose frees it takes
+    if nx.has_path(plan.dag, S.id, M.id) or nx.has_path(plan.dag, M.id, S.id):
+        return MainAllocated(reason="the costliest side and main subgraphs do not run side by side")
+    candidates = set(eligible(gm, S))
+    if not candidates:
+        return MainAllocated(reason=f"no side-lane gradient of {MIN_BYTES >> 20} MiB or more")
+    freed = _freed_by_prefix(gm, plan, M)
+    est_s = [0.0]
+    for n in S.nodes:
+        est_s.append(est_s[-1] + info(n).est_us)
+    est_m = [0.0]
+    for n in M.nodes:
+        est_m.append(est_m[-1] + info(n).est_us)
+    best: tuple[int, int, int] | None = None  # (bytes moved, p, q)
+    moved = 0
+    for p in range(len(S.nodes) - 1, 0, -1):  # the side lane's tail S.nodes[p:] writes main's buffers
+        if S.nodes[p] in candidates:
+            moved += _nbytes(S.nodes[p])
+        if not moved or not _cut_ok(S.nodes, p):
+            continue
+        q = bisect.bisect_right(est_m, est_s[p]) - 1  # main's head that ends, by estimate, before the tail starts
+        while 0 < q < len(M.nodes) and not _cut_ok(M.nodes, q):
+            q -= 1
+        if q > 0 and moved <= freed[q] and (best is None or moved > best[0]):
+            best = (moved, p, q)
+    if best is None:
+        return MainAllocated(reason="the main lane frees too little before the side lane's gradients")
+    moved, p, q = best
+    tail = _split(plan, S, p)
+    origin = {tail.id: S.id}  # a new subgraph launches where the one it was cut from did
+    if q < len(M.nodes):
+        origin[_split(plan, M, q).id] = M.id
+    plan.dag.add_edge(M.id, tail.id)
+    old_pos = {sg_id: i for i, sg_id in enumerate(plan.order)}
+    plan.dag = wire(plan.subgraphs, list(gm.graph.nodes), plan.dag)
+    plan.order = list(nx.lexicographical_topological_sort(
+        plan.dag, key=lambda i: (old_pos[origin.get(i, i)], i)))
+    tail.main_allocated = [n for n in tail.outputs if n in candidates]
+    tail.allocate_after = M.id
+    result = MainAllocated({tail.id: [n.name for n in tail.main_allocated]},
+                           sum(_nbytes(n) for n in tail.main_allocated),
+                           f"the side lane's last gradients in memory the main lane frees first "
+                           f"(subgraph {tail.id} after {M.id})")
+    return result
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> MainAllocated:
+    return choose(gm, ctx.decisions["lanes"], ctx.kind, ctx.options.memory_first)
