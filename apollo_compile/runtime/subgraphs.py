@@ -18,37 +18,26 @@ from ..tracing import fw_metadata
 
 
 def extract(gm: torch.fx.GraphModule, sg: Subgraph) -> torch.fx.GraphModule:
-    """`sg` as a graph of its own: its inputs, then a buffer per value in ``sg.main_allocated``,
-    which the value is copied into right after it is made and which is returned in its place
-    (passes/main_allocated.py; the copy placed there lets Inductor free the temporary at once)."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in sg.inputs:
         ph = graph.placeholder(n.name)
         ph.meta = dict(n.meta)
         env[n] = ph
-    written: dict[torch.fx.Node, torch.fx.Node] = {}  # value -> the buffer it is written into
-    for n in sg.main_allocated:
-        ph = graph.placeholder(f"{n.name}_buffer")
-        ph.meta = {"val": n.meta["val"]}
-        written[n] = ph
     for n in sg.nodes:
         for a in n.all_input_nodes:
             if a.op == "get_attr" and a not in env:  # a lifted constant (HF LLaVA's): the subgraph module holds it too
                 env[a] = graph.get_attr(a.target)
                 env[a].meta = dict(a.meta)
         env[n] = graph.node_copy(n, lambda a: env[a])
-        if n in written:
-            copy = graph.call_function(torch.ops.aten.copy_.default, (written[n], env[n]))
-            copy.meta = {"val": n.meta["val"]}
-    out = graph.output(tuple(written.get(n, env[n]) for n in sg.outputs))
+    out = graph.output(tuple(env[n] for n in sg.outputs))
     out.meta["user_visible_output_idxs"] = list(range(len(sg.outputs)))
     sub = torch.fx.GraphModule(gm, graph, class_name=f"Subgraph{sg.id}")
     return sub
 
 
 def example_inputs(sg: Subgraph) -> list:
-    return [n.meta.get("val") for n in sg.inputs] + [n.meta["val"] for n in sg.main_allocated]
+    return [n.meta.get("val") for n in sg.inputs]
 
 
 def inductor_config(host_copies: bool = False, symbolic: bool = False, memory_first: bool = False):
