@@ -118,7 +118,9 @@ def test_diag_memory_sums_each_pool_and_the_free_bytes_no_large_request_can_use(
     MiB = 1 << 20
     segments = [
         {"segment_pool_id": (0, 3), "total_size": 1024 * MiB, "allocated_size": 600 * MiB, "stream": 7,
-         "segment_type": "large", "blocks": [{"size": 600 * MiB, "state": "active_allocated"}, {"size": 424 * MiB, "state": "inactive"}]},
+         "blocks": [{"size": 600 * MiB, "state": "active_allocated"}, {"size": 424 * MiB, "state": "inactive"}]},
+        {"segment_pool_id": (0, 3), "total_size": 2 * MiB, "allocated_size": 0, "stream": 7, "segment_type": "small",
+         "blocks": [{"size": 2 * MiB, "state": "inactive"}]},  # freed blocks of 1 MiB and less
         {"segment_pool_id": (0, 3), "total_size": 2048 * MiB, "allocated_size": 1024 * MiB, "stream": 0,
          "blocks": [{"size": 1024 * MiB, "state": "inactive"}, {"size": 1024 * MiB, "state": "active_allocated"}]},
         {"segment_pool_id": (0, 0), "total_size": 20 * MiB, "allocated_size": 20 * MiB,
@@ -126,14 +128,14 @@ def test_diag_memory_sums_each_pool_and_the_free_bytes_no_large_request_can_use(
     ]
     summary = diag_memory.pools(segments)
     graph = summary["(0, 3)"]
-    assert graph["segments"] == 2 and graph["reserved"] == 3072 * MiB and graph["allocated"] == 1624 * MiB
-    assert graph["free"] == 1448 * MiB and graph["largest_free"] == 1024 * MiB
-    assert graph["free_in_blocks_under_512MiB"] == 424 * MiB
+    assert graph["segments"] == 3 and graph["reserved"] == 3074 * MiB and graph["allocated"] == 1624 * MiB
+    assert graph["free"] == 1450 * MiB and graph["largest_free"] == 1024 * MiB
+    assert graph["free_in_blocks_under_512MiB"] == 426 * MiB
     assert summary["(0, 0)"]["free"] == 0
     assert graph["by_stream"] == {0: {"reserved": 2048 * MiB, "allocated": 1024 * MiB, "small": 0},
-                                  7: {"reserved": 1024 * MiB, "allocated": 600 * MiB, "small": 0}}
+                                  7: {"reserved": 1026 * MiB, "allocated": 600 * MiB, "small": 2 * MiB}}
     text = diag_memory.pools_text("at the out-of-memory error", summary)
-    assert "pool (0, 3): 2 segments, reserved 3.00 GiB" in text and "[2048, 1024]" in text
+    assert "pool (0, 3): 3 segments, reserved 3.00 GiB" in text and "[2048, 1024, 2]" in text
     assert ("by stream (reserved/allocated GiB, of it in small segments): 0: 2.00/1.00 (0.00), "
             "7: 1.00/0.59 (0.00)") in text  # lanes: a mark each
     assert text.count("by stream") == 1  # the default pool's one stream gets no such line
