@@ -68,8 +68,8 @@ from .fallback import ApolloFallbackWarning, warn_fallback
 from .fused_update import written_state
 from .nodes import graph_outputs
 from .options import ApolloOptions
-from .passes import (attention_masks, casts, checkpoint, codegen, cost, gradients, lanes, memory, modality, offload,
-                     quotas, sync_free, update_lists, updates)
+from .passes import (attention_masks, casts, checkpoint, codegen, cost, gradients, lanes, main_allocated, memory, modality,
+                     offload, quotas, sync_free, update_lists, updates)
 from .passes.quotas import MIN_GAIN
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily
@@ -107,6 +107,7 @@ GRAPH_PASSES: list[tuple[str, Pass]] = [
     ("cost", cost.run),          # FLOPs, bytes, compute/memory bound, roofline time per node
     ("lanes", lanes.run),        # concurrent subgraphs, one lane per independent branch
     ("quotas", quotas.run),      # candidate runtimes (one lane, lanes, SM quotas) the CUDA runner measures
+    ("main_allocated", main_allocated.run),  # a backward's side-lane gradients in main-stream memory
     ("memory", memory.run),      # arena offsets from lifetimes over the concurrent schedule
     ("codegen", codegen.run),    # the readable Python runtime that launches the subgraphs
 ]

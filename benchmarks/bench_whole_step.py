@@ -61,6 +61,9 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
     apollo-step-opt-first-step-pool  apollo-step-opt with its first step in a pool of its own
                    ("inference" added to ``FIRST_STEP_POOL``; off by default, no memory effect measured)
     apollo-1lane   apollo with ``max_lanes=1``: every graph on one stream (what lanes cost in memory)
+    apollo-side-grads-own, apollo-main-allocated  apollo with ``passes.main_allocated.ENABLED``
+                   off (a backward's side lane allocates its own gradients) or on (its last gradients
+                   in memory the main lane freed, session 52)
     inductor-ro-regional, apollo-regional  regional compilation: every block of a list of blocks
                    of one class compiled on its own (``compile_regions``, as accelerate's), the
                    rest eager; one compiled graph serves every block (runtime/instances.py)
@@ -115,7 +118,8 @@ VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "a
             "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-uncut",
             "apollo-step-opt-lists-small", "apollo-step-opt-per-param", "apollo-step-opt-narrow",
             "apollo-step-opt-masks-as-traced", "apollo-no-first-step-pool", "apollo-step-opt-first-step-pool",
-            "apollo-step-opt-cut-by-chunks", "inductor-ro-regional", "apollo-regional", "apollo-1lane")
+            "apollo-step-opt-cut-by-chunks", "inductor-ro-regional", "apollo-regional", "apollo-1lane",
+            "apollo-side-grads-own", "apollo-main-allocated")
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
 
@@ -413,7 +417,8 @@ def compile_variant(variant: str, model: nn.Module, args) -> Callable:
         return torch.compile(model, mode="reduce-overhead")
     if variant == "inductor-ro-regional":
         return compile_regions(model, mode="reduce-overhead")
-    if variant in ("apollo", "apollo-bw-measured", "apollo-no-first-step-pool", "apollo-regional", "apollo-1lane"):
+    if variant in ("apollo", "apollo-bw-measured", "apollo-no-first-step-pool", "apollo-regional", "apollo-1lane",
+                   "apollo-side-grads-own", "apollo-main-allocated"):
         import apollo_compile  # noqa: F401  (importing registers backend="apollo")
 
         if variant == "apollo-1lane":  # every graph on one stream: what lanes cost in memory
@@ -444,8 +449,9 @@ def reference(base: nn.Module, name: str, batch: tuple, device: torch.device, am
 
 def runtime_for(variant: str) -> contextlib.AbstractContextManager:
     """What a variant's runners run under, for the whole variant: the candidate-choosing rule they
-    use at their capture (runtime/choice.py), or the memory pool their first step runs in
-    (runtime/graph_pool.py, FIRST_STEP_POOL)."""
+    use at their capture (runtime/choice.py), the memory pool their first step runs in
+    (runtime/graph_pool.py, FIRST_STEP_POOL), or whether a backward's side lanes write their
+    gradients into main-allocated memory (passes/main_allocated.py)."""
     if variant.endswith("-first-step-pool"):  # which graphs' first calls open a pool of their own
         from unittest import mock
 
@@ -453,6 +459,12 @@ def runtime_for(variant: str) -> contextlib.AbstractContextManager:
 
         kinds = frozenset() if variant.endswith("-no-first-step-pool") else graph_pool.FIRST_STEP_POOL | {"inference"}
         return mock.patch.object(graph_pool, "FIRST_STEP_POOL", kinds)
+    if variant in ("apollo-side-grads-own", "apollo-main-allocated"):  # compiled (so planned) inside the block
+        from unittest import mock
+
+        from apollo_compile.passes import main_allocated
+
+        return mock.patch.object(main_allocated, "ENABLED", variant == "apollo-main-allocated")
     if variant != "apollo-bw-measured":
         return contextlib.nullcontext()
     from apollo_compile.runtime import choice

@@ -23,6 +23,13 @@ with the list, which (boxed, as Inductor's compiled code is) clears it and frees
 its own last use inside. Deleting the names after the call instead kept every saved activation of
 a one-subgraph backward alive until its end, beside the gradients it makes.
 
+[NOTE] Main-allocated: a backward's side lane writes its last gradients into buffers that the
+main lane allocates (``rt.empty``) right after the main-lane subgraph named by the writer's
+``allocate_after`` (which frees the saved activations it read last), so that the caching
+allocator serves them from what the main stream freed (passes/main_allocated.py says why); the
+writer waits for that subgraph. It takes each buffer as an input after its own and returns it in
+the value's place. On one lane the buffers are allocated right before the writer.
+
 [NOTE] Freeing across lanes: a value produced on one stream and read on another is held by the
 lane runtime (``rt.keep_alive``) until the main lane has joined every side lane
 (``rt.release()``), so the caching allocator (and the CUDA-graph pool during capture) never hands
@@ -162,6 +169,9 @@ def render(plan: LanePlan, ops: list[Op], name: str, placeholders: list[str], ou
     if placeholders:
         lines.append("    " + _wrap("(", placeholders, ") = args").replace("\n", "\n    "))
     lines.append("    args.clear()")
+    for sg in plan.subgraphs:  # a side lane's gradients, in memory the main stream allocates (NOTE: Main-allocated)
+        if sg.lane != 0 and sg.allocate_after is None:
+            lines.extend("    " + line for line in _allocations(sg))
     if side_lanes:
         lines.append(f"    rt.fork({side_lanes})  # side lanes start after the caller's pending work")
     for lane, group in itertools.groupby(ops, key=lambda op: op.lane):
@@ -192,14 +202,31 @@ def _render_op(plan: LanePlan, op: Op, waited: set[int]) -> str:
     sg = plan.subgraphs[op.subgraph]
     mods = ", ".join(sorted({info(n).modality for n in sg.nodes}))
     head = f"# subgraph {sg.id}: {mods} | {len(sg.nodes)} nodes | est {sg.est_us:.1f} us\n"
+    if sg.lane == 0:  # on one lane the buffers come right before their writer
+        head += "".join(line + "\n" for line in _allocations(sg))
+    names = [n.name for n in sg.inputs] + [n.name for n in sg.main_allocated]
+    # a side lane's buffers allocated once this main-lane subgraph has freed what it read last
+    after = "".join("\n" + line for other in plan.subgraphs if other.lane != 0 and other.allocate_after == sg.id
+                    and sg.lane == 0 for line in _allocations(other))
     if not op.last_read:
-        args = _wrap(f"subgraph_{sg.id}([", [n.name for n in sg.inputs], "])")
-        return head + (_wrap("(", list(op.names), f") = {args}") if op.names else args)
+        args = _wrap(f"subgraph_{sg.id}([", names, "])")
+        return head + (_wrap("(", list(op.names), f") = {args}") if op.names else args) + after
     # the list is the only holder of what this subgraph reads last: it frees each as it goes
-    inputs = _wrap(f"inputs_{sg.id} = [", [n.name for n in sg.inputs], "]")
+    inputs = _wrap(f"inputs_{sg.id} = [", names, "]")
     dead = _wrap("del (", list(op.last_read), ")")
     call = f"subgraph_{sg.id}(inputs_{sg.id})"
-    return head + f"{inputs}\n{dead}\n" + (_wrap("(", list(op.names), f") = {call}") if op.names else call)
+    return head + f"{inputs}\n{dead}\n" + (_wrap("(", list(op.names), f") = {call}") if op.names else call) + after
+
+
+def _allocations(sg) -> list[str]:
+    """The buffers `sg` writes its main-allocated outputs into (passes/main_allocated.py)."""
+    lines = []
+    for n in sg.main_allocated:
+        val = n.meta["val"]
+        dtype = str(val.dtype).removeprefix("torch.")
+        lines.append(f"{n.name} = rt.empty({tuple(val.shape)}, {tuple(val.stride())}, {dtype!r})"
+                     f"  # written by subgraph {sg.id}")
+    return lines
 
 
 def _wrap(open_: str, names: list[str], close: str, width: int = 96) -> str:

@@ -105,6 +105,9 @@ class Subgraph:
     # values from outside, first-use order, then the binders of symbols they leave unbound ([NOTE] Every symbol)
     inputs: list[torch.fx.Node] = field(default_factory=list)
     outputs: list[torch.fx.Node] = field(default_factory=list)  # values used outside, graph order
+    # outputs written in place into buffers the main lane allocated (main_allocated.py), in this order
+    main_allocated: list[torch.fx.Node] = field(default_factory=list)
+    allocate_after: int | None = None  # ... allocated after this main-lane subgraph (None: before the fork)
 
     @property
     def est_us(self) -> float:

@@ -37,6 +37,7 @@ class LaneRuntime:
                  quotas: dict[int, int] | None = None,
                  shared_streams: dict[int, torch.cuda.Stream] | None = None) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
         self.streams: dict[int, torch.cuda.Stream] = {}
         self.events: dict[int, torch.cuda.Event] = {}
         self.green_contexts: list = []
@@ -54,6 +55,10 @@ class LaneRuntime:
                         shared[lane] = torch.cuda.Stream(device=device)
                     self.streams[lane] = shared[lane]
             self.events = {sg: torch.cuda.Event() for sg in recorded}
+
+    def empty(self, size: tuple[int, ...], stride: tuple[int, ...], dtype: str) -> torch.Tensor:
+        """A buffer on the caller's stream that a side lane writes (codegen, NOTE: Main-allocated)."""
+        return torch.empty_strided(size, stride, dtype=getattr(torch, dtype), device=self.device)
 
     def fork(self, lanes: list[int]) -> None:
         """Side lanes wait for everything already queued on the caller's stream (inputs)."""

@@ -14,30 +14,57 @@ import torch
 import torch.fx
 
 from ..passes.lanes import Subgraph
+from ..passes.main_allocated import matmul_of, mm_into
 from ..tracing import fw_metadata
 
 
 def extract(gm: torch.fx.GraphModule, sg: Subgraph) -> torch.fx.GraphModule:
+    """`sg` as a graph of its own: its inputs, then a buffer per value in ``sg.main_allocated``,
+    which the value's matmul writes (``apollo::mm_into``) and which stands for the value after
+    (passes/main_allocated.py)."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in sg.inputs:
         ph = graph.placeholder(n.name)
         ph.meta = dict(n.meta)
         env[n] = ph
+    written: dict[torch.fx.Node, torch.fx.Node] = {}  # value -> the buffer it is written into
+    for n in sg.main_allocated:
+        ph = graph.placeholder(f"{n.name}_buffer")
+        ph.meta = {"val": n.meta["val"]}
+        written[n] = ph
+    matmuls = {n: matmul_of(n) for n in written}
+    folded = {x for _, _, chain in matmuls.values() for x in chain}  # made by the mm_into of the value they make
     for n in sg.nodes:
+        if n in folded:
+            continue
         for a in n.all_input_nodes:
             if a.op == "get_attr" and a not in env:  # a lifted constant (HF LLaVA's): the subgraph module holds it too
                 env[a] = graph.get_attr(a.target)
                 env[a].meta = dict(a.meta)
-        env[n] = graph.node_copy(n, lambda a: env[a])
+        if n in written:  # the matmul writes the buffer itself: no temporary of its size
+            m, transposed, _ = matmuls[n]
+            a, b = (env[x] for x in m.args[:2])
+            if transposed:  # (a @ b).T == b.T @ a.T
+                a, b = (_transposed(graph, x) for x in (b, a))
+            graph.call_function(mm_into, (written[n], a, b, *m.args[2:])).meta = {"val": None}
+            env[n] = written[n]
+        else:
+            env[n] = graph.node_copy(n, lambda a: env[a])
     out = graph.output(tuple(env[n] for n in sg.outputs))
     out.meta["user_visible_output_idxs"] = list(range(len(sg.outputs)))
     sub = torch.fx.GraphModule(gm, graph, class_name=f"Subgraph{sg.id}")
     return sub
 
 
+def _transposed(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
+    t = graph.call_function(torch.ops.aten.t.default, (x,))
+    t.meta = {"val": x.meta["val"].t()}
+    return t
+
+
 def example_inputs(sg: Subgraph) -> list:
-    return [n.meta.get("val") for n in sg.inputs]
+    return [n.meta.get("val") for n in sg.inputs] + [n.meta["val"] for n in sg.main_allocated]
 
 
 def inductor_config(host_copies: bool = False, symbolic: bool = False, memory_first: bool = False):

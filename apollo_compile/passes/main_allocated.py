@@ -1,0 +1,346 @@
+"""Main-allocated gradients pass: a backward's side lane writes its last gradients into memory
+the main lane has freed.
+
+Reads the :class:`~apollo_compile.passes.lanes.LanePlan`, ``NodeInfo.est_us`` and ``meta["val"]``;
+cuts the costliest side subgraph and the costliest main subgraph of a backward in two (each head
+keeps its id), makes the side tail wait for the main head, and sets the tail's
+``main_allocated`` (the gradients it writes into buffers) and ``allocate_after`` (the main head);
+returns a :class:`MainAllocated` (what moved, for the dumps and the log). ``runtime/subgraphs.py``
+compiles the tail with one more input per such value, which the value's matmul writes itself
+(:data:`mm_into`), and the codegen pass allocates the buffers on the main lane right after the
+main head (codegen, NOTE: Main-allocated). Off (:data:`ENABLED`) until a GPU measures this form.
+
+[NOTE] Why the main lane allocates a side lane's gradients. PyTorch's caching allocator hands a
+freed block only to an allocation on the stream that made it, inside a CUDA graph's pool too, so a
+pool captured on lanes holds one high-water mark per stream. A backward's side lane frees its
+tower's saved activations and makes that tower's fp32 gradients; where the gradients are the
+larger (a text tower at batch 8: small bf16 activations, many in the small pool's blocks, which no
+gradient-sized request can use), the side stream grows the pool past its forward's mark, while
+the main stream frees its tower's activations and cannot lend them. Measured on an H100 (HF
+SigLIP base, batch 8, bf16, fused AdamW; RESULTS.md, session 52), graph pool on lanes 1.45 GiB:
+0.76 made on the main stream (0.36 of it gradients, 0.40 free between steps), 0.70 on the side
+stream (0.42 gradients, 0.14 in small-pool segments); on one lane 1.20.
+
+The buffers must come from memory the main lane has already freed. Allocated at the backward's
+top, before the fork, they did not: the main stream's mark is set early in the backward, when all
+of its tower's saved activations are alive, so the main stream grew by all 0.42 GiB while the side
+stream shrank by 0.18 (pool 1.71 GiB, reserved 1.12x reduce-overhead's against 1.06x; session 52).
+Nor did a main-lane head that had freed as many bytes of saved activations as the buffers took
+(pool 1.49 GiB against 1.45; 1.50 counting the head's bytes net of its own gradients, which take
+what it frees first). Those forms copied each value into its buffer (``copy_``), and Inductor
+computes a value it does not write in place into a temporary of its full size on the side stream:
+the token embedding's 94 MiB gradient (``index_put`` into zeros, the side lane's last) cost the
+main stream a segment and saved the side stream nothing. So only matmuls move, and each writes its
+buffer itself: Inductor rejects ``out=`` ops but runs a mutating op on the input it mutates, with
+no temporary and no copy. The cut: the side tail takes the
+side subgraph's last gradients (a side stream's mark is set at its backward's end, with every
+gradient alive, so the last ones are those that raise it); the main head is the shortest prefix
+whose saved activations read last, less the gradients it made (`_net_freed_by_prefix`), cover the
+tail's; and the tail, which waits for the head, must still end before the main subgraph by the
+cost model, so the cut adds nothing to the critical path by estimate. Among such cuts, the one
+that moves the fewest bytes that still cover the side subgraph's excess (its gradients less the
+large saved activations it frees, `_side_excess`), else the one that moves the most.
+
+Safe both ways: the tail waits for the main head, which orders its writes after the freed blocks'
+last readers; and a buffer is a graph output, alive until after the graph, so no later allocation
+on either stream takes it. The cost: the cuts' lost fusions, and a matmul run through a custom
+op's Python kernel where the graph is not replayed (CPU, or CUDA without CUDA graphs).
+
+Only where it can pay and cannot change results:
+- a backward (its outputs are gradients, each handed to the caller); not a forward, whose side
+  lane's outputs are saved activations that lane itself must free and reuse (cudagraph.py, NOTE:
+  Donation on side lanes);
+- not when the user put memory first (a memory budget or offloading): those graphs replay one
+  lane;
+- a value a matmul makes (``mm``, ``mm.dtype``, or transposes of one that nothing else reads:
+  a linear layer's weight gradient), of at least :data:`MIN_BYTES` (smaller requests come from the
+  small pool, which a gradient-sized block could not serve anyway), with static sizes, dense and
+  not overlapping, that aliases no graph input and no other graph output;
+- one side lane, the costliest side subgraph's (a model with three towers cuts only that one).
+
+On one lane (the one-lane candidate, and CPU runs) the same subgraphs run, and each buffer is
+allocated right before the tail, so the program and its results are the same as on lanes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..annotations import info
+from ..shapes import concrete_numel
+from ..tracing import fw_metadata
+from .lanes import LanePlan, Subgraph, wire
+
+MIN_BYTES = 1 << 20  # the caching allocator's small-pool limit (kSmallSize)
+# The side stream's excess as measured over `_side_excess`'s estimate: freed blocks do not fit new
+# requests exactly (HF SigLIP base at batch 8 on an H100: 0.18 GiB measured, 0.144 estimated).
+FRAGMENTATION = 1.25
+
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.mm.dtype)  # what `mm_into` writes in place
+
+TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.permute.default)
+
+
+def matmul_of(n: torch.fx.Node) -> tuple[torch.fx.Node, bool, list[torch.fx.Node]] | None:
+    """(the matmul that makes `n`, whether `n` is its transpose, the nodes from the matmul up to
+    `n`'s input), or None: `n` is a matmul, or transposes of one that nothing else reads (a linear
+    layer's weight gradient, as AOTAutograd traces it: ``t(mm(t(dY), X))``, at times ``t(t(mm))``);
+    ``(A @ B).T`` is written as ``B.T @ A.T``."""
+    chain, x = [], n
+    while (x.op == "call_function" and x.target in TRANSPOSES
+           and (x.target is torch.ops.aten.t.default or list(x.args[1]) in ([1, 0], [-1, -2]))):
+        x = x.args[0]
+        if not isinstance(x, torch.fx.Node) or len(x.users) != 1:
+            return None
+        chain.append(x)
+    if x.op != "call_function" or x.target not in MATMULS:
+        return None
+    return x, len(chain) % 2 == 1, chain
+
+
+_LIBRARY = torch.library.Library("apollo", "FRAGMENT")
+_LIBRARY.define("mm_into(Tensor(a!) out, Tensor self, Tensor mat2, ScalarType? out_dtype=None) -> ()")
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> None:
+    """``a @ b`` written into `out` (a buffer the main lane allocated). Inductor runs a mutating op
+    on the input it mutates, where its ``out=`` ops are unsupported and a functional matmul copied
+    into the input goes through a temporary of its own (module docstring)."""
+    if out_dtype is None:
+        torch.mm(a, b, out=out)
+    elif out.device.type == "cuda":
+        torch.ops.aten.mm.dtype_out(a, b, out_dtype, out=out)
+    else:  # mm.dtype has CUDA kernels only: the same products, accumulated in out_dtype
+        torch.mm(a.to(out_dtype), b.to(out_dtype), out=out)
+
+
+_LIBRARY.impl("mm_into", _mm_into, "CompositeExplicitAutograd")
+torch.library.register_fake("apollo::mm_into", lambda *args, **kwargs: None, lib=_LIBRARY)
+mm_into = torch.ops.apollo.mm_into.default
+
+# Off until a GPU measures it: three earlier forms raised the reserved memory (module docstring);
+# this one has run on the CPU only. The benchmarks' A/B variants turn it on
+# (`apollo-main-allocated`) or off (`apollo-side-grads-own`).
+ENABLED = False
+
+
+@dataclass
+class MainAllocated:
+    values: dict[int, list[str]] = field(default_factory=dict)  # side subgraph -> values it writes in place
+    nbytes: int = 0
+    reason: str = ""
+
+    def summary(self) -> dict:
+        return {"values": sum(len(v) for v in self.values.values()), "bytes": self.nbytes, "reason": self.reason}
+
+
+def _static_dense(val) -> bool:
+    if not isinstance(val, torch.Tensor):
+        return False
+    if any(not isinstance(d, int) for d in (*val.shape, *val.stride())) or not isinstance(val.storage_offset(), int):
+        return False
+    expected = 1  # dense, not overlapping: sorted by stride, each stride is the product of the sizes below it
+    for size, stride in sorted(((d, s) for d, s in zip(val.shape, val.stride()) if d != 1), key=lambda ds: ds[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _storage(val) -> StorageWeakRef | None:
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:  # a tensor without storage (a sparse or subclass value): treat as aliasing
+        return None
+
+
+def eligible(gm: torch.fx.GraphModule, sg) -> list[torch.fx.Node]:
+    """`sg`'s outputs a buffer may take (module docstring): graph outputs a matmul makes, of at
+    least MIN_BYTES, static, dense, aliasing no graph input and no other graph output."""
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outputs = list(out_node.all_input_nodes)
+    holders: dict[StorageWeakRef | None, int] = {}  # storage -> graph inputs and distinct outputs on it
+    for n in [n for n in gm.graph.nodes if n.op == "placeholder"] + outputs:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            key = _storage(val)
+            holders[key] = holders.get(key, 0) + 1
+    output_set = set(outputs)
+    chosen = []
+    for n in sg.outputs:
+        val = n.meta.get("val")
+        if matmul_of(n) is None or n not in output_set or not _static_dense(val) \
+                or concrete_numel(val) * val.element_size() < MIN_BYTES:
+            continue
+        key = _storage(val)
+        if key is not None and holders.get(key, 0) == 1:
+            chosen.append(n)
+    return chosen
+
+
+def _nbytes(n: torch.fx.Node) -> int:
+    val = n.meta.get("val")
+    return concrete_numel(val) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _donated(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The backward's inputs whose memory its capture frees at their last reader: AOTAutograd's
+    donated saved activations (cudagraph.py, NOTE: Donation)."""
+    meta = fw_metadata()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if meta is not None and getattr(meta, "bw_donated_idxs", None) is not None:
+        return {placeholders[i] for i in meta.bw_donated_idxs if i < len(placeholders)}
+    # outside AOTAutograd (tests): every saved value but parameters and the outputs' gradients
+    return {n for n in placeholders if not n.name.startswith(("primals", "tangents"))}
+
+
+def _freed_by_prefix(gm: torch.fx.GraphModule, plan: LanePlan, main: Subgraph) -> list[int]:
+    """freed[q]: bytes of saved activations that `main`'s first q nodes read last (no other
+    subgraph reads them): what the main lane has freed once those nodes ran."""
+    donated = _donated(gm)
+    elsewhere = {a for sg in plan.subgraphs if sg is not main for a in sg.inputs}
+    last: dict[torch.fx.Node, int] = {}
+    for i, n in enumerate(main.nodes):
+        for a in n.all_input_nodes:
+            if a in donated and a not in elsewhere:
+                last[a] = i
+    freed = [0] * (len(main.nodes) + 1)
+    for a, i in last.items():
+        freed[i + 1] += _nbytes(a)
+    for q in range(1, len(freed)):
+        freed[q] += freed[q - 1]
+    return freed
+
+
+def _net_freed_by_prefix(gm: torch.fx.GraphModule, plan: LanePlan, main: Subgraph) -> list[int]:
+    """net[q]: what `main`'s first q nodes have freed (`_freed_by_prefix`) less the graph outputs
+    they made (its own tower's gradients, which take the freed memory first): how far the main
+    stream has fallen below the mark it held at the backward's start."""
+    freed = _freed_by_prefix(gm, plan, main)
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outputs = set(out_node.all_input_nodes)
+    net, made = [0], 0
+    for i, n in enumerate(main.nodes):
+        made += _nbytes(n) if n in outputs else 0
+        net.append(freed[i + 1] - made)
+    return net
+
+
+def _side_excess(gm: torch.fx.GraphModule, plan: LanePlan, side: Subgraph) -> int:
+    """How far the side subgraph's gradients outgrow the large blocks it frees: its graph outputs
+    of at least MIN_BYTES less its saved activations of that size that no other subgraph reads
+    (made on its lane in the forward; smaller ones sit in the small pool, which no gradient fits)."""
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outputs = set(out_node.all_input_nodes)
+    grads = [n for n in side.outputs if n in outputs and _nbytes(n) >= MIN_BYTES]
+    elsewhere = {a for sg in plan.subgraphs if sg is not side for a in sg.inputs}
+    donated = _donated(gm)
+    reused = sum(b for a in side.inputs if a in donated and a not in elsewhere and (b := _nbytes(a)) >= MIN_BYTES)
+    return max(0, sum(_nbytes(n) for n in grads) - reused)
+
+
+def _cuts(nodes: list[torch.fx.Node]) -> list[bool]:
+    """ok[k]: a subgraph may be cut before nodes[k], unless that takes an item of an op before the
+    cut (lanes.py, NOTE: An item stays with its tuple)."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    return [not (n.target is operator.getitem and n.args and pos.get(n.args[0], k) < k) for k, n in enumerate(nodes)]
+
+
+def _split(plan: LanePlan, sg: Subgraph, k: int) -> Subgraph:
+    """Cut `sg` before its k-th node: `sg` keeps the head, a new subgraph on its lane takes the rest."""
+    tail = Subgraph(len(plan.subgraphs), sg.lane, sg.nodes[k:])
+    sg.nodes = sg.nodes[:k]
+    for n in tail.nodes:
+        info(n).subgraph = tail.id
+    plan.subgraphs.append(tail)
+    plan.dag.add_node(tail.id)
+    for succ in list(plan.dag.successors(sg.id)):
+        plan.dag.add_edge(tail.id, succ)
+    plan.dag.add_edge(sg.id, tail.id)
+    return tail
+
+
+def choose(gm: torch.fx.GraphModule, plan: LanePlan, kind: str, memory_first: bool) -> MainAllocated:
+    if not ENABLED:
+        return MainAllocated(reason="turned off")
+    if kind != "backward":
+        return MainAllocated(reason=f"a {kind} graph's side-lane outputs stay on their lane")
+    if memory_first:
+        return MainAllocated(reason="memory first: the graph replays one lane")
+    side = [sg for sg in plan.subgraphs if sg.lane != 0]
+    main = [sg for sg in plan.subgraphs if sg.lane == 0]
+    if not side or not main:
+        return MainAllocated(reason="no side lane")
+    S = max(side, key=lambda sg: (sg.est_us, -sg.id))  # the costliest side subgraph
+    M = max(main, key=lambda sg: (sg.est_us, -sg.id))  # ... and the main lane's, whose frees it takes
+    if nx.has_path(plan.dag, S.id, M.id) or nx.has_path(plan.dag, M.id, S.id):
+        return MainAllocated(reason="the costliest side and main subgraphs do not run side by side")
+    candidates = set(eligible(gm, S))
+    if not candidates:
+        return MainAllocated(reason=f"no side-lane gradient of {MIN_BYTES >> 20} MiB or more")
+    net = _net_freed_by_prefix(gm, plan, M)
+    est_s = [0.0]
+    for n in S.nodes:
+        est_s.append(est_s[-1] + info(n).est_us)
+    est_m = [0.0]
+    for n in M.nodes:
+        est_m.append(est_m[-1] + info(n).est_us)
+    need = _side_excess(gm, plan, S) * FRAGMENTATION
+    best: tuple[int, int, int] | None = None  # (bytes moved, p, q)
+    # a gradient counts for a tail that holds its matmul (and the transposes after it) too
+    pos = {n: i for i, n in enumerate(S.nodes)}
+    starts: dict[int, list[torch.fx.Node]] = {}
+    for c in list(candidates):
+        m, _, chain = matmul_of(c)
+        if all(x in pos for x in (m, *chain)):
+            starts.setdefault(min(pos[x] for x in (m, *chain, c)), []).append(c)
+        else:
+            candidates.discard(c)
+    cut_s, cut_m = _cuts(S.nodes), _cuts(M.nodes)
+    moved = 0
+    for p in range(len(S.nodes) - 1, 0, -1):  # the side lane's tail S.nodes[p:] writes main's buffers
+        moved += sum(_nbytes(c) for c in starts.get(p, ()))
+        if not moved or not cut_s[p]:
+            continue
+        # the shortest main head that has freed that much, net of what it made
+        q = next((q for q in range(1, len(M.nodes) + 1) if net[q] >= moved and
+                  (q == len(M.nodes) or cut_m[q])), None)
+        if q is None:
+            continue
+        # the tail may wait for the head, but must not end after the main subgraph, by estimate
+        if max(est_s[p], est_m[q]) + est_s[-1] - est_s[p] > est_m[-1]:
+            continue
+        if best is None or best[0] < need:  # the fewest bytes that cover the need, else the most
+            best = (moved, p, q)
+    if best is None:
+        return MainAllocated(reason="the main lane frees too little, soon enough, for the side lane's gradients")
+    moved, p, q = best
+    tail = _split(plan, S, p)
+    origin = {tail.id: S.id}  # a new subgraph launches where the one it was cut from did
+    if q < len(M.nodes):
+        origin[_split(plan, M, q).id] = M.id
+    plan.dag.add_edge(M.id, tail.id)
+    old_pos = {sg_id: i for i, sg_id in enumerate(plan.order)}
+    plan.dag = wire(plan.subgraphs, list(gm.graph.nodes), plan.dag)
+    plan.order = list(nx.lexicographical_topological_sort(
+        plan.dag, key=lambda i: (old_pos[origin.get(i, i)], i)))
+    inside = set(tail.nodes)
+    tail.main_allocated = [n for n in tail.outputs if n in candidates
+                           and all(x in inside for x in matmul_of(n)[2])]
+    tail.allocate_after = M.id
+    result = MainAllocated({tail.id: [n.name for n in tail.main_allocated]},
+                           sum(_nbytes(n) for n in tail.main_allocated),
+                           f"the side lane's last gradients in memory the main lane frees first "
+                           f"(subgraph {tail.id} after {M.id})")
+    return result
+
+
+def run(gm: torch.fx.GraphModule, ctx) -> MainAllocated:
+    return choose(gm, ctx.decisions["lanes"], ctx.kind, ctx.options.memory_first)
