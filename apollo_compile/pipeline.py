@@ -68,8 +68,8 @@ from .fallback import ApolloFallbackWarning, warn_fallback
 from .fused_update import written_state
 from .nodes import graph_outputs
 from .options import ApolloOptions
-from .passes import (attention_masks, casts, checkpoint, codegen, cost, gradients, lanes, main_allocated, memory, modality,
-                     offload, quotas, sync_free, update_lists, updates)
+from .passes import (attention_masks, casts, checkpoint, codegen, cost, gradients, lanes, main_allocated, memory,
+                     modality, offload, quotas, sync_free, update_lists, updates)
 from .passes.quotas import MIN_GAIN
 from .plan import GraphPlan, ModelPlan
 from .runtime.cudagraph import CudaGraphRunner, GraphFamily

@@ -38,7 +38,8 @@ def uneven_two_tower() -> TwoTower:
 
 def compile_two_tower(options=None):
     torch.manual_seed(0)
-    compiled = torch.compile(uneven_two_tower(), backend="apollo", options={"subgraph_compiler": "eager", **(options or {})})
+    compiled = torch.compile(uneven_two_tower(), backend="apollo",
+                             options={"subgraph_compiler": "eager", **(options or {})})
     compiled(*two_tower_inputs(batch=64)).backward()
     return apollo_compile.last_plan()
 

@@ -169,9 +169,6 @@ def render(plan: LanePlan, ops: list[Op], name: str, placeholders: list[str], ou
     if placeholders:
         lines.append("    " + _wrap("(", placeholders, ") = args").replace("\n", "\n    "))
     lines.append("    args.clear()")
-    for sg in plan.subgraphs:  # a side lane's gradients, in memory the main stream allocates (NOTE: Main-allocated)
-        if sg.lane != 0 and sg.allocate_after is None:
-            lines.extend("    " + line for line in _allocations(sg))
     if side_lanes:
         lines.append(f"    rt.fork({side_lanes})  # side lanes start after the caller's pending work")
     for lane, group in itertools.groupby(ops, key=lambda op: op.lane):

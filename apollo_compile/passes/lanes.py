@@ -107,7 +107,7 @@ class Subgraph:
     outputs: list[torch.fx.Node] = field(default_factory=list)  # values used outside, graph order
     # outputs written in place into buffers the main lane allocated (main_allocated.py), in this order
     main_allocated: list[torch.fx.Node] = field(default_factory=list)
-    allocate_after: int | None = None  # ... allocated after this main-lane subgraph (None: before the fork)
+    allocate_after: int | None = None  # ... allocated right after this main-lane subgraph
 
     @property
     def est_us(self) -> float:
