@@ -14,7 +14,7 @@ from apollo_compile.passes import main_allocated
 from apollo_compile.passes.lanes import LanePlan, Subgraph
 from helpers import assert_trains_like_eager
 from models import TextTower, TwoTower, VisionTower, two_tower_inputs
-from test_runtime import graph_args
+from test_runtime import assert_runtimes_equal_the_graph
 
 
 @pytest.fixture(autouse=True)
@@ -75,13 +75,7 @@ def test_the_side_lane_tail_writes_into_what_the_main_lane_allocates_after_its_h
 def test_lane_and_one_lane_runtimes_with_main_allocated_buffers_equal_the_graph(every_size):
     graph = compile_two_tower().backward
     assert graph.decisions["main_allocated"].values
-    args = graph_args(graph.gm)
-    expected = graph.gm(*args)
-    for name, run in graph.runtimes.items():
-        got = run(list(args))
-        assert len(got) == len(expected), name
-        for g, e in zip(got, expected):
-            torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    assert_runtimes_equal_the_graph(graph)
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
