@@ -204,7 +204,7 @@ def _render_op(plan: LanePlan, op: Op, waited: set[int]) -> str:
     names = [n.name for n in sg.inputs] + [n.name for n in sg.main_allocated]
     # a side lane's buffers allocated once this main-lane subgraph has freed what it read last
     after = "".join("\n" + line for other in plan.subgraphs if other.lane != 0 and other.allocate_after == sg.id
-                    and sg.lane == 0 for line in _allocations(other))
+                    for line in _allocations(other)) if sg.lane == 0 else ""
     if not op.last_read:
         args = _wrap(f"subgraph_{sg.id}([", names, "])")
         return head + (_wrap("(", list(op.names), f") = {args}") if op.names else args) + after

@@ -74,6 +74,7 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..annotations import info
+from ..nodes import graph_outputs
 from ..shapes import concrete_numel
 from ..tracing import fw_metadata
 from .lanes import LanePlan, Subgraph, wire
@@ -164,8 +165,7 @@ def _storage(val) -> StorageWeakRef | None:
 def eligible(gm: torch.fx.GraphModule, sg) -> list[torch.fx.Node]:
     """`sg`'s outputs a buffer may take (module docstring): graph outputs a matmul makes, of at
     least MIN_BYTES, static, dense, aliasing no graph input and no other graph output."""
-    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    outputs = list(out_node.all_input_nodes)
+    outputs = _output_nodes(gm)
     holders: dict[StorageWeakRef | None, int] = {}  # storage -> graph inputs and distinct outputs on it
     for n in [n for n in gm.graph.nodes if n.op == "placeholder"] + outputs:
         val = n.meta.get("val")
@@ -176,13 +176,17 @@ def eligible(gm: torch.fx.GraphModule, sg) -> list[torch.fx.Node]:
     chosen = []
     for n in sg.outputs:
         val = n.meta.get("val")
-        if matmul_of(n) is None or n not in output_set or not _static_dense(val) \
-                or concrete_numel(val) * val.element_size() < MIN_BYTES:
+        if matmul_of(n) is None or n not in output_set or not _static_dense(val) or _nbytes(n) < MIN_BYTES:
             continue
         key = _storage(val)
         if key is not None and holders.get(key, 0) == 1:
             chosen.append(n)
     return chosen
+
+
+def _output_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The graph's outputs that are nodes, each once."""
+    return list(dict.fromkeys(o for o in graph_outputs(gm) if isinstance(o, torch.fx.Node)))
 
 
 def _nbytes(n: torch.fx.Node) -> int:
@@ -224,8 +228,7 @@ def _net_freed_by_prefix(gm: torch.fx.GraphModule, plan: LanePlan, main: Subgrap
     they made (its own tower's gradients, which take the freed memory first): how far the main
     stream has fallen below the mark it held at the backward's start."""
     freed = _freed_by_prefix(gm, plan, main)
-    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    outputs = set(out_node.all_input_nodes)
+    outputs = set(_output_nodes(gm))
     net, made = [0], 0
     for i, n in enumerate(main.nodes):
         made += _nbytes(n) if n in outputs else 0
@@ -237,8 +240,7 @@ def _side_excess(gm: torch.fx.GraphModule, plan: LanePlan, side: Subgraph) -> in
     """How far the side subgraph's gradients outgrow the large blocks it frees: its graph outputs
     of at least MIN_BYTES less its saved activations of that size that no other subgraph reads
     (made on its lane in the forward; smaller ones sit in the small pool, which no gradient fits)."""
-    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    outputs = set(out_node.all_input_nodes)
+    outputs = set(_output_nodes(gm))
     grads = [n for n in side.outputs if n in outputs and _nbytes(n) >= MIN_BYTES]
     elsewhere = {a for sg in plan.subgraphs if sg is not side for a in sg.inputs}
     donated = _donated(gm)
