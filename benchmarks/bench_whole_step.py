@@ -63,7 +63,7 @@ Variants, side by side in ONE process (common.py's method; DESIGN.md: times drif
     apollo-1lane   apollo with ``max_lanes=1``: every graph on one stream (what lanes cost in memory)
     apollo-side-grads-own, apollo-main-allocated  apollo with ``passes.main_allocated.ENABLED``
                    off (a backward's side lane allocates its own gradients) or on (its last gradients
-                   in memory the main lane freed, session 52)
+                   in memory the main lane freed, session 52; on by default since session 53)
     inductor-ro-regional, apollo-regional  regional compilation: every block of a list of blocks
                    of one class compiled on its own (``compile_regions``, as accelerate's), the
                    rest eager; one compiled graph serves every block (runtime/instances.py)

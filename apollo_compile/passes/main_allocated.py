@@ -8,7 +8,8 @@ keeps its id), makes the side tail wait for the main head, and sets the tail's
 returns a :class:`MainAllocated` (what moved, for the dumps and the log). ``runtime/subgraphs.py``
 compiles the tail with one more input per such value, which the value's matmul writes itself
 (:data:`mm_into`), and the codegen pass allocates the buffers on the main lane right after the
-main head (codegen, NOTE: Main-allocated). Off (:data:`ENABLED`) until a GPU measures this form.
+main head (codegen, NOTE: Main-allocated). On by default (:data:`ENABLED`) since session 53's
+H100 measurement.
 
 [NOTE] Why the main lane allocates a side lane's gradients. PyTorch's caching allocator hands a
 freed block only to an allocation on the stream that made it, inside a CUDA graph's pool too, so a
@@ -126,10 +127,12 @@ _LIBRARY.impl("mm_into", _mm_into, "CompositeExplicitAutograd")
 torch.library.register_fake("apollo::mm_into", lambda *args, **kwargs: None, lib=_LIBRARY)
 mm_into = torch.ops.apollo.mm_into.default
 
-# Off until a GPU measures it: three earlier forms raised the reserved memory (module docstring);
-# this one has run on the CPU only. The benchmarks' A/B variants turn it on
-# (`apollo-main-allocated`) or off (`apollo-side-grads-own`).
-ENABLED = False
+# Measured on an H100 (RESULTS.md, session 53; bf16, fused AdamW, batch 8, one process each), graph
+# pool / reserved against reduce-overhead's, off -> on: HF SigLIP base 1.45 -> 1.39 GiB, 1.06x ->
+# 1.04x (twice); timm ViT-B + BERT 1.47 -> 1.31 GiB, 1.07x -> 1.03x; step times within the runs'
+# spread. The benchmarks' A/B variants turn it off (`apollo-side-grads-own`) or on
+# (`apollo-main-allocated`).
+ENABLED = True
 
 
 @dataclass
