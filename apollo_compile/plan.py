@@ -68,6 +68,8 @@ class GraphPlan:
             out["lanes"] = self.lanes.summary()
         if self.decisions.get("quotas") is not None:  # predicted candidates, and fits from measuring them
             out["quotas"] = self.decisions["quotas"].summary()
+        if self.decisions.get("main_allocated") is not None:  # side-lane gradients in main-stream memory
+            out["main_allocated"] = self.decisions["main_allocated"].summary()
         if self.memory is not None:
             out["memory"] = {"arena_bytes": self.memory.arena_bytes, "total_bytes": self.memory.total_bytes}
         if self.checkpoint is not None:  # predicted activation bytes (saved, peak) before and after the budget

@@ -700,16 +700,19 @@ def apollo_diagnostics(row: dict, name: str):
                 if ckpt is not None:
                     entry["checkpoint"] = ckpt.summary()  # predicted peaks and bytes, per_block, relaxed, met
                 summaries = {k: g.summary() for k, g in plan.graphs.items()}
-                entry["graphs"] = {k: {key: summary.get(key) for key in ("lanes", "cuda_graph", "fallback", "offload", "compile_s")}
-                                   for k, summary in summaries.items()}
+                keys = ("lanes", "cuda_graph", "fallback", "offload", "compile_s", "main_allocated")
+                entry["graphs"] = {k: {key: summary.get(key) for key in keys} for k, summary in summaries.items()}
                 row["apollo"].append(entry)
             for w in row["warnings"]:
                 log(f"  [{name}] warning: {w.splitlines()[0][:300]}")
             for entry in row["apollo"]:
                 for kind, g in entry["graphs"].items():
                     if g.get("compile_s"):
+                        moved = g.get("main_allocated") or {}
                         log(f"  [{name}] {entry['plan']} {kind}: compile s {json.dumps(g['compile_s'])}, "
-                            f"{(g.get('lanes') or {}).get('subgraphs')} subgraphs")
+                            f"{(g.get('lanes') or {}).get('subgraphs')} subgraphs"
+                            + (f", {moved['values']} side-lane gradients ({moved['bytes'] / 2**20:.0f} MiB) in "
+                               "main-allocated memory" if moved.get("values") else ""))
                     if g.get("cuda_graph"):
                         log(f"  [{name}] {entry['plan']} {kind}: {json.dumps(g['cuda_graph'])}")
                     else:  # un-graphed (compiled autograd's graph in session 15): say so, and why if known

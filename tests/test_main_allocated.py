@@ -48,6 +48,7 @@ def test_the_side_lane_tail_writes_into_what_the_main_lane_allocates_after_its_h
     plan = compile_two_tower()
     chosen = plan.backward.decisions["main_allocated"]
     assert len(chosen.values) == 1 and chosen.nbytes > 0
+    assert plan.backward.summary()["main_allocated"] == chosen.summary()  # in the dumps and the benchmarks' rows
     lanes = plan.backward.decisions["lanes"]
     (writer,) = [lanes.subgraphs[i] for i in chosen.values]
     head = lanes.subgraphs[writer.allocate_after]
