@@ -102,6 +102,7 @@ import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -453,15 +454,11 @@ def runtime_for(variant: str) -> contextlib.AbstractContextManager:
     (runtime/graph_pool.py, FIRST_STEP_POOL), or whether a backward's side lanes write their
     gradients into main-allocated memory (passes/main_allocated.py)."""
     if variant.endswith("-first-step-pool"):  # which graphs' first calls open a pool of their own
-        from unittest import mock
-
         from apollo_compile.runtime import graph_pool
 
         kinds = frozenset() if variant.endswith("-no-first-step-pool") else graph_pool.FIRST_STEP_POOL | {"inference"}
         return mock.patch.object(graph_pool, "FIRST_STEP_POOL", kinds)
     if variant in ("apollo-side-grads-own", "apollo-main-allocated"):  # compiled (so planned) inside the block
-        from unittest import mock
-
         from apollo_compile.passes import main_allocated
 
         return mock.patch.object(main_allocated, "ENABLED", variant == "apollo-main-allocated")

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from .cudagraph import CudaGraphRunner, GraphFamily
 
 __all__ = ["GraphInstances", "MAX_FAMILIES", "MAX_PER_INSTANCE", "MAX_SHORT_LIVED", "MIN_REPLAYS", "call_began",
-           "call_ended", "releasable_now"]
+           "call_ended"]
 
 log = logging.getLogger("apollo_compile")
 
