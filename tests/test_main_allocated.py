@@ -17,11 +17,6 @@ from models import TextTower, TwoTower, VisionTower, two_tower_inputs
 from test_runtime import assert_runtimes_equal_the_graph
 
 
-@pytest.fixture(autouse=True)
-def enabled(monkeypatch):
-    monkeypatch.setattr(main_allocated, "ENABLED", True)
-
-
 @pytest.fixture
 def every_size(monkeypatch):
     """The test models' gradients are far under the 1 MiB a real one must reach: take them all."""
