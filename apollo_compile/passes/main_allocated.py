@@ -65,8 +65,8 @@ allocated right before the tail, so the program and its results are the same as 
 
 from __future__ import annotations
 
-import bisect
 import operator
+from itertools import accumulate
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -208,15 +208,21 @@ def _donated(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return {n for n in placeholders if not n.name.startswith(("primals", "tangents"))}
 
 
-def _freed_by_prefix(gm: torch.fx.GraphModule, plan: LanePlan, main: Subgraph) -> list[int]:
-    """freed[q]: bytes of saved activations that `main`'s first q nodes read last (no other
-    subgraph reads them): what the main lane has freed once those nodes ran."""
+def _freed_by(gm: torch.fx.GraphModule, plan: LanePlan, sg: Subgraph) -> set[torch.fx.Node]:
+    """The saved activations `sg` frees: donated inputs it reads that no other subgraph reads."""
     donated = _donated(gm)
-    elsewhere = {a for sg in plan.subgraphs if sg is not main for a in sg.inputs}
+    elsewhere = {a for other in plan.subgraphs if other is not sg for a in other.inputs}
+    return {a for a in sg.inputs if a in donated and a not in elsewhere}
+
+
+def _freed_by_prefix(gm: torch.fx.GraphModule, plan: LanePlan, main: Subgraph) -> list[int]:
+    """freed[q]: bytes of saved activations that `main`'s first q nodes read last (`_freed_by`):
+    what the main lane has freed once those nodes ran."""
+    own = _freed_by(gm, plan, main)
     last: dict[torch.fx.Node, int] = {}
     for i, n in enumerate(main.nodes):
         for a in n.all_input_nodes:
-            if a in donated and a not in elsewhere:
+            if a in own:
                 last[a] = i
     freed = [0] * (len(main.nodes) + 1)
     for a, i in last.items():
@@ -245,9 +251,7 @@ def _side_excess(gm: torch.fx.GraphModule, plan: LanePlan, side: Subgraph) -> in
     (made on its lane in the forward; smaller ones sit in the small pool, which no gradient fits)."""
     outputs = set(_output_nodes(gm))
     grads = [n for n in side.outputs if n in outputs and _nbytes(n) >= MIN_BYTES]
-    elsewhere = {a for sg in plan.subgraphs if sg is not side for a in sg.inputs}
-    donated = _donated(gm)
-    reused = sum(b for a in side.inputs if a in donated and a not in elsewhere and (b := _nbytes(a)) >= MIN_BYTES)
+    reused = sum(b for a in _freed_by(gm, plan, side) if (b := _nbytes(a)) >= MIN_BYTES)
     return max(0, sum(_nbytes(n) for n in grads) - reused)
 
 
@@ -291,12 +295,7 @@ def choose(gm: torch.fx.GraphModule, plan: LanePlan, kind: str, memory_first: bo
     if not candidates:
         return MainAllocated(reason=f"no side-lane gradient of {MIN_BYTES >> 20} MiB or more")
     net = _net_freed_by_prefix(gm, plan, M)
-    est_s = [0.0]
-    for n in S.nodes:
-        est_s.append(est_s[-1] + info(n).est_us)
-    est_m = [0.0]
-    for n in M.nodes:
-        est_m.append(est_m[-1] + info(n).est_us)
+    est_s, est_m = ([*accumulate((info(n).est_us for n in sg.nodes), initial=0.0)] for sg in (S, M))
     need = _side_excess(gm, plan, S) * FRAGMENTATION
     best: tuple[int, int, int] | None = None  # (bytes moved, p, q)
     # a gradient counts for a tail that holds its matmul (and the transposes after it) too
@@ -340,11 +339,10 @@ def choose(gm: torch.fx.GraphModule, plan: LanePlan, kind: str, memory_first: bo
     tail.main_allocated = [n for n in tail.outputs if n in candidates
                            and all(x in inside for x in matmul_of(n)[2])]
     tail.allocate_after = M.id
-    result = MainAllocated({tail.id: [n.name for n in tail.main_allocated]},
-                           sum(_nbytes(n) for n in tail.main_allocated),
-                           f"the side lane's last gradients in memory the main lane frees first "
-                           f"(subgraph {tail.id} after {M.id})")
-    return result
+    return MainAllocated({tail.id: [n.name for n in tail.main_allocated]},
+                         sum(_nbytes(n) for n in tail.main_allocated),
+                         f"the side lane's last gradients in memory the main lane frees first "
+                         f"(subgraph {tail.id} after {M.id})")
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> MainAllocated:
