@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import apollo_compile
-from apollo_compile.cli import main as cli_main
-from apollo_compile.report import loss_of
+from apollo_compile.report.cli import main as cli_main
+from apollo_compile.report.explain import loss_of
 from models import TwoTower, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}

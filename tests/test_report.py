@@ -18,11 +18,11 @@ import torch
 
 import apollo_compile
 from apollo_compile import pipeline
-from apollo_compile import dump, report_html
 from apollo_compile.annotations import info
-from apollo_compile.cli import load_function, parse_option
-from apollo_compile.report import TOP_OPS_RANKING, describe_candidate, largest_ops, predicted_timeline
-from apollo_compile.report_svg import node_layout
+from apollo_compile.report import dump, html_page
+from apollo_compile.report.cli import load_function, parse_option
+from apollo_compile.report.stats import TOP_OPS_RANKING, describe_candidate, largest_ops, predicted_timeline
+from apollo_compile.report.svg import node_layout
 from models import MLP, GraphBreakModel, TwoTower, two_tower_inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,7 +205,7 @@ def test_save_html_has_stable_ids_and_classes(h200_report, tmp_path):
 
 
 def test_big_graphs_show_subgraph_boxes_instead_of_nodes(h200_report, monkeypatch):
-    monkeypatch.setattr(report_html, "NODE_CAP", 10)
+    monkeypatch.setattr(html_page, "NODE_CAP", 10)
     page = h200_report.to_html()
     assert "too many to draw one by one" in page and not _has_class(page, "node-graph-svg")
     assert _has_class(page, "sg-box") and _has_class(page, "node-table")

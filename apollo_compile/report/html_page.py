@@ -1,21 +1,18 @@
-"""The HTML page of a :class:`~apollo_compile.report.Report`: one self-contained file (inline CSS,
+"""The HTML page of a report (:class:`~.model.ReportData`): one self-contained file (inline CSS,
 JS and SVG; nothing is fetched). :meth:`Report.to_html` and :meth:`Report.save_html` call
-:func:`render_page`; the drawings are :mod:`apollo_compile.report_svg`'s.
+:func:`render_page`; the drawings are :mod:`.svg`'s.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import html
 
+from ..plan import GraphPlan
 from . import dump
-from .plan import GraphPlan
-from .report_stats import (CANDIDATE_NAMES, MEASURED_NOTE, TOP_OPS_RANKING, GraphStats, candidate_rows,
-                           describe_candidate, format_bytes)
-if TYPE_CHECKING:
-    from .report import Report
-from .report_svg import GREY, arena_svg, is_drawn, node_svg, slug, subgraph_svg, timeline_svg
+from .model import ReportData
+from .stats import (CANDIDATE_NAMES, MEASURED_NOTE, TOP_OPS_RANKING, GraphStats, candidate_rows, describe_candidate,
+                    format_bytes)
+from .svg import GREY, arena_svg, is_drawn, node_svg, slug, subgraph_svg, timeline_svg
 
 __all__ = ["NODE_CAP", "render_page"]
 
@@ -66,7 +63,7 @@ def _chip(label: str, value: str, cls: str = "") -> str:
             f'<span class="chip-label">{_esc(label)}</span></div>')
 
 
-def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
+def _graph_section(report: ReportData, gp: GraphPlan, s: GraphStats) -> str:
     gname = slug(gp.name)
     colors = dump.modality_colors(gp.gm)
     out = [f'<section class="graph" id="graph-{gname}" data-kind="{_esc(gp.kind)}">',
@@ -144,7 +141,7 @@ def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
     return "\n".join(out)
 
 
-def _summary_table(report: Report, stats: list[GraphStats]) -> str:
+def _summary_table(report: ReportData, stats: list[GraphStats]) -> str:
     head = ("graph", "kind", "lanes (modalities)", "subgraphs", "serial µs", "concurrent µs", "speedup", "waits",
             "arena", "no reuse", "compute", "memory", "recomputed", "casts", "fallback")
     out = ['<table class="summary"><thead><tr>' + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"]
@@ -266,7 +263,7 @@ _JS = """
 """
 
 
-def render_page(report: Report) -> str:
+def render_page(report: ReportData) -> str:
     stats = report.stats()
     devices = ", ".join(sorted({s.device for s in stats})) or "-"
     options = ", ".join(f"{k}={v!r}" for k, v in report.options.items()) or "defaults"

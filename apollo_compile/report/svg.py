@@ -1,4 +1,4 @@
-"""The SVG drawings of the HTML report (:mod:`apollo_compile.report_html`): the lane timeline,
+"""The SVG drawings of the HTML report (:mod:`.html_page`): the lane timeline,
 the memory arena, the subgraph boxes and the annotated graph node by node.
 
 Each function takes one :class:`~apollo_compile.plan.GraphPlan` and returns one ``<svg>``
@@ -18,9 +18,9 @@ import torch
 import torch.fx
 
 from . import dump
-from .annotations import info
-from .plan import GraphPlan
-from .report_stats import dominant_modality, format_bytes, format_flops, largest_ops, op_cost, predicted_timeline
+from ..annotations import info
+from ..plan import GraphPlan
+from .stats import dominant_modality, format_bytes, format_flops, largest_ops, op_cost, predicted_timeline
 
 __all__ = ["GREY", "arena_svg", "is_drawn", "node_layout", "node_svg", "slug", "subgraph_svg", "timeline_svg"]
 
@@ -236,7 +236,7 @@ def arena_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
 
 def subgraph_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
     """Subgraphs as boxes (columns = longest-path layer of the DAG, rows = lanes), with their
-    node counts and top ops (:func:`~apollo_compile.report.largest_ops`, each with the FLOPs or
+    node counts and top ops (:func:`~.stats.largest_ops`, each with the FLOPs or
     bytes that set its roofline time); arrows are DAG edges, dashed where they cross lanes (a wait)."""
     lp = gp.lanes
     layer: dict[int, int] = {}

@@ -60,7 +60,7 @@ def load_function(spec: str) -> Callable[[], Any]:
 
 
 def report_command(args: argparse.Namespace) -> int:
-    from .report import explain
+    from .explain import explain
 
     built = load_function(args.target)()
     if not isinstance(built, tuple) or len(built) not in (2, 3):

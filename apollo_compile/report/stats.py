@@ -1,7 +1,7 @@
 """What the report shows of a plan, apart from how it is drawn: per-graph statistics, the predicted
-timeline, each subgraph's costliest ops, the runtime candidates. The text report
-(:mod:`apollo_compile.report`), the page (:mod:`apollo_compile.report_html`) and its drawings
-(:mod:`apollo_compile.report_svg`) all read these, so none of them imports another's internals.
+timeline, each subgraph's costliest ops, the runtime candidates. The text table (:mod:`.text`),
+the page (:mod:`.html_page`), its drawings (:mod:`.svg`) and the trace (:mod:`.trace`) all read
+these, so none imports another's internals.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from typing import Iterable
 import torch
 import torch.fx
 
-from .annotations import info
-from .perf_model import parse_quota_name
-from .plan import GraphPlan
+from ..annotations import info
+from ..perf_model import parse_quota_name
+from ..plan import GraphPlan
+
 
 def predicted_timeline(lanes) -> dict[int, tuple[float, float]]:
     """Predicted (start_us, end_us) of every subgraph of a LanePlan, in launch order.
@@ -102,7 +103,7 @@ def largest_ops(nodes: Iterable[torch.fx.Node], k: int) -> list[torch.fx.Node]:
     """The `k` costliest real ops (compute- or memory-bound) of `nodes` (:data:`TOP_OPS_RANKING`).
 
     ``est_us`` is that roofline time plus one fixed launch cost, so it ranks the same, unrounded:
-    on a small model every op reads the launch floor (2.0 µs on an H200) and only the digits past
+    on a small model every op reads about the launch floor and only the digits past
     it tell a 200 kFLOP convolution from a 16-element softmax. Ties go to FLOPs, then bytes."""
     nodes = [n for n in nodes if info(n).bound in ("compute", "memory")]
     return sorted(nodes, key=lambda n: (-info(n).est_us, -info(n).flops, -info(n).bytes, n.name))[:k]
@@ -162,8 +163,8 @@ def candidate_rows(gp: GraphPlan) -> list[tuple[str, str, str, str, str]]:
     """(runtime, predicted µs, measured ms, its capture's memory pool, note) for each candidate the
     quotas pass proposed; the measured columns and the replayed mark come from the CUDA-graph runner
     while the graph lives. The pool is what the candidate's capture held (its temporaries and
-    outputs): lanes cost memory where one stream's freed blocks cannot serve another's (RESULTS.md,
-    session 51), and this is where a user sees that trade beside the time."""
+    outputs): lanes cost memory where one stream's freed blocks cannot serve another's, so the
+    report shows that trade beside the time."""
     decision = gp.decisions.get("quotas")
     if decision is None or not decision.candidates:
         return []
