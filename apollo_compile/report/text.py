@@ -2,7 +2,7 @@
 
 One row per planned graph (lanes, subgraphs, predicted serial and concurrent times, waits,
 memory, node counts), then each graph's lanes and modalities, its costliest ops, its runtime
-candidates and what their names mean.
+candidates, and the notes that explain them, each note once.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 
 from ..annotations import info
 from .model import ReportData
-from .stats import (CANDIDATE_NAMES, MEASURED_NOTE, TOP_OPS_RANKING, candidate_rows, format_bytes, format_flops,
+from .stats import (TOP_OPS_RANKING, candidate_rows, candidates_note, device_notes, format_bytes, format_flops,
                     largest_ops)
 
 __all__ = ["render_text"]
@@ -70,7 +70,10 @@ def render_text(report: ReportData) -> str:
                 + (f", pool {pool}" if pool != "-" else "") + (f" ({note})" if note else "")
                 for name, pred, ms, pool, note in rows))
     if any_candidates:
-        lines += _wrap(f"{CANDIDATE_NAMES}. µs: predicted by the performance model; {MEASURED_NOTE}.")
+        lines += _wrap(candidates_note())
+    for note in device_notes(devices):
+        lines.append("note:")
+        lines += _wrap(note)
     for s in stats:
         if s.fallback:
             lines.append(f"fallback: {s.name}: {s.fallback}")
