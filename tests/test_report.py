@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import importlib.util
 import json
 import os
 import re
@@ -389,3 +390,17 @@ def test_chromium_renders_the_report(h200_report, tmp_path):
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (1400, 1000)
 
+
+@pytest.mark.skipif(shutil.which("chromium") is None,
+                    reason="docs/report.png is rendered by Chromium: apt-get install -y chromium")
+def test_docs_report_png_is_made_by_its_script(tmp_path):
+    """docs/make_report_png.py renders the README's example from the current code (here with the
+    eager subgraph compiler, which plans the same and compiles faster)."""
+    spec = importlib.util.spec_from_file_location("make_report_png", os.path.join(REPO, "docs", "make_report_png.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "report.png"
+    assert script.main(["--out", str(out), "--option", "device=H200", "--option", "subgraph_compiler=eager"]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert struct.unpack(">II", data[16:24]) == script.SIZE
