@@ -44,7 +44,7 @@ def test_each_pass_decision_is_logged_once(tmp_path):
 
 
 def test_torch_logs_set_after_torch_was_imported_is_read_once(tmp_path):
-    """torch read TORCH_LOGS before it named apollo: apollo reads it again when imported, once."""
+    """TORCH_LOGS set after torch is imported: apollo reads it when it is imported, once."""
     out = run({"TORCH_LOGS": None}, tmp_path, before_apollo='os.environ["TORCH_LOGS"] = "+apollo_compile"')
     assert out.returncode == 0, out.stderr
     assert len(decision_lines(out.stderr)) == 1, decision_lines(out.stderr)

@@ -109,8 +109,8 @@ _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(ApolloOptions))
 
 def _check_model_keywords(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     """Keywords of explain() are the model's inputs; one that is an apollo option the model's
-    forward does not name was meant for ``options=`` (explain's signature before it took keyword
-    inputs): a TypeError when forward takes no ``**kwargs``, else a warning."""
+    forward does not name is most likely meant for ``options=``: a TypeError when forward takes no
+    ``**kwargs``, else a warning (the model may read it)."""
     stray = [k for k in kwargs if k in _OPTION_NAMES]
     if not stray:
         return
