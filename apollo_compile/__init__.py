@@ -10,13 +10,13 @@ point is not installed (running from a source tree).
 
 from __future__ import annotations
 
-from . import logs as _logs
+from .report import logs as _logs
 from .backend import apollo_backend
 from .fallback import ApolloFallbackWarning
 from .options import ApolloOptions, ApolloOptionsError
 from .placement import ModalityPlacement, place_modalities
 from .plan import GraphPlan, ModelPlan, clear_plans, last_plan, plans
-from .report import Report, explain
+from .report.explain import Report, explain
 from .whole_step import compile_step
 
 __version__ = "0.1.0"

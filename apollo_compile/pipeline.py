@@ -61,7 +61,8 @@ import torch
 import torch.fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
-from . import calibration, dump, logs
+from . import calibration
+from .report import dump, logs
 from .annotations import KEY, info
 from .devices import DeviceSpec
 from .fallback import ApolloFallbackWarning, warn_fallback

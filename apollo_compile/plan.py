@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.fx
 
-from . import dump
+from .report import dump
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from apollo_compile import dump
+from apollo_compile.report import dump
 from apollo_compile.annotations import info
 from apollo_compile.nodes import storage_node
 from apollo_compile.passes import boundary, lanes

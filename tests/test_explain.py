@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import apollo_compile
-from apollo_compile.cli import main as cli_main
-from apollo_compile.report import loss_of
+from apollo_compile.report.cli import main as cli_main
+from apollo_compile.report.explain import loss_of
 from models import TwoTower, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -111,7 +111,7 @@ def test_bad_option_is_refused_before_compiling():
 
 
 def test_an_apollo_option_passed_as_a_model_input_says_options():
-    """explain's keywords used to be apollo's options: such a call gets a TypeError naming options=."""
+    """An apollo option passed as a keyword, where options= takes it, gets a TypeError naming options=."""
     with pytest.raises(TypeError, match=r"options=\{'subgraph_compiler': \.\.\.\}"):
         apollo_compile.explain(TwoTower(), *two_tower_inputs(), subgraph_compiler="eager")
 

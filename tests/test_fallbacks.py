@@ -461,7 +461,7 @@ def test_a_failed_stage_leaves_its_graph_as_it_was_handed_over(monkeypatch):
 
 def test_every_stage_dumps_its_graph_before_and_after_under_torch_compile_debug(monkeypatch, tmp_path):
     """TORCH_COMPILE_DEBUG=1: each stage that rewrites a graph writes its listing before and after."""
-    from apollo_compile import logs
+    from apollo_compile.report import logs
 
     monkeypatch.setattr(logs, "debug_dump_dir", lambda: str(tmp_path))
     assert_trains_like_eager(MLP(), lambda step: (torch.randn(4, 32),), EAGER, steps=1)

@@ -8,7 +8,7 @@ import torch
 from expecttest import TestCase
 
 import apollo_compile
-from apollo_compile import dump
+from apollo_compile.report import dump
 from models import TwoTower, two_tower_inputs
 
 

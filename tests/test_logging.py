@@ -7,8 +7,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
-import sys, torch
+import os, sys, torch
 sys.path.insert(0, {tests!r}); sys.path.insert(0, {repo!r})
+{before_apollo}
 import apollo_compile
 from models import MLP
 c = torch.compile(MLP(), backend="apollo", options={{"subgraph_compiler": "eager"}})
@@ -16,9 +17,10 @@ c(torch.randn(4, 32)).backward()
 """
 
 
-def run(env_extra, tmp_path):
-    env = dict(os.environ, **env_extra)
-    code = SCRIPT.format(tests=os.path.join(REPO, "tests"), repo=REPO)
+def run(env_extra, tmp_path, before_apollo=""):
+    """The script in a fresh interpreter; a variable set to None in `env_extra` is unset."""
+    env = {k: v for k, v in dict(os.environ, **env_extra).items() if v is not None}
+    code = SCRIPT.format(tests=os.path.join(REPO, "tests"), repo=REPO, before_apollo=before_apollo)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
 
@@ -27,6 +29,25 @@ def test_torch_logs_shows_pass_decisions(tmp_path):
     out = run({"TORCH_LOGS": "+apollo_compile"}, tmp_path)
     assert out.returncode == 0, out.stderr
     assert "pass lanes" in out.stderr and "pass modality" in out.stderr and "planned" in out.stderr
+
+
+def decision_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "frame0_0_forward: pass lanes" in line]
+
+
+def test_each_pass_decision_is_logged_once(tmp_path):
+    """torch imports apollo while it reads TORCH_LOGS and gives it a handler; apollo adds none."""
+    out = run({"TORCH_LOGS": "+apollo_compile"}, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert len(decision_lines(out.stderr)) == 1, decision_lines(out.stderr)
+    assert sum("frame0_0_forward planned" in line for line in out.stderr.splitlines()) == 1
+
+
+def test_torch_logs_set_after_torch_was_imported_is_read_once(tmp_path):
+    """TORCH_LOGS set after torch is imported: apollo reads it when it is imported, once."""
+    out = run({"TORCH_LOGS": None}, tmp_path, before_apollo='os.environ["TORCH_LOGS"] = "+apollo_compile"')
+    assert out.returncode == 0, out.stderr
+    assert len(decision_lines(out.stderr)) == 1, decision_lines(out.stderr)
 
 
 def test_torch_trace_gets_plan_artifacts(tmp_path):

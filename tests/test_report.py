@@ -3,7 +3,9 @@ headless Chromium when one is installed), the Chrome trace and the command line.
 
 from __future__ import annotations
 
+import dataclasses
 import html
+import importlib.util
 import json
 import os
 import re
@@ -18,11 +20,14 @@ import torch
 
 import apollo_compile
 from apollo_compile import pipeline
-from apollo_compile import dump, report_html
 from apollo_compile.annotations import info
-from apollo_compile.cli import load_function, parse_option
-from apollo_compile.report import TOP_OPS_RANKING, describe_candidate, largest_ops, predicted_timeline
-from apollo_compile.report_svg import node_layout
+from apollo_compile.plan import ModelPlan
+from apollo_compile.report import dump, html_page
+from apollo_compile.report.cli import load_function, parse_option
+from apollo_compile.report.explain import Report
+from apollo_compile.report.stats import (TOP_OPS_RANKING, describe_candidate, largest_ops, predicted_timeline,
+                                         shown_edges, shown_order)
+from apollo_compile.report.svg import node_layout
 from models import MLP, GraphBreakModel, TwoTower, two_tower_inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,6 +188,56 @@ def test_candidate_names_and_the_measured_column_are_explained(h200_report):
     assert "quota:LANE=SMS" in text and "measured fills in on a CUDA device only" in text
 
 
+def test_each_explanation_is_printed_once(h200_report):
+    """The notes that hold for every graph sit once, after the graphs, not under each graph."""
+    assert len(h200_report.graphs) == 2
+    page = h200_report.to_html()
+    for cls in ("top-ops-ranking", "candidate-names", "measured-note"):
+        assert page.count(f'class="note {cls}"') == 1, cls
+    assert page.count(TOP_OPS_RANKING) == 1
+    text = str(h200_report)
+    assert text.count("quota:LANE=SMS") == 1 and text.count("measured fills in on a CUDA device only") == 1
+
+
+def test_a_cpu_plan_says_why_measured_and_compute_columns_are_empty(two_tower, h200_report):
+    _, report = two_tower
+    assert {g.device for g in report.graphs} == {"cpu"}
+    text = " ".join(str(report).split())
+    assert "planned for the CPU: the measured columns fill in on a GPU only" in text
+    assert "the compute column counts ops whose FLOP per byte reaches the device's ridge point" in text
+    page = report.to_html()
+    assert page.count('class="note device-note"') == 1 and "fill in on a GPU only" in page
+    assert "planned for the CPU" not in str(h200_report) and "device-note" not in h200_report.to_html()
+
+
+def test_an_empty_subgraph_is_neither_drawn_nor_counted(two_tower):
+    """A subgraph left without nodes (each recomputed where it is read) runs nothing: the report
+    shows no box, bar, arena column or trace event for it, and a dependency through it stays drawn."""
+    _, report = two_tower
+    gp = report.graphs[1]
+    lp = gp.lanes
+    a, b = next(iter(lp.dag.edges))
+    empty = dataclasses.replace(lp.subgraphs[0], id=len(lp.subgraphs), nodes=[], inputs=[], outputs=[],
+                                main_allocated=[])
+    dag = lp.dag.copy()
+    dag.remove_edge(a, b)
+    dag.add_edge(a, empty.id)
+    dag.add_edge(empty.id, b)
+    order = list(lp.order)
+    order.insert(order.index(a) + 1, empty.id)
+    with_empty = dataclasses.replace(lp, subgraphs=[*lp.subgraphs, empty], dag=dag, order=order)
+    plan = dataclasses.replace(gp, decisions={**gp.decisions, "lanes": with_empty})
+    edited = Report([ModelPlan("edited", graphs={"backward": plan})])
+    assert shown_order(with_empty) == list(lp.order) and (a, b) in shown_edges(with_empty)
+    assert edited.stats()[0].subgraphs == len(lp.subgraphs)
+    page = edited.to_html()
+    assert f'id="sg-{gp.name}-{a}"' in page and f'id="sg-{gp.name}-{empty.id}"' not in page
+    assert f'-sg{empty.id}"' not in page and f"sg {empty.id}" not in page
+    xs = [e for e in edited.to_trace()["traceEvents"] if e["ph"] == "X"]
+    assert sorted(e["args"]["subgraph"] for e in xs) == sorted(sg.id for sg in lp.subgraphs)
+    assert all(empty.id not in e["args"]["waits_for"] for e in xs)
+
+
 # ---- HTML ------------------------------------------------------------------------------------
 
 
@@ -205,7 +260,7 @@ def test_save_html_has_stable_ids_and_classes(h200_report, tmp_path):
 
 
 def test_big_graphs_show_subgraph_boxes_instead_of_nodes(h200_report, monkeypatch):
-    monkeypatch.setattr(report_html, "NODE_CAP", 10)
+    monkeypatch.setattr(html_page, "NODE_CAP", 10)
     page = h200_report.to_html()
     assert "too many to draw one by one" in page and not _has_class(page, "node-graph-svg")
     assert _has_class(page, "sg-box") and _has_class(page, "node-table")
@@ -334,3 +389,18 @@ def test_chromium_renders_the_report(h200_report, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (1400, 1000)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None,
+                    reason="docs/report.png is rendered by Chromium: apt-get install -y chromium")
+def test_docs_report_png_is_made_by_its_script(tmp_path):
+    """docs/make_report_png.py renders the README's example from the current code (here with the
+    eager subgraph compiler, which plans the same and compiles faster)."""
+    spec = importlib.util.spec_from_file_location("make_report_png", os.path.join(REPO, "docs", "make_report_png.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "report.png"
+    assert script.main(["--out", str(out), "--option", "device=H200", "--option", "subgraph_compiler=eager"]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert struct.unpack(">II", data[16:24]) == script.SIZE

@@ -1,21 +1,20 @@
-"""The HTML page of a :class:`~apollo_compile.report.Report`: one self-contained file (inline CSS,
+"""The HTML page of a report (:class:`~.model.ReportData`): one self-contained file (inline CSS,
 JS and SVG; nothing is fetched). :meth:`Report.to_html` and :meth:`Report.save_html` call
-:func:`render_page`; the drawings are :mod:`apollo_compile.report_svg`'s.
+:func:`render_page`; the drawings are :mod:`.svg`'s. The notes that hold for every graph (how top
+ops rank, what the runtime candidates are, why a CPU plan shows no measurement) are printed once,
+after the graphs, not under each graph.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import html
 
+from ..plan import GraphPlan
 from . import dump
-from .plan import GraphPlan
-from .report_stats import (CANDIDATE_NAMES, MEASURED_NOTE, TOP_OPS_RANKING, GraphStats, candidate_rows,
-                           describe_candidate, format_bytes)
-if TYPE_CHECKING:
-    from .report import Report
-from .report_svg import GREY, arena_svg, is_drawn, node_svg, slug, subgraph_svg, timeline_svg
+from .model import ReportData
+from .stats import (CANDIDATE_NAMES, MEASURED_NOTE, TOP_OPS_RANKING, GraphStats, candidate_rows, describe_candidate,
+                    device_notes, format_bytes)
+from .svg import GREY, arena_svg, is_drawn, node_svg, slug, subgraph_svg, timeline_svg
 
 __all__ = ["NODE_CAP", "render_page"]
 
@@ -66,7 +65,7 @@ def _chip(label: str, value: str, cls: str = "") -> str:
             f'<span class="chip-label">{_esc(label)}</span></div>')
 
 
-def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
+def _graph_section(report: ReportData, gp: GraphPlan, s: GraphStats) -> str:
     gname = slug(gp.name)
     colors = dump.modality_colors(gp.gm)
     out = [f'<section class="graph" id="graph-{gname}" data-kind="{_esc(gp.kind)}">',
@@ -97,10 +96,8 @@ def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
                    + timeline_svg(gp, gname, measured, colors) + "</div>")
         out.append('<div class="row">')
         out.append('<div class="panel graph-view"><h3>Subgraphs <small>boxes per lane in dependency order; '
-                   'dashed arrows are cross-lane waits</small></h3>'
-                   f'<p class="note top-ops-ranking">Each box lists its top 3 ops, {_esc(TOP_OPS_RANKING)}; beside '
-                   'each, the FLOPs (compute-bound, square) or bytes (memory-bound, circle) that set its time. '
-                   'Hover a glyph for its estimate.</p><div class="scroll">'
+                   'dashed arrows are cross-lane waits; top ops ranked as the notes at the end say</small></h3>'
+                   '<div class="scroll">'
                    + subgraph_svg(gp, gname, colors) + "</div></div>")
         if gp.memory is not None:
             m = gp.memory
@@ -113,7 +110,7 @@ def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
     if cands:
         calibrated = gp.decisions["quotas"].calibrated
         out.append('<div class="panel candidates"><h3>Runtime candidates <small>predicted by the performance '
-                   'model; measured as CUDA-graph replays on a GPU'
+                   'model; measured as CUDA-graph replays on a GPU (see the notes at the end)'
                    + (f"; refitted from them: {_esc(', '.join(f'{k} {v:.3f}' for k, v in calibrated.items()))}"
                       if calibrated else "") + '</small></h3><table class="summary"><thead><tr>'
                    + "".join(f"<th>{h}</th>" for h in ("runtime", "predicted µs", "measured ms (GPU)",
@@ -121,9 +118,7 @@ def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
                    + "</tr></thead><tbody>"
                    + "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row)
                              + f'<td class="what">{_esc(describe_candidate(row[0]))}</td></tr>' for row in cands)
-                   + "</tbody></table>"
-                   f'<p class="note candidate-names">{_esc(CANDIDATE_NAMES)}.</p>'
-                   f'<p class="note measured-note">{_esc(MEASURED_NOTE[0].upper() + MEASURED_NOTE[1:])}.</p></div>')
+                   + "</tbody></table></div>")
     drawn = sum(is_drawn(n) for n in gp.gm.graph.nodes)
     total = len(gp.gm.graph.nodes)
     if drawn <= NODE_CAP:
@@ -144,7 +139,7 @@ def _graph_section(report: Report, gp: GraphPlan, s: GraphStats) -> str:
     return "\n".join(out)
 
 
-def _summary_table(report: Report, stats: list[GraphStats]) -> str:
+def _summary_table(report: ReportData, stats: list[GraphStats]) -> str:
     head = ("graph", "kind", "lanes (modalities)", "subgraphs", "serial µs", "concurrent µs", "speedup", "waits",
             "arena", "no reuse", "compute", "memory", "recomputed", "casts", "fallback")
     out = ['<table class="summary"><thead><tr>' + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"]
@@ -266,7 +261,21 @@ _JS = """
 """
 
 
-def render_page(report: Report) -> str:
+def _notes(report: ReportData, stats: list[GraphStats]) -> str:
+    """What the graphs' panels have in common, said once for the page rather than under each graph."""
+    out = [f'<p class="note top-ops-ranking">Each subgraph box lists its top 3 ops, {_esc(TOP_OPS_RANKING)}; '
+           'beside each, the FLOPs (compute-bound, square) or bytes (memory-bound, circle) that set its time. '
+           'Hover a glyph for its estimate.</p>']
+    if any(candidate_rows(gp) for gp in report.graphs):
+        out.append(f'<p class="note candidate-names">Runtime candidates: {_esc(CANDIDATE_NAMES)}.</p>')
+        out.append(f'<p class="note measured-note">{_esc(MEASURED_NOTE[0].upper() + MEASURED_NOTE[1:])}.</p>')
+    out += [f'<p class="note device-note">{_esc(n[0].upper() + n[1:])}.</p>'
+            for n in device_notes(s.device for s in stats)]
+    return ('<div class="panel notes" id="notes"><h3>Notes <small>for every graph above</small></h3>'
+            + "".join(out) + "</div>")
+
+
+def render_page(report: ReportData) -> str:
     stats = report.stats()
     devices = ", ".join(sorted({s.device for s in stats})) or "-"
     options = ", ".join(f"{k}={v!r}" for k, v in report.options.items()) or "defaults"
@@ -288,6 +297,7 @@ times are roofline predictions from the cost model</p></header>
 {_summary_table(report, stats) if stats else '<p class="note">No graph was planned.</p>'}
 {''.join(notes)}
 {''.join(sections)}
+{_notes(report, stats) if stats else ''}
 </main>
 <footer>Generated by apollo_compile.report. Hover bars, boxes, buffers and nodes for details.</footer>
 <script>{_JS}</script>

@@ -1,4 +1,4 @@
-"""The SVG drawings of the HTML report (:mod:`apollo_compile.report_html`): the lane timeline,
+"""The SVG drawings of the HTML report (:mod:`.html_page`): the lane timeline,
 the memory arena, the subgraph boxes and the annotated graph node by node.
 
 Each function takes one :class:`~apollo_compile.plan.GraphPlan` and returns one ``<svg>``
@@ -18,9 +18,10 @@ import torch
 import torch.fx
 
 from . import dump
-from .annotations import info
-from .plan import GraphPlan
-from .report_stats import dominant_modality, format_bytes, format_flops, largest_ops, op_cost, predicted_timeline
+from ..annotations import info
+from ..plan import GraphPlan
+from .stats import (dominant_modality, format_bytes, format_flops, largest_ops, op_cost, predicted_timeline,
+                    shown_edges, shown_order)
 
 __all__ = ["GREY", "arena_svg", "is_drawn", "node_layout", "node_svg", "slug", "subgraph_svg", "timeline_svg"]
 
@@ -134,7 +135,7 @@ def timeline_svg(gp: GraphPlan, gname: str, measured: dict[int, tuple[float, flo
         out.append(_text(8, y + 13, label + suffix, "lane-name"))
         out.append(_text(8, y + 25, mods, "lane-mods"))
     # cross-lane dependencies of the predicted schedule
-    for a, b in lp.dag.edges:
+    for a, b in shown_edges(lp):
         if lp.lane_of(a) == lp.lane_of(b):
             continue
         x1, x2 = left + pred[a][1] * scale, left + pred[b][0] * scale
@@ -142,10 +143,11 @@ def timeline_svg(gp: GraphPlan, gname: str, measured: dict[int, tuple[float, flo
         y2 = y_of[("predicted", lp.lane_of(b))] + row_h / 2
         out.append(f'<path class="dep" d="M{x1:.1f},{y1:.1f} C{x1 + 18:.1f},{y1:.1f} {x2 - 18:.1f},{y2:.1f} '
                    f'{x2:.1f},{y2:.1f}" marker-end="url(#arrow-{gname})"/>')
+    shown = set(shown_order(lp))
     for kind, label, lane, times in rows:
         for sg_id, (start, end) in sorted(times.items()):
             sg = lp.subgraphs[sg_id]
-            if lane is not None and sg.lane != lane:
+            if sg_id not in shown or (lane is not None and sg.lane != lane):
                 continue
             y = y_of[(kind, lane)] + 5
             x, w = left + start * scale, max((end - start) * scale, 1.5)
@@ -175,8 +177,9 @@ def timeline_svg(gp: GraphPlan, gname: str, measured: dict[int, tuple[float, flo
 
 def arena_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
     lp, mem = gp.lanes, gp.memory
-    pos = {sg_id: i for i, sg_id in enumerate(lp.order)}
-    n_cols = len(lp.order) + 1  # + the graph's outputs
+    order = shown_order(lp)
+    pos = {sg_id: i for i, sg_id in enumerate(order)}
+    n_cols = len(order) + 1  # + the graph's outputs
     sg_color = _sg_colors(gp, colors)
     left, width, top, plot_h = 64, 420, 22, 240
     col_w = width / n_cols
@@ -189,8 +192,8 @@ def arena_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
         x = left + i * col_w
         out.append(f'<rect class="{"band-alt" if i % 2 else "band"}" x="{x:.1f}" y="{top}" width="{col_w:.1f}" '
                    f'height="{plot_h}"/>')
-        if i < len(lp.order):
-            sg_id = lp.order[i]
+        if i < len(order):
+            sg_id = order[i]
             label = f"sg {sg_id}" if col_w > 30 else str(sg_id)
             out.append(f'<rect x="{x + 2:.1f}" y="{top + plot_h + 4}" width="{col_w - 4:.1f}" height="4" rx="2" '
                        f'fill="{sg_color.get(sg_id, GREY)}"/>')
@@ -236,15 +239,19 @@ def arena_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
 
 def subgraph_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
     """Subgraphs as boxes (columns = longest-path layer of the DAG, rows = lanes), with their
-    node counts and top ops (:func:`~apollo_compile.report.largest_ops`, each with the FLOPs or
+    node counts and top ops (:func:`~.stats.largest_ops`, each with the FLOPs or
     bytes that set its roofline time); arrows are DAG edges, dashed where they cross lanes (a wait)."""
     lp = gp.lanes
+    order, edges = shown_order(lp), shown_edges(lp)
+    preds: dict[int, list[int]] = {sg_id: [] for sg_id in order}
+    for a, b in edges:
+        preds[b].append(a)
     layer: dict[int, int] = {}
-    for sg_id in lp.order:
-        layer[sg_id] = 1 + max((layer[p] for p in lp.dag.predecessors(sg_id)), default=-1)
+    for sg_id in order:
+        layer[sg_id] = 1 + max((layer[p] for p in preds[sg_id]), default=-1)
     lanes = sorted(lp.lanes)
     cells: dict[tuple[int, int], list[int]] = {}
-    for sg_id in lp.order:
+    for sg_id in order:
         cells.setdefault((lanes.index(lp.lane_of(sg_id)), layer[sg_id]), []).append(sg_id)
     per_row = {r: max((len(v) for (rr, _), v in cells.items() if rr == r), default=1) for r in range(len(lanes))}
     box_w, box_h, gap_x, gap_y, left, top, k = 216, 90, 50, 10, 112, 6, 3
@@ -266,14 +273,14 @@ def subgraph_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
         out.append(_text(6, y0 + 16, _lane_label(lane), "lane-name"))
         for i, m in enumerate(lp.lanes[lane][:4]):
             out.append(_text(6, y0 + 32 + 13 * i, m, "lane-mods"))
-    for a, b in lp.dag.edges:
+    for a, b in edges:
         (xa, ya), (xb, yb) = xy[a], xy[b]
         x1, y1, x2, y2 = xa + box_w, ya + box_h / 2, xb, yb + box_h / 2
         cross = lp.lane_of(a) != lp.lane_of(b)
         out.append(f'<path class="sg-edge{" cross" if cross else ""}" '
                    f'd="M{x1:.1f},{y1:.1f} C{x1 + gap_x / 2:.1f},{y1:.1f} '
                    f'{x2 - gap_x / 2:.1f},{y2:.1f} {x2 - 2:.1f},{y2:.1f}" marker-end="url(#arrow-sg-{gname})"/>')
-    for sg in lp.subgraphs:
+    for sg in (lp.subgraphs[i] for i in order):
         x, y = xy[sg.id]
         bounds = Counter(info(n).bound for n in sg.nodes)
         mod = dominant_modality(sg.nodes) or "-"

@@ -59,10 +59,12 @@ def load_function(spec: str) -> Callable[[], Any]:
         raise SystemExit(f"apollo_compile report: {module_path} has no function {func_name!r}") from None
 
 
-def report_command(args: argparse.Namespace) -> int:
-    from .report import explain
+def explain_target(spec: str, options: Mapping[str, Any] | None = None):
+    """:func:`~apollo_compile.explain` of the model that ``MODULE_PATH:FUNCTION`` builds, with
+    `options` set over the function's own; returns the :class:`~.explain.Report`."""
+    from .explain import explain
 
-    built = load_function(args.target)()
+    built = load_function(spec)()
     if not isinstance(built, tuple) or len(built) not in (2, 3):
         raise SystemExit("apollo_compile report: the function must return (model, example_inputs) or "
                          f"(model, example_inputs, options), got {type(built).__name__}")
@@ -71,9 +73,13 @@ def report_command(args: argparse.Namespace) -> int:
         positional, keywords = (), dict(inputs)
     else:
         positional, keywords = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}
-    options = dict(built[2] or {}) if len(built) == 3 else {}
-    options.update(dict(args.option or ()))
-    report = explain(model, *positional, options=options, **keywords)
+    merged = dict(built[2] or {}) if len(built) == 3 else {}
+    merged.update(options or {})
+    return explain(model, *positional, options=merged, **keywords)
+
+
+def report_command(args: argparse.Namespace) -> int:
+    report = explain_target(args.target, dict(args.option or ()))
     print(report, end="")
     report.save_html(args.out)
     print(f"wrote {args.out}")

@@ -1,7 +1,7 @@
 """What the report shows of a plan, apart from how it is drawn: per-graph statistics, the predicted
-timeline, each subgraph's costliest ops, the runtime candidates. The text report
-(:mod:`apollo_compile.report`), the page (:mod:`apollo_compile.report_html`) and its drawings
-(:mod:`apollo_compile.report_svg`) all read these, so none of them imports another's internals.
+timeline, the subgraphs shown, each subgraph's costliest ops, the runtime candidates and the notes
+that explain them. The text table (:mod:`.text`), the page (:mod:`.html_page`), its drawings
+(:mod:`.svg`) and the trace (:mod:`.trace`) all read these, so none imports another's internals.
 """
 
 from __future__ import annotations
@@ -13,9 +13,39 @@ from typing import Iterable
 import torch
 import torch.fx
 
-from .annotations import info
-from .perf_model import parse_quota_name
-from .plan import GraphPlan
+from ..annotations import info
+from ..devices import DEVICE_SPECS
+from ..perf_model import parse_quota_name
+from ..plan import GraphPlan
+
+
+def shown_order(lanes) -> list[int]:
+    """The ids of the subgraphs the report shows, in launch order: those with at least one node.
+
+    A subgraph is left empty when every node of it is recomputed where it is read (the lanes
+    pass's cut, ``passes/boundary.py``); it runs no op, so the report draws and counts none.
+    """
+    return [i for i in lanes.order if lanes.subgraphs[i].nodes]
+
+
+def shown_edges(lanes) -> list[tuple[int, int]]:
+    """The DAG's edges between shown subgraphs (:func:`shown_order`); a path through an empty
+    subgraph is one edge, so no dependency drops out of the drawing with it."""
+    shown = set(shown_order(lanes))
+    edges = set()
+    for a in shown:
+        stack, seen = list(lanes.dag.successors(a)), set()
+        while stack:
+            b = stack.pop()
+            if b in seen:
+                continue
+            seen.add(b)
+            if b in shown:
+                edges.add((a, b))
+            else:
+                stack.extend(lanes.dag.successors(b))
+    return sorted(edges)
+
 
 def predicted_timeline(lanes) -> dict[int, tuple[float, float]]:
     """Predicted (start_us, end_us) of every subgraph of a LanePlan, in launch order.
@@ -70,7 +100,7 @@ def graph_stats(gp: GraphPlan) -> GraphStats:
     return GraphStats(
         name=gp.name, kind=gp.kind, device=gp.device,
         lanes=dict(sorted(lanes.lanes.items())) if lanes is not None else {},
-        subgraphs=len(lanes.subgraphs) if lanes is not None else 0,
+        subgraphs=len(shown_order(lanes)) if lanes is not None else 0,
         serial_us=serial, concurrent_us=concurrent, waits=waits,
         arena_bytes=mem.arena_bytes if mem is not None else None,
         total_bytes=mem.total_bytes if mem is not None else None,
@@ -102,7 +132,7 @@ def largest_ops(nodes: Iterable[torch.fx.Node], k: int) -> list[torch.fx.Node]:
     """The `k` costliest real ops (compute- or memory-bound) of `nodes` (:data:`TOP_OPS_RANKING`).
 
     ``est_us`` is that roofline time plus one fixed launch cost, so it ranks the same, unrounded:
-    on a small model every op reads the launch floor (2.0 µs on an H200) and only the digits past
+    on a small model every op reads about the launch floor and only the digits past
     it tell a 200 kFLOP convolution from a 16-element softmax. Ties go to FLOPs, then bytes."""
     nodes = [n for n in nodes if info(n).bound in ("compute", "memory")]
     return sorted(nodes, key=lambda n: (-info(n).est_us, -info(n).flops, -info(n).bytes, n.name))[:k]
@@ -143,6 +173,26 @@ MEASURED_NOTE = ("measured fills in on a CUDA device only: on the graph's second
                  "while the compiled model lives")
 
 
+def candidates_note() -> str:
+    """What the runtime candidates' names and columns mean; shown once per report."""
+    return f"{CANDIDATE_NAMES}. µs: predicted by the performance model; {MEASURED_NOTE}."
+
+
+def device_notes(devices: Iterable[str]) -> list[str]:
+    """Why a plan made for the CPU shows no measurements and few or no compute-bound ops.
+
+    The CUDA-graph runner measures candidates only on a CUDA device, and the CPU spec's ridge
+    point (FLOP per byte at which an op turns compute-bound) sits above most ops of a small model.
+    """
+    if "cpu" not in set(devices):
+        return []
+    ridge = DEVICE_SPECS["cpu"].ridge(torch.float32, matmul=True)
+    return [f"planned for the CPU: the measured columns fill in on a GPU only, where the CUDA-graph runner "
+            f"replays each candidate; the compute column counts ops whose FLOP per byte reaches the "
+            f"device's ridge point, {ridge:.0f} on the CPU spec (fp32 matmul), which most ops of a small "
+            f"model stay below, so it may read 0; options={{'device': 'H200'}} plans for a GPU from this machine"]
+
+
 def describe_candidate(name: str) -> str:
     """One candidate runtime's name in words (:data:`CANDIDATE_NAMES`)."""
     if name == "one_lane":
@@ -162,8 +212,8 @@ def candidate_rows(gp: GraphPlan) -> list[tuple[str, str, str, str, str]]:
     """(runtime, predicted µs, measured ms, its capture's memory pool, note) for each candidate the
     quotas pass proposed; the measured columns and the replayed mark come from the CUDA-graph runner
     while the graph lives. The pool is what the candidate's capture held (its temporaries and
-    outputs): lanes cost memory where one stream's freed blocks cannot serve another's (RESULTS.md,
-    session 51), and this is where a user sees that trade beside the time."""
+    outputs): lanes cost memory where one stream's freed blocks cannot serve another's, so the
+    report shows that trade beside the time."""
     decision = gp.decisions.get("quotas")
     if decision is None or not decision.candidates:
         return []

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .annotations import info
+from ..annotations import info
 
 _DTYPE = {
     torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
