@@ -1,50 +1,28 @@
-"""What every benchmark here does the same way: the environment line, the training step, step
-times, peak memory, and numerics against eager. bench_step.py, bench_memory.py,
-bench_distributed.py, smoke_gpu.py, profile_step.py and the probes (probes/) import it, so a
-change of method (how a step is timed, which memory counter is read, what tolerance a gradient
-meets) is made once and holds for every table in RESULTS.md.
+"""The method every benchmark here shares, so that a change of method (how a step is timed,
+which memory counter is read, what tolerance a gradient meets) is made once and holds for every
+table in RESULTS.md.
 
-Environment
-    ``environment(device, **fields)``: date, torch, python, CUDA, device name, SMs, memory (a
-    dict every results file stores); ``header_line(env)``: that as the one line each report opens
-    with; ``add_run_args`` / ``parse_run_args``: the flags every benchmark takes (``--steps``,
-    ``--warmup``, ``--device``, ``--out``, ``--seed``, ``--no-amp``, ``--no-compile-cache``);
-    ``device_and_out_dir(args)``: the device and output folder they name.
+The variant matrix (``run_matrix``, ``measure``, ``Trial``, ``matrix_table``, ``write_results``):
+a bench_* script defines its models, cells (a model at a batch size, with eager's reference) and
+variants (each builds a ``Trial``: one training step, and one step on the numerics batch); the
+driver runs every variant of every cell, an exception becoming a FAILED / OOM row, and writes
+``<out>/<stem>_results.{json,md}`` after every variant, so a cut run keeps what it measured.
 
-The step
-    ``train_step(model, step_fn, batch, device, amp)``: ``zero_grad(set_to_none=True)``, the
-    forward under bf16 autocast (``amp``), ``backward()``; no optimizer step, so weights never
-    change and every numerics check runs at the reference weights. A ``step_fn`` with a
-    ``backward_context()`` (bench_step.CompiledAutogradStep) runs the backward inside it.
+What ``measure`` records per variant:
+    timing     ``--warmup`` steps (compile, capture: "compile s"), then ``--steps`` steps, each from
+               an idle GPU (a CUDA event pair after a synchronize; ``perf_counter`` on the CPU):
+               median, p10, p90; then the same steps queued back to back ("b2b ms").
+    memory     the peaks allocated and reserved over the timed steps (``peak_alloc_gib``,
+               ``peak_reserved_gib``) and over the whole run, from a reset before the model's copy
+               to the device through compile, capture and the steps (``peak_alloc_all_gib``,
+               ``peak_reserved_all_gib``: what training needs), less what was still held when the
+               variant started (``left_over``); what the allocator holds between steps, by pool.
+    numerics   one step on another batch against eager (``compare``: PASS, PASS* within bf16's
+               noise, FAIL; ``GRAD_RTOL`` / ``LOSS_RTOL`` say why these tolerances).
 
-Timing (milliseconds)
-    ``warm_up(run_step, steps, device)``: the warm-up steps (compilation, CUDA-graph capture),
-    synchronised, their wall time and the first step's; ``time_steps``: each step from an idle GPU
-    (``synchronize()``, then a CUDA event pair around the step; ``perf_counter`` on the CPU);
-    ``time_back_to_back``: steps queued without a synchronize, the median of several rounds, and
-    the host's own time per step; ``spread(times)``: median, p10, p90.
-
-Memory (GiB)
-    ``reset_peaks`` / ``read_peaks``: ``max_memory_allocated`` and ``max_memory_reserved`` (None on
-    the CPU). A CUDA-graph replay allocates nothing the allocator counts: read the reserved figure,
-    or a peak over the whole run (capture included), for graphed variants. ``memory_cap``: the
-    allocator capped at a limit (``set_per_process_memory_fraction``), reset afterwards;
-    ``free_device_memory``: Dynamo reset, gc, cuBLAS workspaces and the allocator's cache emptied
-    between variants; ``rss_gib``: the process's resident memory (CPU runs).
-
-Numerics
-    ``loss_and_grads``: one step, the loss as a float and every gradient as an fp32 CPU copy;
-    ``noise_floor``: eager bf16's per-parameter distance from eager fp32; ``compare``: the loss
-    and the worst per-parameter relative gradient error against a reference, with a verdict
-    (``GRAD_RTOL`` / ``LOSS_RTOL``: the comment at the constants says why these values; ``PASS*``:
-    within bf16's noise, ``NOISE_MULTIPLIER``); ``verdict``, ``numerics_text`` (the log line),
-    ``numerics_cell`` (the table cell).
-
-Failures and tables
-    ``guarded``: a variant run so that its exception becomes a FAILED / OOM row (``error_row``)
-    and the run goes on; ``batch_reference``: a batch's reference, the batch skipped when it fails;
-    ``fmt``: a value or "-"; ``markdown(header, rows)``: a table; ``apollo_diagnostics``: what
-    apollo decided for a variant (runtime chosen, candidate times, un-graphed calls, warnings).
+Also here: the environment line, the flags every benchmark takes (``add_run_args``), the step
+without an optimizer (``train_step``), an allocator cap (``memory_cap``) and what apollo decided
+for a variant (``apollo_diagnostics``).
 """
 
 from __future__ import annotations
@@ -58,6 +36,7 @@ import platform
 import time
 import traceback
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -232,9 +211,8 @@ def time_back_to_back(run_step: Callable[[], Any], steps: int, device: torch.dev
     the idle-GPU latency `time_steps` reports. Neither replaces the other: a loop that logs the
     loss every step synchronizes every step.
 
-    One round is one sample, and a single host hiccup in it moves the whole round (session 10:
-    11.19 ms back to back against a 10.13 ms idle-GPU median), so the median of `rounds` rounds
-    is reported, with the host's own time per step (the loop's wall time before the final
+    One round is one sample, and a single host hiccup in it moves the whole round, so the median
+    of `rounds` rounds is reported, with the host's own time per step (the loop's wall time before the final
     synchronize): host ms close to the round's ms means the host, not the GPU, sets the pace."""
     per_step, host = [], []
     for _ in range(rounds):
@@ -286,8 +264,8 @@ def peaks_text(alloc: float | None, reserved: float | None) -> str:
 
 
 def memory_ratio(row: dict, base: dict | None, key: str) -> float | None:
-    """`row`'s peak (`key`: ``peak_alloc_gib`` or ``peak_reserved_gib``) over the baseline row's
-    (issue 24's <= 1.05x); None where either is missing."""
+    """`row`'s peak (`key`: ``peak_alloc_gib``, ``peak_reserved_all_gib``, ...) over the baseline
+    row's; None where either is missing."""
     if base is None or not base.get(key) or row.get(key) is None:
         return None
     return row[key] / base[key]
@@ -301,7 +279,7 @@ def device_segments(device: torch.device) -> list[dict[str, Any]]:
 def memory_held(device: torch.device) -> dict[str, Any] | None:
     """What the allocator holds now, between steps: allocated GiB, and reserved / allocated GiB per
     memory pool ("default", or a CUDA graph's private pool by its id), largest first. A variant's
-    surplus over another's shows here as the pool that holds it (issue 24); None off CUDA."""
+    surplus over another's shows here as the pool that holds it; None off CUDA."""
     if device.type != "cuda":
         return None
     pools: dict[str, list[float]] = {}
@@ -715,7 +693,7 @@ def apollo_diagnostics(row: dict, name: str):
                                "main-allocated memory" if moved.get("values") else ""))
                     if g.get("cuda_graph"):
                         log(f"  [{name}] {entry['plan']} {kind}: {json.dumps(g['cuda_graph'])}")
-                    else:  # un-graphed (compiled autograd's graph in session 15): say so, and why if known
+                    else:  # un-graphed (compiled autograd's graph, say): say so, and why if known
                         why = g.get("fallback") or "no CUDA-graph runner (CPU, or not a CUDA graph's device)"
                         log(f"  [{name}] {entry['plan']} {kind}: without a CUDA graph: {why}")
 
@@ -724,3 +702,160 @@ def diagnostics_for(row: dict, name: str, apollo: bool) -> contextlib.AbstractCo
     """`apollo_diagnostics` for an apollo variant; for any other, a context yielding a list to
     keep its step in (unused)."""
     return apollo_diagnostics(row, name) if apollo else contextlib.nullcontext([])
+
+
+# --------------------------------------------------------------------------------------------
+# the variant matrix
+
+
+@dataclass
+class Trial:
+    """What a variant built on the device. `step(read_loss=True)` runs one training step on the
+    timing batch (``read_loss=False``: the loss not waited for, as queued steps run);
+    `loss_and_grads()` one step on the numerics batch: the loss and every gradient (fp32, CPU);
+    `keep` holds what must live until apollo's plans are read (the compiled step)."""
+
+    step: Callable[..., Any]
+    loss_and_grads: Callable[[], tuple[float, dict]] | None = None
+    keep: Any = None
+
+
+@dataclass
+class Cell:
+    """One cell of the matrix: a model at a batch size. `entry` is its results entry ("batch", and
+    "model" where there are several; the variants' rows go to ``entry["variants"]``);
+    `reference()` makes eager's reference (a `reference` dict), None for none; `data` is what the
+    variants share (the model on the CPU, the batches)."""
+
+    label: str
+    entry: dict
+    reference: Callable[[], dict] | None = None
+    data: dict = field(default_factory=dict)
+
+
+def measure(name: str, build: Callable[[], Trial], ref: dict | None, device: torch.device, *, warmup: int,
+            steps: int, precision: str = "bf16", apollo: bool = False, back_to_back: bool = True,
+            context: contextlib.AbstractContextManager | None = None, say: Callable[..., None] = log) -> dict:
+    """One variant's row: `build()` (under `context`, with the peaks reset before it, so the
+    whole-run peaks count the model's copy, compile and capture), ``warmup`` steps, ``steps`` timed
+    steps and, with `back_to_back`, the same queued; memory as the module docstring says; numerics
+    against `ref` (none without one or without ``trial.loss_and_grads``)."""
+    row: dict[str, Any] = {"variant": name, "status": "ok"}
+    with diagnostics_for(row, name, apollo) as keep, (context or contextlib.nullcontext()):
+        row["left_over"] = left = left_over(device)  # earlier variants' memory, not this one's
+        if left is not None and left["allocated_gib"] > 0.01:
+            say(f"  [{name}] left over from earlier variants: {left['allocated_gib']:.2f} GiB allocated, "
+                f"{left['reserved_gib']:.2f} reserved; largest tensors {left['largest_tensors']}")
+        reset_peaks(device)
+        trial = build()
+        keep.append(trial.keep if trial.keep is not None else trial)  # see apollo_diagnostics
+        row["warmup_peaks_gib"] = []  # the whole-run peak after each warm-up step: which one set it
+        row.update(warm_up(trial.step, warmup, device,
+                           after_each=lambda: row["warmup_peaks_gib"].append(read_peaks(device)[0])))
+        say(f"  [{name}] compile + {warmup} warm-up steps: {row['compile_s']:.1f} s")
+        warm_alloc, warm_reserved = read_peaks(device)
+        reset_peaks(device)
+        row.update(spread(time_steps(trial.step, steps, device)))
+        if back_to_back:
+            b2b = time_back_to_back(lambda: trial.step(False), steps, device)
+            row.update(back_to_back_ms=b2b["ms"], back_to_back_rounds_ms=b2b["rounds_ms"],
+                       back_to_back_host_ms=b2b["host_ms"])
+        row["peak_alloc_gib"], row["peak_reserved_gib"] = read_peaks(device)
+        if row["peak_alloc_gib"] is None:
+            row["rss_gib"] = rss_gib()
+        else:  # the whole run, less what earlier variants left (as if run alone)
+            row["peak_alloc_all_gib"] = max(warm_alloc, row["peak_alloc_gib"]) - left["allocated_gib"]
+            row["peak_reserved_all_gib"] = max(warm_reserved, row["peak_reserved_gib"]) - left["reserved_gib"]
+        row["held"] = memory_held(device)
+        say(f"  [{name}] {steps} steps: {spread_text(row)}"
+            + (f"; back to back {row['back_to_back_ms']:.2f} ms (host {row['back_to_back_host_ms']:.2f})"
+               if back_to_back else "")
+            + (f"; timed steps {peaks_text(row['peak_alloc_gib'], row['peak_reserved_gib'])}; whole run "
+               f"{peaks_text(row['peak_alloc_all_gib'], row['peak_reserved_all_gib'])}"
+               if row["peak_alloc_gib"] is not None else ""))
+        if row["held"] is not None:
+            say(f"  [{name}] {memory_held_text(row['held'])}")
+        if ref is not None and trial.loss_and_grads is not None:
+            loss, grads = trial.loss_and_grads()
+            row["numerics"] = n = compare(loss, grads, ref, precision)
+            say(f"  [{name}] numerics {verdict(n)}: {numerics_text(n)}")
+    return row
+
+
+def run_matrix(cells: Iterable[Cell], variants: Sequence[str], run: Callable[[Cell, str, dict | None], dict],
+               device: torch.device, results: list[dict], *, on_update: Callable[[], Any] = lambda: None,
+               what: str = "eager", fields: Callable[[str], dict] = lambda variant: {},
+               say: Callable[..., None] = log) -> list[dict]:
+    """Every variant of every cell: ``run(cell, variant, ref)`` makes the variant's row (usually
+    through `measure`), guarded (`guarded`: an exception is a FAILED / OOM row, with
+    ``fields(variant)``), the device's memory freed after it and `on_update()` called (the results
+    written). A cell whose reference fails is skipped, the reason in its entry. Cells come one at a
+    time (a generator), so only one cell's batches sit on the device. Returns `results`."""
+    for cell in cells:
+        say(f"\n=== {cell.label} ===")
+        cell.entry.setdefault("variants", [])
+        results.append(cell.entry)
+        ref = None
+        if cell.reference is not None:
+            ref = batch_reference(cell.entry, cell.reference, what, say)
+            if ref is None:
+                free_device_memory(device)
+                on_update()
+                continue
+        for variant in variants:
+            say(f"--- {cell.label}, {variant}")
+            cell.entry["variants"].append(guarded(lambda: run(cell, variant, ref), variant, say, **fields(variant)))
+            free_device_memory(device)
+            on_update()
+        cell.data.clear()
+        del ref
+        free_device_memory(device)
+    return results
+
+
+def matrix_columns(baseline: str) -> list[str]:
+    """The columns every matrix table has after its lead columns and "variant"."""
+    return ["median ms", "p10", "p90", f"vs {baseline}", "b2b ms", f"b2b vs {baseline}", "b2b host ms",
+            "peak GiB", f"peak vs {baseline}", "reserved GiB", f"reserved vs {baseline}", "whole-run reserved GiB",
+            f"whole-run vs {baseline}", "compile s", "numerics"]
+
+
+def matrix_cells(r: dict, base: dict | None) -> list[str]:
+    """An ok row's `matrix_columns` cells: times and ratios to the baseline's (>1: faster), the
+    timed steps' peak allocated and reserved, the whole run's reserved (<1: less memory)."""
+    b2b = r.get("back_to_back_ms")
+    return [f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}", f"{r['p90_ms']:.2f}",
+            fmt(base["median_ms"] / r["median_ms"] if base else None, ".2f", "x"), fmt(b2b, ".2f"),
+            fmt(base["back_to_back_ms"] / b2b if base and b2b and base.get("back_to_back_ms") else None, ".2f", "x"),
+            fmt(r.get("back_to_back_host_ms"), ".2f"),
+            fmt(r.get("peak_alloc_gib"), ".2f"), fmt(memory_ratio(r, base, "peak_alloc_gib"), ".2f", "x"),
+            fmt(r.get("peak_reserved_gib"), ".2f"), fmt(memory_ratio(r, base, "peak_reserved_gib"), ".2f", "x"),
+            fmt(r.get("peak_reserved_all_gib"), ".2f"), fmt(memory_ratio(r, base, "peak_reserved_all_gib"), ".2f", "x"),
+            f"{r['compile_s']:.1f}", numerics_cell(r["numerics"]) if r.get("numerics") else "-"]
+
+
+def matrix_table(results: list[dict], baseline: str, lead: Sequence[str] = ("batch",)) -> str:
+    """The markdown table of `run_matrix`'s results: the `lead` fields of each entry, the variant,
+    `matrix_columns`; a row that did not run shows its status and error."""
+    header = [*lead, "variant", *matrix_columns(baseline)]
+    rows = []
+    for entry in results:
+        first = [str(entry.get(key, "")) for key in lead]
+        base = next((r for r in entry["variants"] if r["variant"] == baseline and r["status"] == "ok"), None)
+        for r in entry["variants"]:
+            if r["status"] != "ok":
+                error = (r.get("error") or "").splitlines()[0][:80].replace("|", "/") if r.get("error") else ""
+                rows.append([*first, r["variant"], r["status"]] + [""] * (len(header) - len(first) - 3) + [error])
+                continue
+            rows.append([*first, r["variant"], *matrix_cells(r, base)])
+    return markdown(header, rows)
+
+
+def write_results(out_dir: Path, stem: str, env: dict, head: Sequence[str], tables: Sequence[str],
+                  **data: Any) -> str:
+    """``<out_dir>/<stem>_results.md`` (the `head` lines, then each table) and
+    ``<stem>_results.json`` (``environment`` and `data`); returns the markdown."""
+    text = "\n".join(head) + "".join("\n\n" + t for t in tables if t) + "\n"
+    (out_dir / f"{stem}_results.md").write_text(text)
+    (out_dir / f"{stem}_results.json").write_text(json.dumps({"environment": env, **data}, indent=1, default=str))
+    return text
