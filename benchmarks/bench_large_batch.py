@@ -17,8 +17,10 @@ and ``--try-timeout`` seconds, and records:
     time       the timed steps' median (each from an idle GPU) and samples per second
 
 A batch fits when it trained. Results, after every try: ``<out>/large_batch_results.json`` and
-``.md``, each try's log under ``<out>/tries/``. On the CPU no cap exists: the search runs with
-``--max-batch`` as its bound (the tests' end-to-end run).
+``.md``, each try's log under ``<out>/tries/``. Every try compiles afresh (about a minute for the
+base models), so a device command of 10 minutes holds a few tries: split a run by ``--models``,
+``--cap-gib`` and ``--variants``, start near the edge (``--start``) or name the batches (``--at``).
+On the CPU no cap exists: the search runs with ``--max-batch`` as its bound (the tests' run).
 
     PYTHONPATH=. python benchmarks/bench_large_batch.py --models hf-clip --cap-gib 20 40 --variants inductor-ro apollo
     python benchmarks/bench_large_batch.py --device cpu --models hf-clip-tiny --variants apollo --start 2 \\
