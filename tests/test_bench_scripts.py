@@ -501,6 +501,25 @@ def test_large_batch_search_doubles_then_bisects_and_tries_each_batch_once():
     assert (listed["largest"], listed["smallest_failing"]) == (256, 320)
 
 
+def test_large_batch_says_whether_apollo_replayed_its_cuda_graphs():
+    """A try trains even where a capture fell back (un-graphed, warned): the table must say it did not
+    replay as CUDA graphs, and why; a capture declined near the limit is un-graphed by design."""
+    cuda = torch.device("cuda", 0)  # a device object only: graphed() reads the row
+    graph = {"replays": 5, "disabled": None, "ungraphed_calls": 0, "capture_refused": None}
+    row = {"apollo": [{"plan": "frame0_0", "graphs": {"forward": {"cuda_graph": graph},
+                                                      "backward": {"cuda_graph": dict(graph)}}}]}
+    assert bench_large_batch.graphed("apollo", row, cuda) == (True, [])
+    row["apollo"][0]["graphs"]["backward"]["cuda_graph"].update(disabled="OutOfMemoryError: CUDA out of memory")
+    assert bench_large_batch.graphed("apollo", row, cuda) == (
+        False, ["frame0_0 backward: OutOfMemoryError: CUDA out of memory"])
+    row["apollo"][0]["graphs"]["backward"] = {"cuda_graph": dict(graph, capture_refused="82% of the cap")}
+    assert bench_large_batch.graphed("apollo", row, cuda) == (
+        False, ["frame0_0 backward: un-graphed by design: 82% of the cap"])
+    assert bench_large_batch.graphed("apollo", {"apollo": []}, cuda)[0] is False  # no plan: nothing graphed
+    assert bench_large_batch.graphed("apollo", row, torch.device("cpu")) == (None, [])
+    assert bench_large_batch.graphed("eager", row, cuda) == (None, [])
+
+
 def test_large_batch_runs_each_try_in_a_process_of_its_own_on_the_cpu(tmp_path):
     """bench_large_batch.py end to end on the CPU (no allocator to cap: --max-batch bounds the
     search): every try a fresh process, each trains, the table and JSON come out."""
