@@ -426,10 +426,6 @@ def _align_shapes(grads: dict, ref: dict) -> dict:
             for n, g in grads.items()}
 
 
-def run_variant_guarded(name: str, *args_) -> dict:
-    return common.guarded(lambda: run_variant(name, *args_), name, say=lambda *a: log(*a, all_ranks=True))
-
-
 # --------------------------------------------------------------------------------------------
 # reporting
 
@@ -542,26 +538,23 @@ def main(argv=None) -> int:
     log(f"model: {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters")
 
     results: list[dict] = []
-    for batch_size in args.batch:
-        args.cur_batch = batch_size
-        log(f"\n=== per-GPU batch {batch_size} (global {world * batch_size}) ===")
-        entry: dict[str, Any] = {"batch": batch_size, "global_batch": world * batch_size, "variants": []}
-        results.append(entry)
-        batch = clip.make_batch(batch_size, device, args.config, seed=args.seed + 1000 * r)
-        numerics_batch = clip.make_batch(batch_size, device, args.config, seed=args.seed + 1 + 1000 * r)
-        ref = common.batch_reference(entry, functools.partial(reference, base, numerics_batch, device, args), "eager DDP",
-                                     say=lambda *a: log(*a, all_ranks=True))
-        if ref is None:
-            free_device_memory(device)
-            continue
-        for name in args.variants:
-            log(f"--- per-GPU batch {batch_size}, {name}")
-            entry["variants"].append(run_variant_guarded(name, base, batch, numerics_batch, ref, args, device))
-            free_device_memory(device)
-        del batch, numerics_batch, ref
-        free_device_memory(device)
-        if r == 0:
-            write_partial(env, results, out_dir)
+
+    def cells():
+        for batch_size in args.batch:
+            args.cur_batch = batch_size
+            batch = clip.make_batch(batch_size, device, args.config, seed=args.seed + 1000 * r)
+            numerics_batch = clip.make_batch(batch_size, device, args.config, seed=args.seed + 1 + 1000 * r)
+            yield common.Cell(f"per-GPU batch {batch_size} (global {world * batch_size})",
+                              {"batch": batch_size, "global_batch": world * batch_size},
+                              functools.partial(reference, base, numerics_batch, device, args),
+                              {"batch": batch, "numerics": numerics_batch})
+
+    say = functools.partial(log, all_ranks=True)
+    common.run_matrix(cells(), args.variants,
+                      lambda cell, name, ref: run_variant(name, base, cell.data["batch"], cell.data["numerics"], ref,
+                                                          args, device),
+                      device, results, what="eager DDP", say=say,
+                      on_update=lambda: write_partial(env, results, out_dir) if r == 0 else None)
 
     if r == 0:
         text = append(env, results, out_dir)

@@ -1,98 +1,32 @@
 """Peak memory and step time of the CLIP-style model (benchmarks/clip.py) under mixed precision,
 activation checkpointing and activation memory budgets, and the largest batch within a memory limit.
 
-Variants, run side by side in ONE process (absolute times drift between runs; DESIGN.md):
+Variants (``Variant.describe`` says what each sets up; ``variant_name`` takes any
+``apollo-bf16-budget-<f>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows][-offload[-stream]]``):
+eager fp32 (TF32 off: the numerics reference) and bf16 autocast, eager with per-block
+``torch.utils.checkpoint`` (and ``save_on_cpu``), Inductor with ``activation_memory_budget``, and
+apollo at ``precision="bf16"`` with ``memory_budget`` fractions, offloading, and the candidate
+choice under a budget measured (``-fw-measured``, ``-lanes-measured``, ``-bw-follows``: the rules
+of runtime/choice.py's ``ChooseFastest``).
 
-    eager-fp32               the nn.Module in fp32, TF32 off (true fp32: the numerics reference)
-    eager-bf16               bf16 autocast
-    eager-bf16-ckpt          bf16 autocast + torch.utils.checkpoint(use_reentrant=False) around
-                             every transformer block (each clip.Block is wrapped in a module)
-    inductor-budget-0.5      torch.compile(model) under bf16 autocast, with
-                             torch._functorch.config.activation_memory_budget = 0.5 (config.patch
-                             around compile and run)
-    apollo-bf16              torch.compile(model, backend="apollo", options={"precision": "bf16"});
-                             no autocast (apollo's cast pass lowers the compute-bound ops itself)
-    apollo-bf16-budget-0.5   ... options={"precision": "bf16", "memory_budget": 0.5}
-    apollo-bf16-budget-0.3   ... options={"precision": "bf16", "memory_budget": 0.3}
-    apollo-bf16-budget-0.2   ... options={"precision": "bf16", "memory_budget": 0.2}
-    apollo-bf16-budget-0.3-bytes-per-us
-                             budget 0.3, recompute chosen by bytes freed per microsecond alone
-                             (checkpoint.MEMORY_BOUND_FIRST = False: matmuls are not kept last)
-    apollo-bf16-budget-0.1   ... 0.1 and 0.05: below what the base model's partition can reach
-    apollo-bf16-budget-0.05      (about 0.11 of the plain partition's predicted peak): the lowest
-                                 predicted peak, for the largest batch within a memory limit
-    eager-bf16-ckpt-offload  eager-bf16-ckpt with torch.autograd.graph.save_on_cpu(pin_memory=True)
-                             around the forward: what checkpointing saves (each block's input) waits
-                             on the host (the by-hand counterpart of -offload)
-    apollo-bf16-budget-0.05-offload
-                             ... options={"precision": "bf16", "memory_budget": 0.05,
-                             "offload_activations": True}: the saved values wait on the host
-    apollo-bf16-budget-<f>[-bytes-per-us][-fw-measured|-lanes-measured|-bw-follows][-offload[-stream]]
-                             any other fraction f in (0, 1], named on the command line; -fw-measured: the forward's lane
-                             candidates measured and free to win even though its backward reuses the
-                             saved activations' memory (the rule before session 7:
-                             choice.ChooseFastest(memory_first=("backward",))); -lanes-measured: both
-                             graphs' (memory_first=(); the 1.1x pool bound of `fastest` still applies);
-                             -bw-follows: the forward's measured, and its donating backward replays
-                             the forward's choice unmeasured (follow_forward=True; measuring the
-                             backward held each candidate's pool beside every saved activation: 4.18
-                             vs 3.33 GiB at batch 64, budget 0.5, RESULTS.md session 9); -offload-stream:
-                             offloading with PyTorch's copies on a stream of their own
-                             (offload_stream_settings; on torch 2.11 Inductor fails on its stream op and
-                             the forward runs as eager ATen: RESULTS.md, session 15)
+Main phase, per batch size: common.py's variant matrix without back-to-back steps (every compile
+static). The ratio to eager fp32 and the search read the whole-run peak (compile, capture and
+warm-up included): a CUDA graph's buffers live in its private pool, so the timed replays' own
+allocated peak misses them. Numerics against eager fp32: bf16 variants by bf16's tolerance (PASS*
+within 2x eager bf16's distance from fp32), eager-fp32 by fp32's.
 
-Method (shared with bench_step.py, whose helpers this script imports): for each batch size, every
-variant gets a deep copy of one fp32 model built on the CPU from a fixed seed, moved to the device;
-``torch._dynamo.reset()``, ``gc`` and ``empty_cache()`` run between variants, and every compile is
-static (``dynamic=False``). A step is zero_grad + forward (the loss) + backward, no optimizer step.
-``--warmup`` steps (compilation, CUDA-graph capture: "compile s"), then ``--steps`` timed steps, each
-from an idle GPU (CUDA events after a synchronize). Memory: ``max_memory_allocated`` ("peak GiB") and
-``max_memory_reserved`` ("reserved GiB") over the timed steps (peak stats reset right before them),
-as in bench_step.py, and over the whole variant (model copy, compile and warm-up included:
-"whole-run peak GiB", ``peak_alloc_all_gib``). The ratio to eager fp32 and the batch search use the
-whole-run peak: a CUDA graph's internal buffers live in its private pool and are freed when
-capture ends, so ``max_memory_allocated`` over replays alone misses them (Inductor
-reduce-overhead shows 0.57 GiB "allocated" at batch 8 with 1.63 reserved), while capture (and
-apollo's un-graphed first call) needs them allocated: the whole-run peak is what training needs.
-The numerics batch stays on the CPU until the numerics step, so it is in no peak.
+Largest batch within ``--max-batch-search LIMIT_GIB`` (CUDA only; ``--skip-search`` turns it off):
+the allocator capped at LIMIT, a probe at batch B runs ``--warmup`` + ``--search-steps`` steps of a
+fresh copy in this process; B passes when nothing raises, the peak allocated is <= LIMIT and
+apollo's graphs replayed as CUDA graphs (or were left un-graphed by design). Powers of two, the
+first guessed from a fit of peak against batch, then bisection to 1/16, at most ``--search-probes``
+probes; main-phase rows decide without a probe where they can. ``--search-at B ...`` probes exactly
+those batches. (bench_large_batch.py runs each try in a fresh process, for the whole step.)
 
-Numerics, against eager **fp32** on the same weights: one step on a different fixed batch (same
-shapes), |loss - loss_fp32| and every parameter's ||g - g_fp32|| / ||g_fp32||, judged by
-bench_step.compare with the fp32 gradients as the reference: bf16 variants PASS with the loss within
-1% and every parameter within 2e-2; a parameter over 2e-2 still passes ("PASS*") when it is no further
-from fp32 than 2x eager bf16 autocast is (the bf16 noise floor, measured per batch and printed).
-eager-bf16 is therefore PASS* by construction (it *is* the floor, up to nondeterministic kernels);
-eager-fp32 is held to the fp32 tolerance (1e-3) and shows the run-to-run floor.
-
-Largest batch within ``--max-batch-search LIMIT_GIB`` (default 20; CUDA only; ``--skip-search``
-turns it off): for each variant, the allocator is capped with
-``torch.cuda.set_per_process_memory_fraction(LIMIT / total)`` (reset to 1.0 afterwards), and a probe
-at batch B runs ``--warmup`` + ``--search-steps`` steps of a fresh copy (compile included). B passes
-when nothing raises and the peak allocated over the whole probe is <= LIMIT; an out-of-memory error,
-another error, or a peak over LIMIT fails it. Search: powers of two until one passes and one fails
-(the first guess from a linear fit of peak vs batch over what is already measured), then a power of
-two between them if there is one, else the midpoint, until the gap is <= 1/16 of the passing batch or
-``--search-probes`` (default 4) probes have run for the variant. Results of the main phase are
-reused without a probe where they decide the question: reserved <= LIMIT (the cap would never have
-been reached, so a capped run is the same run) passes, allocated > LIMIT fails. ``--search-at B ...``
-replaces the doubling and bisection: it probes exactly those batches, in that order (to check an edge
-already located without re-finding it), skipping the ones already known, still within ``--search-probes``.
-
-Compiles: each compiled variant (inductor-*, apollo-*) costs one compile per main-phase batch and
-per probe (~40 s each on an H200; Inductor's on-disk caches shorten repeats). One command may run at
-most 10 minutes there: the script prints the number of compiles the flags imply before it starts;
-split a run with ``--variants``, ``--skip-search``, ``--search-variants`` (which to search, in order)
-and ``--search-probes``.
-
-Results are written after every variant and every probe to ``<out>/memory_results.json`` and
-``<out>/memory_results.md``; the markdown is printed last. On the CPU (a smoke test only) peak memory
-is not measured ("n/a"; the JSON records the process RSS after the timed steps) and the search is
-skipped.
-
-Usage (from the repo root):
+Results after every variant and probe: ``<out>/memory_results.json`` and ``.md``. Each compile
+takes about 40 s on the device; the script prints how many the flags imply.
 
     PYTHONPATH=. python benchmarks/bench_memory.py --batch 64 256 --skip-search
-    PYTHONPATH=. python benchmarks/bench_memory.py --batch 64 --variants eager-fp32 eager-bf16 eager-bf16-ckpt
     PYTHONPATH=. python benchmarks/bench_memory.py --batch 64 256 --variants apollo-bf16-budget-0.2 --max-batch-search 20
     python benchmarks/bench_memory.py --device cpu --config tiny --batch 4 --steps 2 --warmup 1 --skip-search \\
         --variants eager-fp32 eager-bf16 eager-bf16-ckpt apollo-bf16 apollo-bf16-budget-0.5
@@ -103,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
 import json
 import math
 import re
@@ -262,7 +195,7 @@ _BUDGET_VARIANT = re.compile(
 def offload_stream_settings() -> dict[str, bool]:
     """PyTorch's separate-stream activation offloading, as far as this torch has it: the copies to
     and from the host on a stream of their own, the forward's waits sunk and the backward's copies
-    prefetched. apollo's offloading (sessions 11-14) copies on the compute stream: at batch 64 its
+    prefetched. apollo's offloading copies on the compute stream: at batch 64 its
     step took 61 ms against 32.5 without offloading, about the time of ~1.2 GB over PCIe each step.
     Whether apollo's lanes and Inductor take these stream ops is what the variant is for."""
     known = functorch_config.get_config_copy()
@@ -354,54 +287,25 @@ def reference(base: nn.Module, batch_cpu: tuple, device: torch.device) -> dict:
 
 def run_variant(spec: Variant, base: nn.Module, batch: tuple, numerics_cpu: tuple, ref: dict, args,
                 device: torch.device) -> dict:
-    row: dict[str, Any] = {"variant": spec.name, "status": "ok", "setup": spec.describe()}
-    with common.diagnostics_for(row, spec.name, spec.compiler == "apollo") as keep:
-        return _run_variant(row, spec, base, batch, numerics_cpu, ref, args, device, keep)
+    """One variant at one batch size through common.measure (no back-to-back steps); numerics
+    against eager fp32, an fp32 variant without bf16's noise excuse."""
 
-
-def _run_variant(row: dict, spec: Variant, base: nn.Module, batch: tuple, numerics_cpu: tuple, ref: dict, args,
-                 device: torch.device, keep: list) -> dict:
-    common.reset_peaks(device)
-    with spec.context():
+    def build() -> common.Trial:
         model = copy.deepcopy(base).to(device)
         names = param_names(model)  # before prepare() wraps blocks
         step_fn = spec.prepare(model)
-        keep.append(step_fn)  # see common.apollo_diagnostics
+        return common.Trial(
+            step=lambda read_loss=True: common.train_step(model, step_fn, batch, device, spec.autocast),
+            loss_and_grads=lambda: common.loss_and_grads(model, step_fn, tuple(t.to(device) for t in numerics_cpu),
+                                                         device, spec.autocast, names),
+            keep=step_fn)
 
-        def run_step() -> None:
-            common.train_step(model, step_fn, batch, device, spec.autocast)
-
-        row["warmup_peaks_gib"] = []  # the whole-run peak after each warm-up step: which one set it
-        row.update(common.warm_up(run_step, args.warmup, device,
-                                  after_each=lambda: row["warmup_peaks_gib"].append(common.read_peaks(device)[0])))
-        warm_alloc, warm_reserved = common.read_peaks(device)
-        log(f"  [{spec.name}] compile + {args.warmup} warm-up steps: {row['compile_s']:.1f} s"
-            + (f", peak so far {warm_alloc:.2f} GiB allocated / {warm_reserved:.2f} reserved (after each "
-               f"step: {', '.join(f'{p:.2f}' for p in row['warmup_peaks_gib'])})" if warm_alloc else ""))
-
-        common.reset_peaks(device)
-        times = common.time_steps(run_step, args.steps, device)
-        row["peak_alloc_gib"], row["peak_reserved_gib"] = common.read_peaks(device)
-        if row["peak_alloc_gib"] is not None:
-            row["peak_alloc_all_gib"] = max(warm_alloc, row["peak_alloc_gib"])
-            row["peak_reserved_all_gib"] = max(warm_reserved, row["peak_reserved_gib"])
-        else:
-            row["rss_gib"] = common.rss_gib()
-        row.update(common.spread(times))
-        log(f"  [{spec.name}] {args.steps} steps: {common.spread_text(row)}, "
-            + (common.peaks_text(row["peak_alloc_gib"], row["peak_reserved_gib"])
-               if row["peak_alloc_gib"] is not None else f"RSS {fmt(row.get('rss_gib'), '.2f')} GiB"))
-
-        numerics_batch = tuple(t.to(device) for t in numerics_cpu)
-        loss, grads = common.loss_and_grads(model, step_fn, numerics_batch, device, spec.autocast, names)
     check_ref = ref if spec.tolerance == "bf16" else dict(ref, noise_floor=None)  # fp32: no bf16 excuse
-    row["numerics"] = n = common.compare(loss, grads, check_ref, spec.tolerance)
-    log(f"  [{spec.name}] numerics vs eager fp32 {common.verdict(n)}: {common.numerics_text(n)}")
+    row = common.measure(spec.name, build, check_ref, device, warmup=args.warmup, steps=args.steps,
+                         precision=spec.tolerance, apollo=spec.compiler == "apollo", back_to_back=False,
+                         context=spec.context())
+    row["setup"] = spec.describe()
     return row
-
-
-def run_variant_guarded(spec: Variant, *args_) -> dict:
-    return common.guarded(lambda: run_variant(spec, *args_), spec.name, setup=spec.describe())
 
 
 # --------------------------------------------------------------------------------------------
@@ -814,26 +718,26 @@ def main(argv=None) -> int:
 
     results: list[dict] = []
     searches: list[dict] = []
-    for batch_size in args.batch:
-        log(f"\n=== batch {batch_size} ===")
-        entry: dict[str, Any] = {"batch": batch_size, "variants": []}
-        results.append(entry)
-        batch = clip.make_batch(batch_size, device, args.config, seed=args.seed)
-        numerics_cpu = clip.make_batch(batch_size, "cpu", args.config, seed=args.seed + 1)
-        ref = common.batch_reference(entry, functools.partial(reference, base, numerics_cpu, device))
-        if ref is None:
-            del batch
-            common.free_device_memory(device)
-            continue
-        entry["loss_ref_fp32"] = ref["loss"]
-        log(f"  reference: loss fp32 {ref['loss']:.5f}, bf16 {ref['noise_summary']['loss_bf16']:.5f}")
-        for name in args.variants:
-            log(f"--- batch {batch_size}, {name}")
-            entry["variants"].append(run_variant_guarded(VARIANTS[name], base, batch, numerics_cpu, ref, args, device))
-            common.free_device_memory(device)
-            report(env, results, searches, out_dir, args)  # after every variant: a crash keeps what was measured
-        del batch, ref
-        common.free_device_memory(device)
+
+    def cells():
+        for batch_size in args.batch:
+            batch = clip.make_batch(batch_size, device, args.config, seed=args.seed)
+            numerics_cpu = clip.make_batch(batch_size, "cpu", args.config, seed=args.seed + 1)
+            entry: dict[str, Any] = {"batch": batch_size}
+
+            def make_reference() -> dict:
+                ref = reference(base, numerics_cpu, device)
+                entry["loss_ref_fp32"] = ref["loss"]
+                log(f"  reference: loss fp32 {ref['loss']:.5f}, bf16 {ref['noise_summary']['loss_bf16']:.5f}")
+                return ref
+
+            yield common.Cell(f"batch {batch_size}", entry, make_reference, {"batch": batch, "numerics": numerics_cpu})
+
+    common.run_matrix(cells(), args.variants,
+                      lambda cell, name, ref: run_variant(VARIANTS[name], base, cell.data["batch"],
+                                                          cell.data["numerics"], ref, args, device),
+                      device, results, what="eager fp32", fields=lambda name: {"setup": VARIANTS[name].describe()},
+                      on_update=lambda: report(env, results, searches, out_dir, args))
 
     if not args.skip_search:
         log(f"\n=== largest batch within {args.max_batch_search:g} GiB ===")

@@ -1,58 +1,18 @@
 """Time one training step of the CLIP-style model (benchmarks/clip.py) under several compilers.
 
-Variants, run side by side in ONE process (so absolute times are comparable; DESIGN.md notes
-they drift between runs):
+Variants, run side by side in ONE process (absolute times drift between runs; DESIGN.md):
 
     eager          the nn.Module as is
     inductor       torch.compile(model)
     inductor-ro    torch.compile(model, mode="reduce-overhead")   (Inductor + CUDA graph trees)
     apollo-1lane   torch.compile(model, backend="apollo", options={"max_lanes": 1})
     apollo         torch.compile(model, backend="apollo")
+    inductor-ro-ca, apollo-ca   (named on the command line) the backward traced by compiled autograd
 
-Method, for each batch size (common.py holds the timing, memory and numerics code every
-benchmark here shares):
-
-1. The model is built once on the CPU from a fixed seed and kept there; every variant gets a
-   deep copy moved to the device, so all variants start from identical weights and no other
-   variant's tensors sit in device memory while one is measured. ``torch._dynamo.reset()``
-   (which also drops CUDA-graph trees) runs between variants.
-2. The step is ``zero_grad(set_to_none=True)``; forward (which returns the contrastive loss)
-   under ``torch.autocast(<device>, dtype=torch.bfloat16)`` unless ``--no-amp``; ``backward()``
-   outside autocast. There is **no optimizer step**: the weights never change, so every
-   variant's numerics check below runs at exactly the reference weights, and the optimizer's
-   time (the same for every variant) does not dilute the differences.
-3. Warm-up: ``--warmup`` steps on the timing batch; compilation (and CUDA-graph recording)
-   happens here. Their total wall time, synchronised, is reported as "compile s". Inductor's
-   on-disk caches may shorten it for a graph already compiled earlier (``--no-compile-cache``).
-4. Timing: ``--steps`` steps, each bracketed by a ``torch.cuda.Event`` pair after a
-   ``synchronize()`` (the step's latency from an idle GPU, host launch overhead included);
-   ``time.perf_counter`` on the CPU. Reported: median, p10, p90 in ms. Then ``--steps`` more
-   steps queued back to back, one synchronize before and after, five times ("back-to-back ms",
-   per step, the median round; "b2b host ms", the host's own time per step in those rounds): a
-   loop that never reads a value from the GPU hides the host's work behind the GPU's, where
-   the idle-GPU latency shows all of it before the first launch.
-5. Memory: ``reset_peak_memory_stats()`` right before the timed steps, then
-   ``max_memory_allocated`` ("peak GiB", as PyTorch reports it) and ``max_memory_reserved``
-   ("reserved GiB"). Read the reserved column for CUDA-graph variants: a graph's replay does not
-   go through the allocator, so its internal buffers live in the graph's private pool (reserved)
-   without showing as allocated while it runs.
-6. Numerics: after timing, one step on a *different* fixed batch (same shapes, other values:
-   a compiled artifact that baked in its inputs fails here) compared with eager on the same
-   weights and the same autocast: |loss - loss_ref| and max over parameters of
-   ||g - g_ref|| / ||g_ref||. The eager variant is checked too (it shows the run-to-run floor:
-   atomics make some CUDA backward kernels nondeterministic). PASS needs the loss within
-   LOSS_RTOL and every parameter within GRAD_RTOL (2e-2 under bf16 autocast; the comment at the
-   constants in common.py says why). With AMP, eager fp32 gradients are computed too: eager bf16's distance
-   from them is the bf16 noise floor (printed per batch), and a parameter over GRAD_RTOL still
-   passes ("PASS*") if the variant is no further from fp32 than 2x eager bf16 is.
-
-Each variant runs inside try/except: an exception (an out-of-memory error included) prints its
-traceback, marks the row FAILED (or OOM), and the run continues. Results are written after every
-variant to ``<out>/step_results.json`` and ``<out>/step_results.md``; the markdown table is printed
-last. Note that a CUDA error that corrupts the context (illegal memory access) cannot be contained
-in-process: later variants will fail too, which is why the apollo variants run last.
-
-Usage (from the repo root; apollo_compile is imported from there):
+The step is zero_grad, the forward under bf16 autocast (``--no-amp``: fp32) and ``backward()``,
+no optimizer step: the weights never change, so the numerics check runs at the reference weights.
+Timing, memory, numerics and the table are common.py's variant matrix. Results go to
+``<out>/step_results.json`` and ``.md``, written after every variant.
 
     PYTHONPATH=. python benchmarks/bench_step.py --batch 8 32 128
     python benchmarks/bench_step.py --device cpu --config tiny --batch 2 --variants eager inductor --steps 3 --warmup 1
@@ -63,8 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -77,13 +35,8 @@ sys.path.insert(0, str(HERE))  # benchmarks/clip.py, common.py (already first wh
 sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 
 import clip  # noqa: E402  (benchmarks/clip.py)
-from common import (  # noqa: E402  (the method every benchmark here shares)
-    add_run_args, batch_reference, compare, device_and_out_dir, diagnostics_for, environment, failed_cells, fmt,
-    free_device_memory, guarded, header_line, log, loss_and_grads, markdown, memory_ratio, no_tf32, noise_floor_lines,
-    numerics_cell, numerics_text,
-    parse_run_args, read_peaks, reference as reference_from, reset_peaks, spread, spread_text, time_back_to_back, time_steps,
-    tolerance_text, train_step, verdict, warm_up,
-)
+import common  # noqa: E402  (the method every benchmark here shares)
+from common import log, time_back_to_back, train_step  # noqa: E402,F401  (re-exported for the tests)
 
 VARIANTS = ("eager", "inductor", "inductor-ro", "apollo-1lane", "apollo")
 # named on the command line only: the backward traced by compiled autograd (CompiledAutogradStep)
@@ -107,11 +60,10 @@ class CompiledAutogradStep:
     """A compiled forward whose backward compiled autograd traces, engine work and all, into one
     graph for `backward_compiler` (`train_step` enters `backward_context` around the backward).
 
-    Why (issue 3, batch 8): the step is bound by host work, 3.2-3.8 ms of it between the backward's
-    launch and ``backward()`` returning, in AOTAutograd and the engine's ~200 AccumulateGrad calls
-    (RESULTS.md, session 13). Compiled autograd takes that into the graph, at its own cost per step
-    (the autograd graph walked and looked up in its cache). Its graph has no module paths, so apollo
-    gives it one lane (session 14, on the CPU)."""
+    Why: a small batch's step is bound by host work between the backward's launch and
+    ``backward()`` returning, in AOTAutograd and the engine's AccumulateGrad calls (RESULTS.md,
+    "Host time of a batch-8 step"). Compiled autograd takes that into the graph, at its own cost
+    per step. Its graph has no module paths, so apollo gives it one lane."""
 
     def __init__(self, forward: Callable[..., torch.Tensor], backward_compiler: Callable) -> None:
         self.forward, self.backward_compiler = forward, backward_compiler
@@ -144,94 +96,42 @@ def compile_variant(name: str, model: nn.Module) -> Callable[..., torch.Tensor]:
 
 
 # --------------------------------------------------------------------------------------------
-# one variant, one batch size
+# the matrix
 
 
 def reference(base: nn.Module, batch: tuple, device: torch.device, amp: bool) -> dict:
-    """Eager loss and gradients on the numerics batch. With AMP also eager fp32's gradients and
-    eager bf16's per-parameter distance from them (the bf16 noise floor)."""
+    """Eager loss and gradients on the numerics batch; with AMP also eager fp32's (the noise floor)."""
     model = copy.deepcopy(base).to(device)
-    loss, grads = loss_and_grads(model, model, batch, device, amp)
+    loss, grads = common.loss_and_grads(model, model, batch, device, amp)
     fp32 = None
     if amp:
-        with no_tf32():
-            fp32 = loss_and_grads(model, model, batch, device, False)
+        with common.no_tf32():
+            fp32 = common.loss_and_grads(model, model, batch, device, False)
     del model
-    free_device_memory(device)
-    return reference_from(loss, grads, fp32)
+    common.free_device_memory(device)
+    return common.reference(loss, grads, fp32)
 
 
-def run_variant(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args, device) -> dict:
-    row: dict[str, Any] = {"variant": name, "status": "ok"}
-    with diagnostics_for(row, name, name.startswith("apollo")) as keep:
-        return _run_variant(row, name, base, batch, numerics_batch, ref, args, device, keep)
-
-
-def _run_variant(row: dict, name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args,
-                 device, keep: list) -> dict:
+def trial(name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, device: torch.device,
+          amp: bool) -> common.Trial:
     model = copy.deepcopy(base).to(device)
     step_fn = compile_variant(name, model)
-    keep.append(step_fn)  # see common.apollo_diagnostics
-
-    def run_step() -> None:
-        train_step(model, step_fn, batch, device, args.amp)
-
-    row.update(warm_up(run_step, args.warmup, device))
-    log(f"  [{name}] compile + {args.warmup} warm-up steps: {row['compile_s']:.1f} s")
-
-    reset_peaks(device)
-    times = time_steps(run_step, args.steps, device)
-    alloc, reserved = read_peaks(device)
-    if alloc is not None:
-        row["peak_alloc_gib"], row["peak_reserved_gib"] = alloc, reserved
-    row.update(spread(times))
-    b2b = time_back_to_back(run_step, args.steps, device)
-    row.update(back_to_back_ms=b2b["ms"], back_to_back_rounds_ms=b2b["rounds_ms"], back_to_back_host_ms=b2b["host_ms"])
-    log(f"  [{name}] {args.steps} steps: {spread_text(row)}, "
-        f"{b2b['ms']:.2f} ms per step back to back (median of {len(b2b['rounds_ms'])} rounds, host "
-        f"{b2b['host_ms']:.2f} ms per step)" + (f", peak {alloc:.2f} GiB allocated / {reserved:.2f} reserved"
-                                                 if alloc is not None else ""))
-
-    loss, grads = loss_and_grads(model, step_fn, numerics_batch, device, args.amp)
-    row["numerics"] = n = compare(loss, grads, ref, "bf16" if args.amp else "fp32")
-    log(f"  [{name}] numerics {verdict(n)}: {numerics_text(n)}")
-    return row
+    return common.Trial(step=lambda read_loss=True: train_step(model, step_fn, batch, device, amp),
+                        loss_and_grads=lambda: common.loss_and_grads(model, step_fn, numerics_batch, device, amp),
+                        keep=step_fn)
 
 
-def run_variant_guarded(name: str, *args_) -> dict:
-    """run_variant; an exception becomes a FAILED (or OOM) row with its traceback."""
-    return guarded(lambda: run_variant(name, *args_), name)
-
-
-# --------------------------------------------------------------------------------------------
-# reporting
-
-
-HEADER = ["batch", "variant", "median ms", "p10", "p90", f"vs {BASELINE}", "back-to-back ms",
-          f"back-to-back vs {BASELINE}", "b2b host ms", "peak GiB", f"peak / {BASELINE}", "reserved GiB",
-          f"reserved / {BASELINE}", "compile s", "numerics"]
+def cells(base: nn.Module, args, device: torch.device):
+    for batch_size in args.batch:
+        batch = clip.make_batch(batch_size, device, args.config, seed=args.seed)
+        numerics_batch = clip.make_batch(batch_size, device, args.config, seed=args.seed + 1)
+        yield common.Cell(f"batch {batch_size}", {"batch": batch_size},
+                          lambda: reference(base, numerics_batch, device, args.amp),
+                          {"batch": batch, "numerics": numerics_batch})
 
 
 def markdown_table(results: list[dict]) -> str:
-    rows = []
-    for entry in results:
-        base = next((r for r in entry["variants"] if r["variant"] == BASELINE and r["status"] == "ok"), None)
-        for r in entry["variants"]:
-            if r["status"] != "ok":
-                rows.append(failed_cells(entry["batch"], r, len(HEADER)))
-                continue
-            ratio = base["median_ms"] / r["median_ms"] if base else None
-            b2b = r.get("back_to_back_ms")
-            b2b_ratio = base["back_to_back_ms"] / b2b if base and b2b and base.get("back_to_back_ms") else None
-            rows.append([
-                str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}",
-                f"{r['p90_ms']:.2f}", fmt(ratio, ".2f", "x"), fmt(b2b, ".2f"), fmt(b2b_ratio, ".2f", "x"),
-                fmt(r.get("back_to_back_host_ms"), ".2f"), fmt(r.get("peak_alloc_gib"), ".2f"),
-                fmt(memory_ratio(r, base, "peak_alloc_gib"), ".2f", "x"), fmt(r.get("peak_reserved_gib"), ".2f"),
-                fmt(memory_ratio(r, base, "peak_reserved_gib"), ".2f", "x"), f"{r['compile_s']:.1f}",
-                numerics_cell(r["numerics"]),
-            ])
-    return markdown(HEADER, rows)
+    return common.matrix_table(results, BASELINE)
 
 
 def report(env: dict, results: list[dict], out_dir: Path) -> str:
@@ -239,17 +139,14 @@ def report(env: dict, results: list[dict], out_dir: Path) -> str:
     head = [
         f"# apollo step benchmark: CLIP-style ({env['config']}), {env['amp']}",
         "",
-        header_line(env),
+        common.header_line(env),
         f"{env['warmup']} warm-up + {env['steps']} timed steps of zero_grad + forward + backward (no optimizer step), "
         f"each from an idle GPU, then {env['steps']} back to back (ms per step); "
-        f"ratio = {BASELINE} median / variant median (>1: faster than {BASELINE}); numerics vs eager, "
-        f"{tolerance_text(precision)}.",
-        *noise_floor_lines(results),
+        f"ratio = {BASELINE} median / variant median (>1: faster than {BASELINE}); peak and reserved over the timed "
+        f"steps, whole-run reserved from before the compile; numerics vs eager, {common.tolerance_text(precision)}.",
+        *common.noise_floor_lines(results),
     ]
-    text = "\n".join(head) + "\n\n" + markdown_table(results) + "\n"
-    (out_dir / "step_results.md").write_text(text)
-    (out_dir / "step_results.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
-    return text
+    return common.write_results(out_dir, "step", env, head, [markdown_table(results)], results=results)
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,45 +156,33 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32, 128])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + COMPILED_AUTOGRAD_VARIANTS,
-                   help="default: the five of issue 3's table; -ca: the backward under compiled autograd")
+                   help="default: the five above; -ca: the backward under compiled autograd")
     p.add_argument("--config", default="base", choices=sorted(clip.CONFIGS))
-    add_run_args(p, steps=20, warmup=5)
-    return parse_run_args(p, argv)
+    common.add_run_args(p, steps=20, warmup=5)
+    return common.parse_run_args(p, argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if (setup := device_and_out_dir(args)) is None:
+    if (setup := common.device_and_out_dir(args)) is None:
         return 2
     device, out_dir = setup
-
-    env = environment(device, config=args.config, amp="bf16 autocast" if args.amp else "fp32", steps=args.steps,
-                      warmup=args.warmup, optimizer_step=False)
-    log(header_line(env))
+    env = common.environment(device, config=args.config, amp="bf16 autocast" if args.amp else "fp32",
+                             steps=args.steps, warmup=args.warmup, optimizer_step=False)
+    log(common.header_line(env))
     log(f"config {args.config} | {env['amp']} | batches {args.batch} | variants {args.variants} | out {out_dir}")
-
     base = clip.build(args.config, device="cpu", seed=args.seed)  # stays on the CPU; copies go to the device
     log(f"model: {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters")
 
-    results: list[dict] = []
-    for batch_size in args.batch:
-        log(f"\n=== batch {batch_size} ===")
-        entry: dict[str, Any] = {"batch": batch_size, "variants": []}
-        results.append(entry)
-        batch = clip.make_batch(batch_size, device, args.config, seed=args.seed)
-        numerics_batch = clip.make_batch(batch_size, device, args.config, seed=args.seed + 1)
-        ref = batch_reference(entry, functools.partial(reference, base, numerics_batch, device, args.amp))
-        if ref is None:
-            free_device_memory(device)
-            continue
-        for name in args.variants:
-            log(f"--- batch {batch_size}, {name}")
-            entry["variants"].append(run_variant_guarded(name, base, batch, numerics_batch, ref, args, device))
-            free_device_memory(device)
-            report(env, results, out_dir)  # after every variant: a crash keeps what was measured
-        del batch, numerics_batch, ref
-        free_device_memory(device)
+    def run(cell: common.Cell, name: str, ref: dict) -> dict:
+        data = cell.data
+        return common.measure(name, lambda: trial(name, base, data["batch"], data["numerics"], device, args.amp),
+                              ref, device, warmup=args.warmup, steps=args.steps,
+                              precision="bf16" if args.amp else "fp32", apollo=name.startswith("apollo"))
 
+    results: list[dict] = []
+    common.run_matrix(cells(base, args, device), args.variants, run, device, results,
+                      on_update=lambda: report(env, results, out_dir))
     text = report(env, results, out_dir)
     log(f"\nwrote {out_dir / 'step_results.json'} and {out_dir / 'step_results.md'}\n")
     log(text)

@@ -1,90 +1,25 @@
 """The user's whole training step on Hugging Face and timm two-tower models: apollo against
-Inductor's reduce-overhead, the loss read every step.
+Inductor's reduce-overhead, the loss read every step (the README's first table).
 
-The README's first table (issue 24) is this measurement. Models, with random weights from their
-configurations (nothing is downloaded; the step's cost does not depend on the values):
+Models, with random weights from their configurations (nothing is downloaded):
 
-    hf-clip        transformers CLIPModel, ViT-B/16 at 224 px + CLIP's 12-layer text tower (77
-                   tokens), its contrastive loss (``return_loss=True``)
-    hf-siglip      transformers SiglipModel, base: ViT-B/16 at 224 px + a 12-layer text tower (64
-                   tokens), its sigmoid loss
-    timm-vit-bert  timm ``vit_base_patch16_224`` (no head) + transformers BertModel base (64 tokens,
-                   the [CLS] feature; dropout off), bias-free projections to 512, CLIP's contrastive loss
-    hf-llava       transformers LlavaForConditionalGeneration: a CLIP ViT-B/16 vision tower at 224 px
-                   (196 image tokens), its projector, an 8-layer Llama of width 1024 (vocabulary
-                   32000); 196 image tokens + 64 text tokens, the language-modelling loss on them
-                   (issue 24: Inductor reduce-overhead fails on it, so compare eager, inductor, apollo)
+    hf-clip        transformers CLIPModel, ViT-B/16 at 224 px + its 12-layer text tower (77 tokens)
+    hf-siglip      transformers SiglipModel, base: ViT-B/16 at 224 px + a 12-layer text tower (64 tokens)
+    timm-vit-bert  timm ``vit_base_patch16_224`` + BERT base (64 tokens), CLIP's contrastive loss
+    hf-llava       LlavaForConditionalGeneration: a CLIP ViT-B/16 tower, its projector, an 8-layer
+                   Llama of width 1024; 196 image tokens + 64 text tokens, the language-model loss
     <model>-tiny   the same classes, 2 layers of width 32 at 32 px and 16 tokens, for CPU runs
 
-Each is compiled as the module it is (``torch.compile(model, ...)``) or, in the *-step variants,
-as the whole step: apollo finds the towers from the dataflow (pixels and tokens reach their own
-matmuls) and names them by module path (``vision_model`` / ``text_model``; ``vision`` / ``text``).
+Variants (VARIANT_HELP says what each is): the model compiled as a module (eager, inductor,
+inductor-ro, apollo, apollo-1lane, regional compilation), the whole step compiled as one graph
+(inductor-ro-step, apollo-step, apollo-step-opt with the optimizer's update inside), and the
+memory-saving choices at ``--budget`` (apollo's ``memory_budget``, Inductor's
+``activation_memory_budget``, Hugging Face gradient checkpointing).
 
-Variants, side by side in ONE process (common.py's method; DESIGN.md: times drift between runs):
-
-    eager          the module as is
-    inductor       torch.compile(model): Inductor's default mode, no CUDA graphs
-    inductor-ro    torch.compile(model, mode="reduce-overhead")
-    apollo         torch.compile(model, backend="apollo", options=--apollo-options)
-    apollo-bw-measured  the same with the backward's candidates timed at its capture too, as before
-                   session 28 (``ChooseFastest(follow_forward=False)``; runtime/choice.py, NOTE: A
-                   donating backward follows its forward): what that measuring costs in memory
-    apollo-step    apollo_compile.compile_step(step): the forward, its loss and ``loss.backward()``
-                   in one compiled function (one graph where this torch's Dynamo traces the backward;
-                   else the module path, with the ApolloFallbackWarning the row records); the
-                   optimizer stays outside it
-    apollo-step-opt  the same with the optimizer's update inside the graph
-                   (``compile_step(step, optimizer=opt)``): the loop calls no ``optimizer.step()``;
-                   every parameter in its tower's list (torch's multi-tensor kernel), each list cut
-                   into parts run as their gradients complete (``fused_update.py``, NOTE: Small
-                   parameters share a launch; ``passes/update_lists.py``)
-    apollo-step-opt-inductor  the same with the update as Adam's formula for Inductor to fuse
-                   (option ``optimizer_update="inductor"``: a faster graph, a longer compile)
-    apollo-step-opt-uncut  apollo-step-opt with each tower's list whole, after its backward
-                   (``update_lists.LAUNCH_CHUNKS`` and ``LAUNCH_TENSORS`` unbounded; session 36's layout)
-    apollo-step-opt-cut-by-chunks  apollo-step-opt with parts bounded by 320 chunks alone, not 36
-                   tensors too (``update_lists.LAUNCH_TENSORS`` unbounded): about the cut to session
-                   42, by elements, whose parts took two launches each
-    apollo-step-opt-lists-small  apollo-step-opt with only the small parameters (<= 65536 elements)
-                   in lists, a Triton op per larger weight (``fused_update.FOREACH_NUMEL = 65536``)
-    apollo-step-opt-per-param  apollo-step-opt with an update op for every parameter (a Triton
-                   kernel each on CUDA: ``fused_update.FOREACH_NUMEL = 0``; session 35's layout)
-    apollo-step-opt-narrow  apollo-step-opt with the weights' gradients made by bf16 matmuls and
-                   cast to float32 for the lists (``passes.gradients.WIDE_MATMUL_DEVICES`` empty;
-                   the layout before session 38)
-    apollo-step-opt-masks-as-traced  apollo-step-opt with attention masks left as the model traced
-                   them (no ``passes/attention_masks.py``: a broadcast mask sends SDPA to its float32
-                   math path; the tree before session 41)
-    apollo-no-first-step-pool  apollo with its first, un-graphed step in the default memory pool,
-                   not in one of its own (``runtime.graph_pool.FIRST_STEP_POOL`` empty; the default
-                   before session 48: NOTE: The first step in a pool of its own)
-    apollo-step-opt-first-step-pool  apollo-step-opt with its first step in a pool of its own
-                   ("inference" added to ``FIRST_STEP_POOL``; off by default, no memory effect measured)
-    apollo-1lane   apollo with ``max_lanes=1``: every graph on one stream (what lanes cost in memory)
-    apollo-side-grads-own, apollo-main-allocated  apollo with ``passes.main_allocated.ENABLED``
-                   off (a backward's side lane allocates its own gradients) or on (its last gradients
-                   in memory the main lane freed, session 52; on by default since session 53)
-    inductor-ro-regional, apollo-regional  regional compilation: every block of a list of blocks
-                   of one class compiled on its own (``compile_regions``, as accelerate's), the
-                   rest eager; one compiled graph serves every block (runtime/instances.py)
-
-A step is what a training loop runs: ``optimizer.zero_grad(set_to_none=True)``, the forward and
-its loss under bf16 autocast (``--no-amp``: fp32), ``backward()``, a fused AdamW step (CUDA; the
-plain one on the CPU), and ``loss.item()``, which waits for the step: a loop that logs its loss
-every step runs this way. The optimizer runs with ``--lr 0`` by default: the fused kernel does
-the same work at any learning rate, and the weights stay the reference's, so the numerics check
-after the timed steps compares with eager at the same weights.
-
-Per model and batch size: ``--warmup`` steps (compile, CUDA-graph capture; "compile s"), then
-``--steps`` steps, each from an idle GPU (``common.time_steps``): median, p10, p90; then the same
-steps queued back to back without reading the loss (``common.time_back_to_back``: "b2b ms").
-Memory: the peak allocated and reserved over the whole variant, from the model's copy to the
-device through compile, capture and the timed steps (a CUDA graph's pool is allocated while it is
-captured, so this is what training needs), less what was still allocated / reserved when the
-variant started (what earlier variants left: ``common.left_over``, in the log and JSON); the
-timed steps' own peak ("steps' peak"); and what the allocator holds between steps, pool by pool
-(``common.memory_held``, in the log and JSON). Numerics as bench_step.py's: one step on another
-batch against eager, PASS / PASS* by ``common.compare``.
+A step is ``zero_grad(set_to_none=True)``, the forward and loss under bf16 autocast, ``backward()``,
+a fused AdamW step (``--lr 0``: the weights stay the reference's) and ``loss.item()``. Timing,
+memory (the timed steps' peaks, and the whole run's from before the compile) and numerics against
+eager are common.py's variant matrix; results go to ``<out>/whole_step_results.json`` and ``.md``.
 
     PYTHONPATH=. python benchmarks/bench_whole_step.py --models hf-clip --batch 8 32
     python benchmarks/bench_whole_step.py --device cpu --models hf-clip-tiny --batch 2 --steps 2 --warmup 1 \\
@@ -96,8 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -113,16 +46,36 @@ sys.path.insert(0, str(HERE))  # common.py
 sys.path.insert(1, str(HERE.parent))  # the repo root, for apollo_compile
 
 import common  # noqa: E402  (the method every benchmark here shares)
-from common import fmt, log  # noqa: E402
+from common import log  # noqa: E402
 
-VARIANTS = ("eager", "inductor", "inductor-ro", "inductor-ro-step", "apollo", "apollo-bw-measured", "apollo-step",
-            "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor", "apollo-step-opt-uncut",
-            "apollo-step-opt-lists-small", "apollo-step-opt-per-param", "apollo-step-opt-narrow",
-            "apollo-step-opt-masks-as-traced", "apollo-no-first-step-pool", "apollo-step-opt-first-step-pool",
-            "apollo-step-opt-cut-by-chunks", "inductor-ro-regional", "apollo-regional", "apollo-1lane",
-            "apollo-side-grads-own", "apollo-main-allocated")
+VARIANT_HELP = {
+    "eager": "the module as is",
+    "inductor": "torch.compile(model): Inductor's default mode, no CUDA graphs",
+    "inductor-ro": 'torch.compile(model, mode="reduce-overhead")',
+    "inductor-ro-step": "reduce-overhead on the whole step (forward, loss, backward), Dynamo tracing the backward",
+    "apollo": 'torch.compile(model, backend="apollo", options=--apollo-options)',
+    "apollo-1lane": "apollo with max_lanes=1: every graph on one stream",
+    "apollo-step": "apollo_compile.compile_step(step): forward, loss and backward in one graph; AdamW outside",
+    "apollo-step-1lane": "apollo-step with max_lanes=1",
+    "apollo-step-opt": "compile_step(step, optimizer=opt): the optimizer's update inside the graph",
+    "apollo-step-opt-inductor": 'apollo-step-opt with optimizer_update="inductor" (Adam\'s formula for Inductor to fuse)',
+    "inductor-ro-regional": "each block of a list of repeated blocks compiled on its own (reduce-overhead), the rest eager",
+    "apollo-regional": "the same with apollo",
+    "apollo-budget": "apollo with memory_budget=--budget",
+    "apollo-step-opt-budget": "apollo-step-opt with memory_budget=--budget",
+    "inductor-ro-amb": "reduce-overhead with Inductor's activation_memory_budget=--budget",
+    "inductor-ro-hf-ckpt": "reduce-overhead on the model with its own gradient checkpointing on (HF, timm)",
+    "apollo-side-grads-own": "apollo with a backward's side lanes allocating their own gradients "
+                             "(passes.main_allocated.ENABLED off)",
+    "apollo-main-allocated": "apollo with passes.main_allocated.ENABLED on (the default), beside the row above",
+    "apollo-no-first-step-pool": "apollo with its first, un-graphed step in the default pool "
+                                 "(runtime.graph_pool.FIRST_STEP_POOL empty)",
+    "apollo-step-opt-first-step-pool": 'apollo-step-opt with "inference" graphs\' first steps in a pool of their own too',
+}
+VARIANTS = tuple(VARIANT_HELP)
 BASELINE = "inductor-ro"
 MODELS = ("hf-clip", "hf-siglip", "timm-vit-bert", "hf-llava")
+DEFAULT_BUDGET = 0.5
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,8 +106,8 @@ class TimmBert(nn.Module):
         else:
             self.vision = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=0)
         # Dropout off (BERT's default is 0.1): compiled code draws other random masks than eager
-        # does, so with it on no compiler's loss could match eager's (every timm row FAILed on the
-        # loss to session 41). CLIP's and SigLIP's configs have no dropout by default either.
+        # does, so with it on no compiler's loss could match eager's. CLIP's and SigLIP's configs
+        # have no dropout by default either.
         cfg = BertConfig(**_tower(tiny, vocab_size=128 if tiny else 30522,
                                   max_position_embeddings=16 if tiny else 512),
                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -246,27 +199,7 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 
 
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
-                 "apollo-step-opt-uncut", "apollo-step-opt-lists-small", "apollo-step-opt-per-param",
-                 "apollo-step-opt-narrow", "apollo-step-opt-masks-as-traced", "apollo-step-opt-first-step-pool",
-                 "apollo-step-opt-cut-by-chunks")
-# how the update and its gradients are laid out (fused_update.py, NOTE: Small parameters share a launch;
-# passes/gradients.py, NOTE: A weight's gradient leaves its matmul in float32), or which passes run, per variant:
-# "module.NAME" of apollo_compile -> the value it has while the variant's step is traced
-UPDATE_LAYOUT = {"apollo-step-opt-uncut": {"passes.update_lists.LAUNCH_CHUNKS": sys.maxsize,
-                                           "passes.update_lists.LAUNCH_TENSORS": dict.fromkeys(range(1, 6), sys.maxsize)},
-                 "apollo-step-opt-cut-by-chunks": {"passes.update_lists.LAUNCH_TENSORS": dict.fromkeys(range(1, 6),
-                                                                                                     sys.maxsize)},
-                 "apollo-step-opt-lists-small": {"fused_update.FOREACH_NUMEL": 65536},
-                 "apollo-step-opt-per-param": {"fused_update.FOREACH_NUMEL": 0},
-                 "apollo-step-opt-narrow": {"passes.gradients.WIDE_MATMUL_DEVICES": frozenset()},
-                 "apollo-step-opt-masks-as-traced": {"pipeline.PRE_GRAD_PASSES": "without:attention_masks"}}
-
-
-def layout_value(current: Any, value: Any) -> Any:
-    """An UPDATE_LAYOUT value: as given, or ``"without:NAME"``: the pass list `current` less pass NAME."""
-    if isinstance(value, str) and value.startswith("without:"):
-        return [entry for entry in current if entry[0] != value.removeprefix("without:")]
-    return value
+                 "apollo-step-opt-budget", "apollo-step-opt-first-step-pool")
 
 
 def updates_inside(variant: str) -> bool:
@@ -274,16 +207,22 @@ def updates_inside(variant: str) -> bool:
     return variant.startswith("apollo-step-opt")
 
 
+def step_options(variant: str, options: dict, budget: float) -> dict:
+    """apollo's options for a *-step variant: --apollo-options and what the variant adds."""
+    extra = {"apollo-step-1lane": {"max_lanes": 1}, "apollo-step-opt-inductor": {"optimizer_update": "inductor"},
+             "apollo-step-opt-budget": {"memory_budget": budget}}.get(variant, {})
+    return {**options, **extra}
+
+
 class WholeStep:
     """Forward, loss and ``loss.backward()`` under autocast compiled as one graph (the *-step
     variants): apollo_compile.compile_step, or reduce-overhead with Dynamo's backward tracing on
-    around its calls (what compile_step does for apollo). Calling it runs the backward too, so
-    `train_step` and the timed step skip their own."""
+    around its calls (what compile_step does for apollo). Calling it runs the backward too."""
 
     runs_backward = True
 
     def __init__(self, variant: str, name: str, model: nn.Module, device: torch.device, amp: bool,
-                 options: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
+                 options: dict, optimizer: torch.optim.Optimizer | None = None, budget: float = DEFAULT_BUDGET) -> None:
         import apollo_compile
 
         f = loss_fn(name, model)
@@ -294,36 +233,20 @@ class WholeStep:
             loss.backward()
             return loss.detach()
 
+        self.optimizer = None
         if variant == "inductor-ro-step":
             self.step = torch.compile(step, mode="reduce-overhead", fullgraph=True)
             self.trace_backward = True
         else:
-            extra = {"max_lanes": 1} if variant == "apollo-step-1lane" else {}
-            if variant == "apollo-step-opt-inductor":
-                extra = {"optimizer_update": "inductor"}
             self.optimizer = optimizer if updates_inside(variant) else None  # its update in the graph
             inside = {"optimizer": optimizer} if self.optimizer is not None else {}
-            self.step = apollo_compile.compile_step(step, options={**options, **extra}, **inside)
+            self.step = apollo_compile.compile_step(step, options=step_options(variant, options, budget), **inside)
             self.trace_backward = False  # compile_step turns it on itself
-        # "module.NAME" -> (the apollo_compile module, NAME, the value), looked up once, not per step
-        self.layout = [(module, name, layout_value(getattr(module, name), value))
-                       for module, name, value in ((importlib.import_module("apollo_compile." + key.rpartition(".")[0]),
-                                                    key.rpartition(".")[2], value)
-                                                   for key, value in UPDATE_LAYOUT.get(variant, {}).items())]
 
     def __call__(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.trace_backward:
             with torch._dynamo.config.patch(trace_autograd_ops=True):
                 return self.step(pixels, ids)
-        if self.layout:  # read where the step is traced: at its first call, and at any recompile
-            held = [getattr(module, name) for module, name, _ in self.layout]
-            try:
-                for module, name, value in self.layout:
-                    setattr(module, name, value)
-                return self.step(pixels, ids)
-            finally:
-                for (module, name, _), value in zip(self.layout, held):
-                    setattr(module, name, value)
         return self.step(pixels, ids)
 
 
@@ -331,16 +254,17 @@ def compiled_loss(variant: str, name: str, model: nn.Module, device: torch.devic
                   optimizer: torch.optim.Optimizer) -> tuple[Callable, Callable]:
     """(what `variant` compiled, batch -> the loss through it): a WholeStep for the *-step variants
     (both), else the model compiled as a module and its loss function."""
+    budget = getattr(args, "budget", DEFAULT_BUDGET)
     if variant in STEP_VARIANTS:
-        f = WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options), optimizer)
+        f = WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options), optimizer, budget)
         return f, f
-    compiled = compile_variant(variant, model, args)
+    compiled = compile_variant(variant, model, dict(args.apollo_options), budget)
     return compiled, loss_fn(name, compiled)
 
 
 def with_backward(f: Callable, device: torch.device, amp: bool) -> Callable:
-    """batch -> the loss, its backward run: `f` itself where it runs its own (a WholeStep: forward
-    and backward, one compiled step), else `f` under autocast and ``loss.backward()``."""
+    """batch -> the loss, its backward run: `f` itself where it runs its own (a WholeStep), else
+    `f` under autocast and ``loss.backward()``."""
     if getattr(f, "runs_backward", False):
         return f
 
@@ -409,30 +333,63 @@ def compile_regions(model: nn.Module, **compile_kwargs) -> nn.Module:
     return model
 
 
-def compile_variant(variant: str, model: nn.Module, args) -> Callable:
+def enable_checkpointing(model: nn.Module) -> None:
+    """The model's own gradient checkpointing (non-reentrant): Hugging Face's
+    ``gradient_checkpointing_enable``, timm's ``set_grad_checkpointing`` for TimmBert's vision tower."""
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    if isinstance(model, TimmBert):
+        model.vision.set_grad_checkpointing(True)
+        model.text.gradient_checkpointing_enable(**kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(**kwargs)
+    else:
+        raise ValueError(f"{type(model).__name__} has no gradient checkpointing of its own")
+
+
+def compile_variant(variant: str, model: nn.Module, options: dict, budget: float = DEFAULT_BUDGET) -> Callable:
+    """The module compiled as `variant` says (not the *-step variants: compiled_loss)."""
     if variant == "eager":
         return model
     if variant == "inductor":
         return torch.compile(model)
-    if variant == "inductor-ro":
+    if variant in ("inductor-ro", "inductor-ro-amb"):  # the budget is runtime_for's, around compile and run
+        return torch.compile(model, mode="reduce-overhead")
+    if variant == "inductor-ro-hf-ckpt":
+        enable_checkpointing(model)
         return torch.compile(model, mode="reduce-overhead")
     if variant == "inductor-ro-regional":
         return compile_regions(model, mode="reduce-overhead")
-    if variant in ("apollo", "apollo-bw-measured", "apollo-no-first-step-pool", "apollo-regional", "apollo-1lane",
-                   "apollo-side-grads-own", "apollo-main-allocated"):
+    if variant.startswith("apollo") and variant not in STEP_VARIANTS:
         import apollo_compile  # noqa: F401  (importing registers backend="apollo")
 
-        if variant == "apollo-1lane":  # every graph on one stream: what lanes cost in memory
-            return torch.compile(model, backend="apollo", options={**args.apollo_options, "max_lanes": 1})
-
         if variant == "apollo-regional":
-            return compile_regions(model, backend="apollo", options=dict(args.apollo_options))
-        return torch.compile(model, backend="apollo", options=dict(args.apollo_options))
+            return compile_regions(model, backend="apollo", options=options)
+        extra = {"apollo-1lane": {"max_lanes": 1}, "apollo-budget": {"memory_budget": budget}}.get(variant, {})
+        return torch.compile(model, backend="apollo", options={**options, **extra})
     raise ValueError(f"unknown variant {variant!r}")
 
 
+def runtime_for(variant: str, budget: float = DEFAULT_BUDGET) -> contextlib.AbstractContextManager:
+    """What a variant runs under, for the whole variant (compile and steps): Inductor's
+    activation_memory_budget, the memory pool apollo's first steps run in
+    (runtime/graph_pool.py, FIRST_STEP_POOL), or whether a backward's side lanes write their
+    gradients into main-allocated memory (passes/main_allocated.py)."""
+    if variant == "inductor-ro-amb":
+        return torch._functorch.config.patch(activation_memory_budget=budget)
+    if variant.endswith("-first-step-pool"):
+        from apollo_compile.runtime import graph_pool
+
+        kinds = frozenset() if variant.endswith("-no-first-step-pool") else graph_pool.FIRST_STEP_POOL | {"inference"}
+        return mock.patch.object(graph_pool, "FIRST_STEP_POOL", kinds)
+    if variant in ("apollo-side-grads-own", "apollo-main-allocated"):
+        from apollo_compile.passes import main_allocated
+
+        return mock.patch.object(main_allocated, "ENABLED", variant == "apollo-main-allocated")
+    return contextlib.nullcontext()
+
+
 # --------------------------------------------------------------------------------------------
-# one variant, one model and batch size
+# the matrix
 
 
 def reference(base: nn.Module, name: str, batch: tuple, device: torch.device, amp: bool) -> dict:
@@ -448,110 +405,54 @@ def reference(base: nn.Module, name: str, batch: tuple, device: torch.device, am
     return common.reference(loss, grads, fp32)
 
 
-def runtime_for(variant: str) -> contextlib.AbstractContextManager:
-    """What a variant's runners run under, for the whole variant: the candidate-choosing rule they
-    use at their capture (runtime/choice.py), the memory pool their first step runs in
-    (runtime/graph_pool.py, FIRST_STEP_POOL), or whether a backward's side lanes write their
-    gradients into main-allocated memory (passes/main_allocated.py)."""
-    if variant.endswith("-first-step-pool"):  # which graphs' first calls open a pool of their own
-        from apollo_compile.runtime import graph_pool
+def trial(variant: str, name: str, base: nn.Module, batch: tuple, numerics_batch: tuple | None, args,
+          device: torch.device) -> common.Trial:
+    """The user's whole step as `variant` compiles it: zero_grad, forward and backward, AdamW's
+    step (unless inside), and ``loss.item()`` when the loss is read."""
+    model = copy.deepcopy(base).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if device.type == "cuda" else None)
+    step_fn, f = compiled_loss(variant, name, model, device, args, optimizer)
+    update_inside = updates_inside(variant)  # the compiled step runs optimizer.step() itself
+    forward_backward = with_backward(f, device, args.amp)
 
-        kinds = frozenset() if variant.endswith("-no-first-step-pool") else graph_pool.FIRST_STEP_POOL | {"inference"}
-        return mock.patch.object(graph_pool, "FIRST_STEP_POOL", kinds)
-    if variant in ("apollo-side-grads-own", "apollo-main-allocated"):  # compiled (so planned) inside the block
-        from apollo_compile.passes import main_allocated
+    def whole_step(read_loss: bool = True) -> float | torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_backward(*batch)
+        if not update_inside:
+            optimizer.step()
+        return loss.item() if read_loss else loss  # a loop that logs its loss waits for the step here
 
-        return mock.patch.object(main_allocated, "ENABLED", variant == "apollo-main-allocated")
-    if variant != "apollo-bw-measured":
-        return contextlib.nullcontext()
-    from apollo_compile.runtime import choice
-
-    return choice.using(choice.ChooseFastest(follow_forward=False))
+    numerics = None if numerics_batch is None else (
+        lambda: loss_and_grads(model, f, numerics_batch, device, args.amp))
+    return common.Trial(whole_step, numerics, keep=step_fn)
 
 
-def run_variant(variant: str, name: str, base: nn.Module, batch: tuple, numerics_batch: tuple, ref: dict, args,
-                device: torch.device) -> dict:
-    row: dict[str, Any] = {"variant": variant, "status": "ok"}
-    with common.diagnostics_for(row, variant, variant.startswith("apollo")) as keep, runtime_for(variant):
-        row["left_over"] = left = common.left_over(device)  # earlier variants' memory, not this one's
-        if left is not None and left["allocated_gib"] > 0.01:
-            log(f"  [{variant}] left over from earlier variants: {left['allocated_gib']:.2f} GiB allocated, "
-                f"{left['reserved_gib']:.2f} reserved; largest tensors {left['largest_tensors']}; live blocks "
-                f"{left['allocated_blocks']}")
-        common.reset_peaks(device)
-        model = copy.deepcopy(base).to(device)
-        cuda = device.type == "cuda"
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if cuda else None)
-        step_fn, f = compiled_loss(variant, name, model, device, args, optimizer)
-        keep.append(step_fn)  # see common.apollo_diagnostics
-        update_inside = updates_inside(variant)  # the compiled step runs optimizer.step() itself
-        forward_backward = with_backward(f, device, args.amp)
+def cells(models: list[str], batches: list[int], args, device: torch.device):
+    for name in models:
+        base, shape = build(name, args.seed)  # stays on the CPU; copies go to the device
+        log(f"\n##### {name}: {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters")
+        for batch_size in batches:
+            batch = make_batch(shape, batch_size, device, args.seed)
+            numerics_batch = make_batch(shape, batch_size, device, args.seed + 1)
+            yield common.Cell(f"{name}, batch {batch_size}", {"model": name, "batch": batch_size},
+                              lambda: reference(base, name, numerics_batch, device, args.amp),
+                              {"name": name, "base": base, "batch": batch, "numerics": numerics_batch})
 
-        def whole_step(read_loss: bool = True) -> float | torch.Tensor:
-            optimizer.zero_grad(set_to_none=True)
-            loss = forward_backward(*batch)
-            if not update_inside:
-                optimizer.step()
-            return loss.item() if read_loss else loss  # a loop that logs its loss waits for the step here
 
-        row.update(common.warm_up(whole_step, args.warmup, device))
-        log(f"  [{variant}] compile + {args.warmup} warm-up steps: {row['compile_s']:.1f} s")
-        row["peak_alloc_gib"], row["peak_reserved_gib"] = common.read_peaks(device)  # compile and capture
-        common.reset_peaks(device)
-        row.update(common.spread(common.time_steps(whole_step, args.steps, device)))
-        b2b = common.time_back_to_back(functools.partial(whole_step, False), args.steps, device)
-        row.update(back_to_back_ms=b2b["ms"], back_to_back_rounds_ms=b2b["rounds_ms"], back_to_back_host_ms=b2b["host_ms"])
-        row["steady_peak_alloc_gib"], row["steady_peak_reserved_gib"] = common.read_peaks(device)
-        if row["peak_alloc_gib"] is not None:  # the whole run's peak: compile, capture and the timed steps,
-            for kind in ("alloc", "reserved"):  # less what earlier variants left (as if run alone)
-                before = left["allocated_gib" if kind == "alloc" else "reserved_gib"]
-                for key in (f"peak_{kind}_gib", f"steady_peak_{kind}_gib"):
-                    row[key] -= before
-                row[f"peak_{kind}_gib"] = max(row[f"peak_{kind}_gib"], row[f"steady_peak_{kind}_gib"])
-        row["held"] = common.memory_held(device)
-        log(f"  [{variant}] {args.steps} steps: {common.spread_text(row)}; back to back {b2b['ms']:.2f} ms "
-            f"(host {b2b['host_ms']:.2f})"
-            + (f"; whole run {common.peaks_text(row['peak_alloc_gib'], row['peak_reserved_gib'])}, timed steps "
-               f"{common.peaks_text(row['steady_peak_alloc_gib'], row['steady_peak_reserved_gib'])}"
-               if row["peak_alloc_gib"] is not None else ""))
-        if row["held"] is not None:
-            log(f"  [{variant}] {common.memory_held_text(row['held'])}")
-        loss, grads = loss_and_grads(model, f, numerics_batch, device, args.amp)
-        row["numerics"] = n = common.compare(loss, grads, ref, "bf16" if args.amp else "fp32")
-        log(f"  [{variant}] numerics {common.verdict(n)}: {common.numerics_text(n)}")
-    return row
+def run_variant(cell: common.Cell, variant: str, ref: dict | None, args, device: torch.device) -> dict:
+    data = cell.data
+    return common.measure(
+        variant, lambda: trial(variant, data["name"], data["base"], data["batch"], data["numerics"], args, device),
+        ref, device, warmup=args.warmup, steps=args.steps, precision="bf16" if args.amp else "fp32",
+        apollo=variant.startswith("apollo"), context=runtime_for(variant, args.budget))
 
 
 # --------------------------------------------------------------------------------------------
 # reporting
 
 
-HEADER = ["model", "batch", "variant", "median ms", "p10", "p90", f"vs {BASELINE}", "b2b ms", f"b2b vs {BASELINE}",
-          "whole-run peak GiB", f"peak vs {BASELINE}", "steps' peak GiB", "reserved GiB", f"reserved vs {BASELINE}",
-          "compile s", "numerics"]
-
-
 def markdown_table(results: list[dict]) -> str:
-    rows = []
-    for entry in results:
-        ok = {r["variant"]: r for r in entry["variants"] if r["status"] == "ok"}
-        base = ok.get(BASELINE)
-        for r in entry["variants"]:
-            if r["status"] != "ok":
-                rows.append([entry["model"]] + common.failed_cells(entry["batch"], r, len(HEADER) - 1))
-                continue
-            speed = base["median_ms"] / r["median_ms"] if base else None
-            b2b = r.get("back_to_back_ms")
-            b2b_ratio = base["back_to_back_ms"] / b2b if base and b2b and base.get("back_to_back_ms") else None
-            rows.append([
-                entry["model"], str(entry["batch"]), r["variant"], f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}",
-                f"{r['p90_ms']:.2f}", fmt(speed, ".2f", "x"), fmt(b2b, ".2f"), fmt(b2b_ratio, ".2f", "x"),
-                fmt(r.get("peak_alloc_gib"), ".2f"), fmt(common.memory_ratio(r, base, "peak_alloc_gib"), ".2f", "x"),
-                fmt(r.get("steady_peak_alloc_gib"), ".2f"), fmt(r.get("peak_reserved_gib"), ".2f"),
-                fmt(common.memory_ratio(r, base, "peak_reserved_gib"), ".2f", "x"),
-                f"{r['compile_s']:.1f}", common.numerics_cell(r["numerics"]),
-            ])
-    return common.markdown(HEADER, rows)
+    return common.matrix_table(results, BASELINE, lead=("model", "batch"))
 
 
 def report(env: dict, results: list[dict], out_dir: Path) -> str:
@@ -561,16 +462,14 @@ def report(env: dict, results: list[dict], out_dir: Path) -> str:
         "",
         common.header_line(env),
         f"{env['warmup']} warm-up + {env['steps']} timed steps of zero_grad + forward + backward + AdamW "
-        f"(lr {env['lr']:g}) + loss.item(), each from an idle GPU, then back to back without loss.item() (b2b); ratio = {BASELINE} median / variant median "
-        f"(>1: faster); peak over the whole variant, compile and capture included; numerics vs eager, "
-        f"{common.tolerance_text(precision)}.",
+        f"(lr {env['lr']:g}) + loss.item(), each from an idle GPU, then back to back without loss.item() (b2b); "
+        f"ratio = {BASELINE} median / variant median (>1: faster); peak and reserved over the timed steps; "
+        f"whole-run reserved from before the compile (compile, capture, steps); budget {env['budget']:g}; "
+        f"numerics vs eager, {common.tolerance_text(precision)}.",
         *(f"- {e['model']}, batch {e['batch']}: bf16 noise floor: dloss {f['loss_abs_diff']:.1e}, grad "
           f"{f['grad_rel_err_max']:.1e}" for e in results if (f := e.get("bf16_noise_floor"))),
     ]
-    text = "\n".join(head) + "\n\n" + markdown_table(results) + "\n"
-    (out_dir / "whole_step_results.md").write_text(text)
-    (out_dir / "whole_step_results.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
-    return text
+    return common.write_results(out_dir, "whole_step", env, head, [markdown_table(results)], results=results)
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,15 +481,30 @@ def model_name(name: str) -> str:
     return name
 
 
+def budget_fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"--budget must be in (0, 1], not {text}")
+    return value
+
+
+def add_step_args(p: argparse.ArgumentParser) -> None:
+    """The flags a whole step needs (this script's and bench_large_batch.py's)."""
+    p.add_argument("--lr", type=float, default=0.0, help="AdamW's learning rate (0: the weights stay the reference's)")
+    p.add_argument("--budget", type=budget_fraction, default=DEFAULT_BUDGET,
+                   help=f"the *-budget and -amb variants' memory budget (default {DEFAULT_BUDGET})")
+    p.add_argument("--apollo-options", type=json.loads, default={},
+                   help='JSON options for backend="apollo", e.g. \'{"subgraph_compiler": "eager"}\'')
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="variants:\n" + "\n".join(f"  {k:32} {v}" for k, v in VARIANT_HELP.items()))
     p.add_argument("--models", nargs="+", default=list(MODELS[:3]), type=model_name, metavar="MODEL",
                    help=f"{', '.join(MODELS)}, each also -tiny (default: the three two-tower ones)")
     p.add_argument("--batch", type=int, nargs="+", default=[8, 32])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--lr", type=float, default=0.0, help="AdamW's learning rate (0: the weights stay the reference's)")
-    p.add_argument("--apollo-options", type=json.loads, default={},
-                   help='JSON options for backend="apollo", e.g. \'{"subgraph_compiler": "eager"}\'')
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="VARIANT")
+    add_step_args(p)
     common.add_run_args(p, steps=30, warmup=5)
     return common.parse_run_args(p, argv)
 
@@ -601,31 +515,15 @@ def main(argv=None) -> int:
         return 2
     device, out_dir = setup
     env = common.environment(device, models=args.models, amp="bf16 autocast" if args.amp else "fp32",
-                             steps=args.steps, warmup=args.warmup, lr=args.lr, optimizer="AdamW"
-                             + (" (fused)" if device.type == "cuda" else ""), apollo_options=args.apollo_options)
+                             steps=args.steps, warmup=args.warmup, lr=args.lr, budget=args.budget,
+                             optimizer="AdamW" + (" (fused)" if device.type == "cuda" else ""),
+                             apollo_options=args.apollo_options)
     log(common.header_line(env))
     log(f"models {args.models} | {env['amp']} | batches {args.batch} | variants {args.variants} | out {out_dir}")
     results: list[dict] = []
-    for name in args.models:
-        base, shape = build(name, args.seed)  # stays on the CPU; copies go to the device
-        log(f"\n##### {name}: {sum(p.numel() for p in base.parameters()) / 1e6:.1f} M parameters")
-        for batch_size in args.batch:
-            log(f"\n=== {name}, batch {batch_size} ===")
-            entry: dict[str, Any] = {"model": name, "batch": batch_size, "variants": []}
-            results.append(entry)
-            batch = make_batch(shape, batch_size, device, args.seed)
-            numerics_batch = make_batch(shape, batch_size, device, args.seed + 1)
-            ref = common.batch_reference(entry, functools.partial(reference, base, name, numerics_batch, device,
-                                                                  args.amp))
-            if ref is not None:
-                for variant in args.variants:
-                    log(f"--- {name}, batch {batch_size}, {variant}")
-                    entry["variants"].append(common.guarded(functools.partial(
-                        run_variant, variant, name, base, batch, numerics_batch, ref, args, device), variant))
-                    common.free_device_memory(device)
-                    report(env, results, out_dir)  # after every variant: a cut run keeps what was measured
-            del batch, numerics_batch, ref
-            common.free_device_memory(device)
+    common.run_matrix(cells(args.models, args.batch, args, device), args.variants,
+                      lambda cell, variant, ref: run_variant(cell, variant, ref, args, device), device, results,
+                      on_update=lambda: report(env, results, out_dir))
     text = report(env, results, out_dir)
     log(f"\nwrote {out_dir / 'whole_step_results.json'} and {out_dir / 'whole_step_results.md'}\n")
     log(text)

@@ -1,50 +1,28 @@
-"""What every benchmark here does the same way: the environment line, the training step, step
-times, peak memory, and numerics against eager. bench_step.py, bench_memory.py,
-bench_distributed.py, smoke_gpu.py, profile_step.py and the probes (probes/) import it, so a
-change of method (how a step is timed, which memory counter is read, what tolerance a gradient
-meets) is made once and holds for every table in RESULTS.md.
+"""The method every benchmark here shares, so that a change of method (how a step is timed,
+which memory counter is read, what tolerance a gradient meets) is made once and holds for every
+table in RESULTS.md.
 
-Environment
-    ``environment(device, **fields)``: date, torch, python, CUDA, device name, SMs, memory (a
-    dict every results file stores); ``header_line(env)``: that as the one line each report opens
-    with; ``add_run_args`` / ``parse_run_args``: the flags every benchmark takes (``--steps``,
-    ``--warmup``, ``--device``, ``--out``, ``--seed``, ``--no-amp``, ``--no-compile-cache``);
-    ``device_and_out_dir(args)``: the device and output folder they name.
+The variant matrix (``run_matrix``, ``measure``, ``Trial``, ``matrix_table``, ``write_results``):
+a bench_* script defines its models, cells (a model at a batch size, with eager's reference) and
+variants (each builds a ``Trial``: one training step, and one step on the numerics batch); the
+driver runs every variant of every cell, an exception becoming a FAILED / OOM row, and writes
+``<out>/<stem>_results.{json,md}`` after every variant, so a cut run keeps what it measured.
 
-The step
-    ``train_step(model, step_fn, batch, device, amp)``: ``zero_grad(set_to_none=True)``, the
-    forward under bf16 autocast (``amp``), ``backward()``; no optimizer step, so weights never
-    change and every numerics check runs at the reference weights. A ``step_fn`` with a
-    ``backward_context()`` (bench_step.CompiledAutogradStep) runs the backward inside it.
+What ``measure`` records per variant:
+    timing     ``--warmup`` steps (compile, capture: "compile s"), then ``--steps`` steps, each from
+               an idle GPU (a CUDA event pair after a synchronize; ``perf_counter`` on the CPU):
+               median, p10, p90; then the same steps queued back to back ("b2b ms").
+    memory     the peaks allocated and reserved over the timed steps (``peak_alloc_gib``,
+               ``peak_reserved_gib``) and over the whole run, from a reset before the model's copy
+               to the device through compile, capture and the steps (``peak_alloc_all_gib``,
+               ``peak_reserved_all_gib``: what training needs), less what was still held when the
+               variant started (``left_over``); what the allocator holds between steps, by pool.
+    numerics   one step on another batch against eager (numerics.py's ``compare``: PASS, PASS*
+               within bf16's noise, FAIL; its ``GRAD_RTOL`` says why these tolerances).
 
-Timing (milliseconds)
-    ``warm_up(run_step, steps, device)``: the warm-up steps (compilation, CUDA-graph capture),
-    synchronised, their wall time and the first step's; ``time_steps``: each step from an idle GPU
-    (``synchronize()``, then a CUDA event pair around the step; ``perf_counter`` on the CPU);
-    ``time_back_to_back``: steps queued without a synchronize, the median of several rounds, and
-    the host's own time per step; ``spread(times)``: median, p10, p90.
-
-Memory (GiB)
-    ``reset_peaks`` / ``read_peaks``: ``max_memory_allocated`` and ``max_memory_reserved`` (None on
-    the CPU). A CUDA-graph replay allocates nothing the allocator counts: read the reserved figure,
-    or a peak over the whole run (capture included), for graphed variants. ``memory_cap``: the
-    allocator capped at a limit (``set_per_process_memory_fraction``), reset afterwards;
-    ``free_device_memory``: Dynamo reset, gc, cuBLAS workspaces and the allocator's cache emptied
-    between variants; ``rss_gib``: the process's resident memory (CPU runs).
-
-Numerics
-    ``loss_and_grads``: one step, the loss as a float and every gradient as an fp32 CPU copy;
-    ``noise_floor``: eager bf16's per-parameter distance from eager fp32; ``compare``: the loss
-    and the worst per-parameter relative gradient error against a reference, with a verdict
-    (``GRAD_RTOL`` / ``LOSS_RTOL``: the comment at the constants says why these values; ``PASS*``:
-    within bf16's noise, ``NOISE_MULTIPLIER``); ``verdict``, ``numerics_text`` (the log line),
-    ``numerics_cell`` (the table cell).
-
-Failures and tables
-    ``guarded``: a variant run so that its exception becomes a FAILED / OOM row (``error_row``)
-    and the run goes on; ``batch_reference``: a batch's reference, the batch skipped when it fails;
-    ``fmt``: a value or "-"; ``markdown(header, rows)``: a table; ``apollo_diagnostics``: what
-    apollo decided for a variant (runtime chosen, candidate times, un-graphed calls, warnings).
+Also here: the environment line, the flags every benchmark takes (``add_run_args``), the step
+without an optimizer (``train_step``), an allocator cap (``memory_cap``) and what apollo decided
+for a variant (``apollo_diagnostics``).
 """
 
 from __future__ import annotations
@@ -58,11 +36,16 @@ import platform
 import time
 import traceback
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
+from numerics import (  # noqa: F401  (re-exported: the benchmarks read the numerics here)
+    GRAD_RTOL, LOSS_RTOL, NOISE_MULTIPLIER, VANISHING, compare, no_tf32, noise_floor, numerics_cell, numerics_text,
+    reference, rel_err, tolerance_text, verdict,
+)
 from torch import nn
 
 GiB = 1024**3
@@ -232,9 +215,8 @@ def time_back_to_back(run_step: Callable[[], Any], steps: int, device: torch.dev
     the idle-GPU latency `time_steps` reports. Neither replaces the other: a loop that logs the
     loss every step synchronizes every step.
 
-    One round is one sample, and a single host hiccup in it moves the whole round (session 10:
-    11.19 ms back to back against a 10.13 ms idle-GPU median), so the median of `rounds` rounds
-    is reported, with the host's own time per step (the loop's wall time before the final
+    One round is one sample, and a single host hiccup in it moves the whole round, so the median
+    of `rounds` rounds is reported, with the host's own time per step (the loop's wall time before the final
     synchronize): host ms close to the round's ms means the host, not the GPU, sets the pace."""
     per_step, host = [], []
     for _ in range(rounds):
@@ -286,8 +268,8 @@ def peaks_text(alloc: float | None, reserved: float | None) -> str:
 
 
 def memory_ratio(row: dict, base: dict | None, key: str) -> float | None:
-    """`row`'s peak (`key`: ``peak_alloc_gib`` or ``peak_reserved_gib``) over the baseline row's
-    (issue 24's <= 1.05x); None where either is missing."""
+    """`row`'s peak (`key`: ``peak_alloc_gib``, ``peak_reserved_all_gib``, ...) over the baseline
+    row's; None where either is missing."""
     if base is None or not base.get(key) or row.get(key) is None:
         return None
     return row[key] / base[key]
@@ -301,7 +283,7 @@ def device_segments(device: torch.device) -> list[dict[str, Any]]:
 def memory_held(device: torch.device) -> dict[str, Any] | None:
     """What the allocator holds now, between steps: allocated GiB, and reserved / allocated GiB per
     memory pool ("default", or a CUDA graph's private pool by its id), largest first. A variant's
-    surplus over another's shows here as the pool that holds it (issue 24); None off CUDA."""
+    surplus over another's shows here as the pool that holds it; None off CUDA."""
     if device.type != "cuda":
         return None
     pools: dict[str, list[float]] = {}
@@ -400,45 +382,7 @@ def rss_gib() -> float | None:
 
 
 # --------------------------------------------------------------------------------------------
-# numerics
-
-# Tolerances of the numerics check against eager (same weights, same batch, same autocast).
-# bf16 autocast: bf16 keeps 8 significand bits (relative rounding ~2e-3 to 4e-3 per op). A compiled
-# step is *allowed* to differ from eager by that much at every op: Inductor fuses ops and keeps
-# fused intermediates in fp32 where eager rounds each op's output to bf16, and it reorders
-# reductions. Over 24 transformer blocks, forward and backward, these per-op differences compound
-# to the 1e-3..1e-2 range for a parameter's relative gradient error. A real scheduling bug — a
-# missing stream dependency, a buffer reused too early, a stale input — gives errors of order 1.
-# GRAD_RTOL = 2e-2 separates the two.
-# Small parameters whose gradient is a sum with heavy cancellation (late biases, logit_scale;
-# worst at small batches) can exceed 2e-2 from rounding alone: eager bf16 is then just as far from
-# eager fp32. So a parameter over GRAD_RTOL is still accepted when its gradient is no further from
-# the fp32 gradient than NOISE_MULTIPLIER x eager bf16's own distance from it — the compiled step
-# is as accurate as eager bf16, only elsewhere in the rounding noise. (PyTorch's own compiler
-# accuracy check, torch._dynamo.utils.same with fp64_ref, uses the same rule with multiplier 2-3.)
-# Such parameters are counted in the report ("PASS*").
-# fp32 (--no-amp): compiled fp32 differs from eager only by reduction order, far below 1e-3.
-GRAD_RTOL = {"bf16": 2e-2, "fp32": 1e-3}
-LOSS_RTOL = {"bf16": 1e-2, "fp32": 1e-4}  # on |loss - loss_ref| / max(1, |loss_ref|)
-NOISE_MULTIPLIER = 2.0
-# A gradient that is zero in exact arithmetic (the key projection's bias of attention: softmax
-# ignores a shift shared by every key) is rounding noise, ~1e-8 of the others, and its relative
-# error is meaningless (1.3 against eager in fp32 on tiny HF CLIP, with every other gradient at
-# 1e-6). A parameter is "vanishing" when its reference gradient's norm is below VANISHING x the
-# largest parameter gradient's norm; it is then judged by its absolute error against that
-# largest norm, with the same tolerance.
-VANISHING = 1e-4
-
-
-@contextlib.contextmanager
-def no_tf32():
-    """True fp32 matmuls and convolutions (cuDNN allows TF32 for convolutions by default)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+# a step's loss and gradients (numerics.py judges them)
 
 
 def cpu_fp32(g: torch.Tensor) -> torch.Tensor:
@@ -467,132 +411,6 @@ def loss_and_grads(model: nn.Module, step_fn: Callable, batch: tuple, device: to
         grads[name] = None if g is None else cpu_fp32(g)
     model.zero_grad(set_to_none=True)
     return loss_value, grads
-
-
-def rel_err(g: torch.Tensor, g_ref: torch.Tensor) -> float:
-    """||g - g_ref|| / ||g_ref||, in float64."""
-    ref_norm = g_ref.double().norm().item()
-    return (g.double() - g_ref.double()).norm().item() / max(ref_norm, 1e-30)
-
-
-def noise_floor(grads_bf16: dict, grads_fp32: dict) -> tuple[dict[str, float], str]:
-    """Eager bf16's per-parameter relative distance from eager fp32 (bf16's noise floor), and the
-    parameter where it is largest."""
-    floor = {n: rel_err(g, grads_fp32[n]) for n, g in grads_bf16.items() if g is not None and grads_fp32[n] is not None}
-    return floor, max(floor, key=floor.get)
-
-
-def reference(loss: float, grads: dict, fp32: tuple[float, dict] | None = None) -> dict:
-    """The reference `compare` reads: eager's loss and gradients and, from an eager fp32 step
-    (`fp32` = its loss and gradients) where the variants run under bf16 autocast, the fp32
-    gradients and bf16's noise floor ("noise_summary" for the report)."""
-    ref = {"loss": loss, "grads": grads, "loss_fp32": None, "grads_fp32": None, "noise_floor": None,
-           "noise_summary": None}
-    if fp32 is not None:
-        loss32, grads32 = fp32
-        floor, worst = noise_floor(grads, grads32)
-        ref.update(loss_fp32=loss32, grads_fp32=grads32, noise_floor=floor, noise_summary={
-            "loss_abs_diff": abs(loss - loss32), "loss_fp32": loss32, "grad_rel_err_max": floor[worst],
-            "grad_rel_err_worst_param": worst})
-    return ref
-
-
-def compare(loss: float, grads: dict, ref: dict, precision: str) -> dict:
-    """Loss difference and the worst per-parameter relative gradient error against eager, with a
-    verdict. `ref` holds eager's loss and grads and, with AMP, the fp32 grads and eager bf16's
-    per-parameter distance from them (the noise floor); see GRAD_RTOL."""
-    worst_name, worst = None, 0.0
-    problems, over_tol, excused, over_detail = [], [], [], {}
-    largest = max((g.double().norm().item() for g in ref["grads"].values() if g is not None), default=0.0)
-    for name, g_ref in ref["grads"].items():
-        g = grads.get(name)
-        if g_ref is None and (g is None or not g.any()):
-            # a parameter the loss does not reach (LLaVA's last vision layer): eager leaves it None,
-            # AOTAutograd returns zeros (as under backend="aot_eager"); the same update either way
-            continue
-        if g is None or g_ref is None:
-            problems.append(f"{name}: grad is {'missing' if g is None else 'unexpected'}")
-            continue
-        if not torch.isfinite(g).all():
-            problems.append(f"{name}: non-finite grad")
-            continue
-        err = rel_err(g, g_ref)
-        if g_ref.double().norm().item() < VANISHING * largest:  # zero in exact arithmetic: see VANISHING
-            err = (g.double() - g_ref.double()).norm().item() / largest
-        if worst_name is None or err > worst:
-            worst_name, worst = name, err
-        if err > GRAD_RTOL[precision]:
-            floor = ref["noise_floor"].get(name) if ref.get("noise_floor") else None
-            from_fp32 = rel_err(g, ref["grads_fp32"][name]) if floor is not None else None
-            if from_fp32 is not None and from_fp32 <= NOISE_MULTIPLIER * floor:
-                excused.append(name)
-            else:
-                over_tol.append(name)
-                # what a reader needs to tell rounding from a bug: how far from fp32 against eager bf16,
-                # and how small the gradient is (a sum that cancels: late biases)
-                over_detail[name] = {"from_ref": err, "from_fp32": from_fp32, "eager_bf16_from_fp32": floor,
-                                     "of_largest": g_ref.double().norm().item() / max(largest, 1e-30)}
-    loss_diff = abs(loss - ref["loss"])
-    loss_ok = bool(np.isfinite(loss)) and loss_diff <= LOSS_RTOL[precision] * max(1.0, abs(ref["loss"]))
-    if not loss_ok and np.isfinite(loss) and ref.get("loss_fp32") is not None:
-        # the same rule as a gradient's: no further from the fp32 loss than NOISE_MULTIPLIER x eager bf16
-        # (timm ViT-B + BERT at batch 8: eager bf16's loss 3.6e-2 from fp32's, every compiler's 5-9e-2 from eager's)
-        loss_floor = abs(ref["loss"] - ref["loss_fp32"])
-        if abs(loss - ref["loss_fp32"]) <= NOISE_MULTIPLIER * loss_floor:
-            loss_ok = True
-            excused.append("loss")
-    ok = loss_ok and not problems and not over_tol
-    return {
-        "pass": bool(ok),
-        "loss": loss,
-        "loss_ref": ref["loss"],
-        "loss_abs_diff": loss_diff,
-        "grad_rel_err_max": worst,
-        "grad_rel_err_worst_param": worst_name,
-        "params_over_tol": over_tol,
-        "params_over_tol_detail": over_detail,
-        "params_within_bf16_noise": excused,
-        "problems": problems,
-        "tolerance": {"grad_rel": GRAD_RTOL[precision], "loss_rel": LOSS_RTOL[precision],
-                      "noise_multiplier": NOISE_MULTIPLIER},
-    }
-
-
-def verdict(n: dict) -> str:
-    if not n["pass"]:
-        return "FAIL"
-    return "PASS*" if n["params_within_bf16_noise"] else "PASS"
-
-
-def numerics_text(n: dict) -> str:
-    """The log line of a `compare` result after its verdict: worst errors, then the parameters over."""
-    return (f"|dloss| {n['loss_abs_diff']:.2e}, max grad rel err {n['grad_rel_err_max']:.2e} "
-            f"({n['grad_rel_err_worst_param']}); {len(n['params_over_tol'])} params over "
-            f"{n['tolerance']['grad_rel']:g}, {len(n['params_within_bf16_noise'])} more within bf16 noise"
-            + "".join(f"\n    {p}" for p in n["problems"])
-            + "".join(f"\n    {p}{_over_text(n.get('params_over_tol_detail', {}).get(p))}" for p in n["params_over_tol"][:10]))
-
-
-def _over_text(d: dict | None) -> str:
-    """`: 1.9e-01 from eager, 8.0e-02 from fp32 (eager bf16 3.0e-02), 1.4e-03 of the largest gradient`."""
-    if d is None:
-        return ""
-    fp32 = "" if d["from_fp32"] is None else \
-        f", {d['from_fp32']:.1e} from fp32 (eager bf16 {d['eager_bf16_from_fp32']:.1e})"
-    return f": {d['from_ref']:.1e} from eager{fp32}, {d['of_largest']:.1e} of the largest gradient"
-
-
-def numerics_cell(n: dict) -> str:
-    """A table's numerics cell: ``PASS* (dloss 1.8e-03, grad 7.7e-02)``."""
-    return f"{verdict(n)} (dloss {n['loss_abs_diff']:.1e}, grad {n['grad_rel_err_max']:.1e})"
-
-
-def tolerance_text(precision: str) -> str:
-    """The rule `compare` applies, for a report's header."""
-    return (f"PASS if max per-param relative grad error <= {GRAD_RTOL[precision]:g} and |dloss| <= "
-            f"{LOSS_RTOL[precision]:g} * max(1, |loss|); PASS*: some params (or the loss) over it, but no further "
-            f"from the fp32 gradient (loss) than {NOISE_MULTIPLIER:g}x eager bf16 is; a gradient under {VANISHING:g}x the "
-            f"largest one's norm is judged by its error relative to that norm")
 
 
 # --------------------------------------------------------------------------------------------
@@ -715,7 +533,7 @@ def apollo_diagnostics(row: dict, name: str):
                                "main-allocated memory" if moved.get("values") else ""))
                     if g.get("cuda_graph"):
                         log(f"  [{name}] {entry['plan']} {kind}: {json.dumps(g['cuda_graph'])}")
-                    else:  # un-graphed (compiled autograd's graph in session 15): say so, and why if known
+                    else:  # un-graphed (compiled autograd's graph, say): say so, and why if known
                         why = g.get("fallback") or "no CUDA-graph runner (CPU, or not a CUDA graph's device)"
                         log(f"  [{name}] {entry['plan']} {kind}: without a CUDA graph: {why}")
 
@@ -724,3 +542,160 @@ def diagnostics_for(row: dict, name: str, apollo: bool) -> contextlib.AbstractCo
     """`apollo_diagnostics` for an apollo variant; for any other, a context yielding a list to
     keep its step in (unused)."""
     return apollo_diagnostics(row, name) if apollo else contextlib.nullcontext([])
+
+
+# --------------------------------------------------------------------------------------------
+# the variant matrix
+
+
+@dataclass
+class Trial:
+    """What a variant built on the device. `step(read_loss=True)` runs one training step on the
+    timing batch (``read_loss=False``: the loss not waited for, as queued steps run);
+    `loss_and_grads()` one step on the numerics batch: the loss and every gradient (fp32, CPU);
+    `keep` holds what must live until apollo's plans are read (the compiled step)."""
+
+    step: Callable[..., Any]
+    loss_and_grads: Callable[[], tuple[float, dict]] | None = None
+    keep: Any = None
+
+
+@dataclass
+class Cell:
+    """One cell of the matrix: a model at a batch size. `entry` is its results entry ("batch", and
+    "model" where there are several; the variants' rows go to ``entry["variants"]``);
+    `reference()` makes eager's reference (a `reference` dict), None for none; `data` is what the
+    variants share (the model on the CPU, the batches)."""
+
+    label: str
+    entry: dict
+    reference: Callable[[], dict] | None = None
+    data: dict = field(default_factory=dict)
+
+
+def measure(name: str, build: Callable[[], Trial], ref: dict | None, device: torch.device, *, warmup: int,
+            steps: int, precision: str = "bf16", apollo: bool = False, back_to_back: bool = True,
+            context: contextlib.AbstractContextManager | None = None, say: Callable[..., None] = log) -> dict:
+    """One variant's row: `build()` (under `context`, with the peaks reset before it, so the
+    whole-run peaks count the model's copy, compile and capture), ``warmup`` steps, ``steps`` timed
+    steps and, with `back_to_back`, the same queued; memory as the module docstring says; numerics
+    against `ref` (none without one or without ``trial.loss_and_grads``)."""
+    row: dict[str, Any] = {"variant": name, "status": "ok"}
+    with diagnostics_for(row, name, apollo) as keep, (context or contextlib.nullcontext()):
+        row["left_over"] = left = left_over(device)  # earlier variants' memory, not this one's
+        if left is not None and left["allocated_gib"] > 0.01:
+            say(f"  [{name}] left over from earlier variants: {left['allocated_gib']:.2f} GiB allocated, "
+                f"{left['reserved_gib']:.2f} reserved; largest tensors {left['largest_tensors']}")
+        reset_peaks(device)
+        trial = build()
+        keep.append(trial.keep if trial.keep is not None else trial)  # see apollo_diagnostics
+        row["warmup_peaks_gib"] = []  # the whole-run peak after each warm-up step: which one set it
+        row.update(warm_up(trial.step, warmup, device,
+                           after_each=lambda: row["warmup_peaks_gib"].append(read_peaks(device)[0])))
+        say(f"  [{name}] compile + {warmup} warm-up steps: {row['compile_s']:.1f} s")
+        warm_alloc, warm_reserved = read_peaks(device)
+        reset_peaks(device)
+        row.update(spread(time_steps(trial.step, steps, device)))
+        if back_to_back:
+            b2b = time_back_to_back(lambda: trial.step(False), steps, device)
+            row.update(back_to_back_ms=b2b["ms"], back_to_back_rounds_ms=b2b["rounds_ms"],
+                       back_to_back_host_ms=b2b["host_ms"])
+        row["peak_alloc_gib"], row["peak_reserved_gib"] = read_peaks(device)
+        if row["peak_alloc_gib"] is None:
+            row["rss_gib"] = rss_gib()
+        else:  # the whole run, less what earlier variants left (as if run alone)
+            row["peak_alloc_all_gib"] = max(warm_alloc, row["peak_alloc_gib"]) - left["allocated_gib"]
+            row["peak_reserved_all_gib"] = max(warm_reserved, row["peak_reserved_gib"]) - left["reserved_gib"]
+        row["held"] = memory_held(device)
+        say(f"  [{name}] {steps} steps: {spread_text(row)}"
+            + (f"; back to back {row['back_to_back_ms']:.2f} ms (host {row['back_to_back_host_ms']:.2f})"
+               if back_to_back else "")
+            + (f"; timed steps {peaks_text(row['peak_alloc_gib'], row['peak_reserved_gib'])}; whole run "
+               f"{peaks_text(row['peak_alloc_all_gib'], row['peak_reserved_all_gib'])}"
+               if row["peak_alloc_gib"] is not None else ""))
+        if row["held"] is not None:
+            say(f"  [{name}] {memory_held_text(row['held'])}")
+        if ref is not None and trial.loss_and_grads is not None:
+            loss, grads = trial.loss_and_grads()
+            row["numerics"] = n = compare(loss, grads, ref, precision)
+            say(f"  [{name}] numerics {verdict(n)}: {numerics_text(n)}")
+    return row
+
+
+def run_matrix(cells: Iterable[Cell], variants: Sequence[str], run: Callable[[Cell, str, dict | None], dict],
+               device: torch.device, results: list[dict], *, on_update: Callable[[], Any] = lambda: None,
+               what: str = "eager", fields: Callable[[str], dict] = lambda variant: {},
+               say: Callable[..., None] = log) -> list[dict]:
+    """Every variant of every cell: ``run(cell, variant, ref)`` makes the variant's row (usually
+    through `measure`), guarded (`guarded`: an exception is a FAILED / OOM row, with
+    ``fields(variant)``), the device's memory freed after it and `on_update()` called (the results
+    written). A cell whose reference fails is skipped, the reason in its entry. Cells come one at a
+    time (a generator), so only one cell's batches sit on the device. Returns `results`."""
+    for cell in cells:
+        say(f"\n=== {cell.label} ===")
+        cell.entry.setdefault("variants", [])
+        results.append(cell.entry)
+        ref = None
+        if cell.reference is not None:
+            ref = batch_reference(cell.entry, cell.reference, what, say)
+            if ref is None:
+                free_device_memory(device)
+                on_update()
+                continue
+        for variant in variants:
+            say(f"--- {cell.label}, {variant}")
+            cell.entry["variants"].append(guarded(lambda: run(cell, variant, ref), variant, say, **fields(variant)))
+            free_device_memory(device)
+            on_update()
+        cell.data.clear()
+        ref = None  # the batch's reference freed before the next cell's
+        free_device_memory(device)
+    return results
+
+
+def matrix_columns(baseline: str) -> list[str]:
+    """The columns every matrix table has after its lead columns and "variant"."""
+    return ["median ms", "p10", "p90", f"vs {baseline}", "b2b ms", f"b2b vs {baseline}", "b2b host ms",
+            "peak GiB", f"peak vs {baseline}", "reserved GiB", f"reserved vs {baseline}", "whole-run reserved GiB",
+            f"whole-run vs {baseline}", "compile s", "numerics"]
+
+
+def matrix_cells(r: dict, base: dict | None) -> list[str]:
+    """An ok row's `matrix_columns` cells: times and ratios to the baseline's (>1: faster), the
+    timed steps' peak allocated and reserved, the whole run's reserved (<1: less memory)."""
+    b2b = r.get("back_to_back_ms")
+    return [f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}", f"{r['p90_ms']:.2f}",
+            fmt(base["median_ms"] / r["median_ms"] if base else None, ".2f", "x"), fmt(b2b, ".2f"),
+            fmt(base["back_to_back_ms"] / b2b if base and b2b and base.get("back_to_back_ms") else None, ".2f", "x"),
+            fmt(r.get("back_to_back_host_ms"), ".2f"),
+            fmt(r.get("peak_alloc_gib"), ".2f"), fmt(memory_ratio(r, base, "peak_alloc_gib"), ".2f", "x"),
+            fmt(r.get("peak_reserved_gib"), ".2f"), fmt(memory_ratio(r, base, "peak_reserved_gib"), ".2f", "x"),
+            fmt(r.get("peak_reserved_all_gib"), ".2f"), fmt(memory_ratio(r, base, "peak_reserved_all_gib"), ".2f", "x"),
+            f"{r['compile_s']:.1f}", numerics_cell(r["numerics"]) if r.get("numerics") else "-"]
+
+
+def matrix_table(results: list[dict], baseline: str, lead: Sequence[str] = ("batch",)) -> str:
+    """The markdown table of `run_matrix`'s results: the `lead` fields of each entry, the variant,
+    `matrix_columns`; a row that did not run shows its status and error."""
+    header = [*lead, "variant", *matrix_columns(baseline)]
+    rows = []
+    for entry in results:
+        first = [str(entry.get(key, "")) for key in lead]
+        base = next((r for r in entry["variants"] if r["variant"] == baseline and r["status"] == "ok"), None)
+        for r in entry["variants"]:
+            if r["status"] != "ok":
+                error = (r.get("error") or "").splitlines()[0][:80].replace("|", "/") if r.get("error") else ""
+                rows.append([*first, r["variant"], r["status"]] + [""] * (len(header) - len(first) - 3) + [error])
+                continue
+            rows.append([*first, r["variant"], *matrix_cells(r, base)])
+    return markdown(header, rows)
+
+
+def write_results(out_dir: Path, stem: str, env: dict, head: Sequence[str], tables: Sequence[str],
+                  **data: Any) -> str:
+    """``<out_dir>/<stem>_results.md`` (the `head` lines, then each table) and
+    ``<stem>_results.json`` (``environment`` and `data`); returns the markdown."""
+    text = "\n".join(head) + "".join("\n\n" + t for t in tables if t) + "\n"
+    (out_dir / f"{stem}_results.md").write_text(text)
+    (out_dir / f"{stem}_results.json").write_text(json.dumps({"environment": env, **data}, indent=1, default=str))
+    return text

@@ -14,6 +14,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 sys.path[:0] = [BENCHMARKS, os.path.join(BENCHMARKS, "probes")]  # the benchmarks, and the probes of probes/
 
 import bench_distributed  # noqa: E402
+import bench_large_batch  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_step  # noqa: E402
 import bench_whole_step  # noqa: E402
@@ -74,7 +75,7 @@ def test_budget_variants_by_name():
     family.backward_donates = True
     forward = CudaGraphRunner({"lanes": None, "one_lane": None}, "g_forward", "forward", family, set(), None,
                               max_memory_ratio=1.1)
-    with measured.context():  # the rule before session 7: the forward measures its candidates
+    with measured.context():  # -fw-measured: the forward measures its candidates
         assert unmeasured(forward) is None
     assert unmeasured(forward)[0] == "one_lane"
     both = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.5-lanes-measured")]
@@ -276,7 +277,7 @@ def test_the_step_table_reports_back_to_back_steps_beside_the_idle_gpu_latency()
     width = table[0].count("|")
     assert all(line.count("|") == width for line in table)
     assert "| 8 | apollo | 6.00 | 7.00 | 9.00 | 1.33x | 5.00 | 1.20x | 4.00 |" in table[3]
-    # memory as a ratio to the baseline's (issue 24: <= 1.05x)
+    # memory as a ratio to the baseline's
     ok.update(peak_alloc_gib=2.0, peak_reserved_gib=4.0)
     fast.update(peak_alloc_gib=2.1, peak_reserved_gib=5.0)
     table = bench_step.markdown_table([{"batch": 8, "variants": [ok, fast]}]).splitlines()
@@ -284,7 +285,7 @@ def test_the_step_table_reports_back_to_back_steps_beside_the_idle_gpu_latency()
 
 
 def test_compiled_autograd_variants_hand_the_backward_to_their_compiler():
-    """bench_step's -ca variants (issue 3's host-time experiment): train_step runs the backward under
+    """bench_step's -ca variants (the host-time experiment): train_step runs the backward under
     compiled autograd, whose graph apollo compiles (as an inference graph: the gradients are its
     outputs, one lane); gradients stay eager's."""
     import copy
@@ -467,19 +468,8 @@ def test_whole_step_benchmark_runs_on_the_cpu(tmp_path):
         bench_whole_step.parse_args(["--models", "hf-bert"])
 
 
-def test_whole_step_benchmark_times_the_backward_in_its_bw_measured_variant():
-    """apollo-bw-measured: the rule before session 28 (a donating backward times its own candidates)
-    in effect around that variant alone."""
-    from apollo_compile.runtime import choice
-
-    with bench_whole_step.runtime_for("apollo-bw-measured"):
-        assert choice.in_effect() == choice.ChooseFastest(follow_forward=False)
-    with bench_whole_step.runtime_for("apollo"):
-        assert choice.in_effect() is choice.DEFAULT and choice.DEFAULT.follow_forward
-
-
 def test_whole_step_benchmark_runs_llava_on_the_cpu(tmp_path):
-    """The LLaVA rows (issue 24: eager, Inductor's default mode, apollo) on the tiny config: its image
+    """The LLaVA rows (eager, Inductor's default mode, apollo) on the tiny config: its image
     tokens placed, its language-modelling loss, numerics against eager."""
     import json
 
@@ -490,6 +480,63 @@ def test_whole_step_benchmark_runs_llava_on_the_cpu(tmp_path):
     (entry,) = json.loads((tmp_path / "whole_step_results.json").read_text())["results"]
     assert [(r["variant"], r["status"], r["numerics"]["pass"]) for r in entry["variants"]] == [
         ("eager", "ok", True), ("inductor", "ok", True), ("apollo", "ok", True)]
+
+
+def test_large_batch_search_doubles_then_bisects_and_tries_each_batch_once():
+    """bench_large_batch.search: doubling from the start until a batch fails (halving while the
+    first fails), then bisection to 1/resolution of the largest batch that trains."""
+    def search(limit, start=64, max_batch=4096, resolution=16):
+        return bench_large_batch.search(lambda b: b <= limit, start, max_batch, resolution)
+
+    found = search(300)
+    assert [b for b, _ in found["tries"]] == [64, 128, 256, 512, 384, 320, 288, 304]
+    assert (found["largest"], found["smallest_failing"]) == (288, 304) and 304 - 288 <= 288 // 16
+    assert len({b for b, _ in found["tries"]}) == len(found["tries"])
+    low = search(20)
+    assert [b for b, _ in low["tries"]][:3] == [64, 32, 16] and low["largest"] == 20
+    assert search(0)["largest"] is None and search(0)["stop"].startswith("nothing trains")
+    top = search(10_000, max_batch=1000)
+    assert (top["largest"], top["smallest_failing"]) == (1000, None) and top["tries"][-1] == (1000, True)
+    listed = bench_large_batch.listed(lambda b: b <= 300, [256, 384, 320])
+    assert (listed["largest"], listed["smallest_failing"]) == (256, 320)
+
+
+def test_large_batch_says_whether_apollo_replayed_its_cuda_graphs():
+    """A try trains even where a capture fell back (un-graphed, warned): the table must say it did not
+    replay as CUDA graphs, and why; a capture declined near the limit is un-graphed by design."""
+    cuda = torch.device("cuda", 0)  # a device object only: graphed() reads the row
+    graph = {"replays": 5, "disabled": None, "ungraphed_calls": 0, "capture_refused": None}
+    row = {"apollo": [{"plan": "frame0_0", "graphs": {"forward": {"cuda_graph": graph},
+                                                      "backward": {"cuda_graph": dict(graph)}}}]}
+    assert bench_large_batch.graphed("apollo", row, cuda) == (True, [])
+    row["apollo"][0]["graphs"]["backward"]["cuda_graph"].update(disabled="OutOfMemoryError: CUDA out of memory")
+    assert bench_large_batch.graphed("apollo", row, cuda) == (
+        False, ["frame0_0 backward: OutOfMemoryError: CUDA out of memory"])
+    row["apollo"][0]["graphs"]["backward"] = {"cuda_graph": dict(graph, capture_refused="82% of the cap")}
+    assert bench_large_batch.graphed("apollo", row, cuda) == (
+        False, ["frame0_0 backward: un-graphed by design: 82% of the cap"])
+    assert bench_large_batch.graphed("apollo", {"apollo": []}, cuda)[0] is False  # no plan: nothing graphed
+    assert bench_large_batch.graphed("apollo", row, torch.device("cpu")) == (None, [])
+    assert bench_large_batch.graphed("eager", row, cuda) == (None, [])
+
+
+def test_large_batch_runs_each_try_in_a_process_of_its_own_on_the_cpu(tmp_path):
+    """bench_large_batch.py end to end on the CPU (no allocator to cap: --max-batch bounds the
+    search): every try a fresh process, each trains, the table and JSON come out."""
+    import json
+
+    argv = ["--device", "cpu", "--models", "hf-clip-tiny", "--variants", "apollo", "--start", "2", "--max-batch", "4",
+            "--steps", "1", "--warmup", "1", "--apollo-options", '{"subgraph_compiler": "eager"}', "--out", str(tmp_path)]
+    assert bench_large_batch.main(argv) == 0
+    (search,) = json.loads((tmp_path / "large_batch_results.json").read_text())["searches"]
+    assert (search["variant"], search["largest"], search["smallest_failing"]) == ("apollo", 4, None)
+    assert [(r["batch"], r["status"], r["trained"], r["steps_run"]) for r in search["records"]] == [
+        (2, "ok", True, 2), (4, "ok", True, 2)]
+    assert (tmp_path / "tries" / "hf-clip-tiny-nocap-apollo-2.log").exists()
+    assert "| hf-clip-tiny | none | apollo | 4 | - |" in (tmp_path / "large_batch_results.md").read_text()
+    for bad in (["--device", "cpu", "--cap-gib", "20"], ["--variants", "apollo-bw-measured"], ["--start", "0"]):
+        with pytest.raises(SystemExit):
+            bench_large_batch.parse_args(bad)
 
 
 def test_the_step_host_probe_runs_on_the_cpu(tmp_path):
@@ -513,8 +560,7 @@ def test_the_step_host_probe_runs_on_the_cpu(tmp_path):
 def test_the_step_host_probe_times_module_variants_under_their_runtime(tmp_path, monkeypatch):
     """probes/step_host.py takes the module-compiled variants too (the loop runs their backward),
     each under the runtime bench_whole_step gives it: apollo-no-first-step-pool with
-    graph_pool.FIRST_STEP_POOL empty while it runs, and the default again for the next (session 47
-    profiled the pool's cost this way)."""
+    graph_pool.FIRST_STEP_POOL empty while it runs, and the default again for the next."""
     import json
 
     import step_host
@@ -571,7 +617,7 @@ def test_the_step_timeline_counts_kernels_not_the_ranges_marked_on_the_gpu():
     first kernel to the last, the time some kernel runs (overlaps counted once), the summed kernel
     time, the busiest stream and the sums by kind. The ranges the profiler also puts on the GPU's
     timeline (the step's own mark, ``Optimizer.step#AdamW.step``) are no kernels: counted, they made
-    every step look busy from its start to its end (session 41, first call)."""
+    every step look busy from its start to its end."""
     import step_kernels as sk
 
     mark = sk.STEP_MARK
@@ -591,24 +637,11 @@ def test_the_step_timeline_counts_kernels_not_the_ranges_marked_on_the_gpu():
     assert sk.kind("Memcpy DtoD (Device -> Device)") == "copy" and sk.busy_ns([(0, 10), (5, 15), (20, 21)]) == 16
 
 
-def test_the_masks_as_traced_variant_runs_without_the_attention_masks_pass():
-    """bench_whole_step's apollo-step-opt-masks-as-traced (the tree before session 41, for an A/B in
-    one process) traces its step with every pre-grad pass but attention_masks."""
-    from apollo_compile import pipeline
-
-    model = torch.nn.Linear(2, 2)
-    step = bench_whole_step.WholeStep("apollo-step-opt-masks-as-traced", "hf-clip-tiny", model, torch.device("cpu"),
-                                      False, {}, torch.optim.AdamW(model.parameters()))
-    ((module, name, passes),) = step.layout
-    assert module is pipeline and name == "PRE_GRAD_PASSES"
-    assert [n for n, _ in passes] == [n for n, _ in pipeline.PRE_GRAD_PASSES if n != "attention_masks"]
-
-
 @pytest.mark.parametrize("variant, kinds", [("apollo-no-first-step-pool", set()),
                                             ("apollo-step-opt-first-step-pool", {"forward", "inference"})])
 def test_the_first_step_pool_variants_set_which_graphs_open_it_for_their_run_alone(variant, kinds):
     """bench_whole_step's *-first-step-pool variants run with runtime.graph_pool.FIRST_STEP_POOL
-    (the kinds of graph whose first call opens a pool of its own; forwards by default, session 48)
+    (the kinds of graph whose first call opens a pool of its own; forwards by default)
     as they say and leave it as it was; the others leave it alone."""
     from apollo_compile.runtime import graph_pool
 
@@ -624,8 +657,8 @@ def test_the_first_step_pool_variants_set_which_graphs_open_it_for_their_run_alo
 def test_the_interleaved_probe_gives_each_module_copy_graphs_of_its_own(tmp_path):
     """probes/interleaved_ab.py (h200_session.sh first-step-pool-interleaved) times variants with
     their steps interleaved in one process. Dynamo keys graphs by code object, so two copies of a
-    module-compiled model shared one compile and the second ran the first's CUDA graphs' fallback
-    (session 48); each copy now compiles its own (OwnCode), and both copies' rows come out."""
+    module-compiled model would share one compile and the second run the first's CUDA graphs'
+    fallback; each copy compiles its own (OwnCode), and both copies' rows come out."""
     import json
 
     import interleaved_ab

@@ -1,7 +1,6 @@
 """Which attention and matmul ops a model's eager training step calls on the GPU, with their input
-dtypes and shapes, and which GPU kernels each runs (session 41: HF SigLIP's whole step ran 24 float32
-cuBLAS GEMMs of each orientation without tensor cores, in reduce-overhead's step and apollo's alike;
-this says which of the model's ops they come from).
+dtypes and shapes, and which GPU kernels each runs: where a whole step runs float32 cuBLAS GEMMs
+without tensor cores (RESULTS.md), this says which of the model's ops they come from.
 
     PYTHONPATH=. python benchmarks/probes/attention_ops.py --models hf-siglip --batch 8
 """

@@ -2,9 +2,8 @@
 
 cudagraph.py, NOTE: A capture needs headroom. With ``cudagraphs=True`` (no headroom check) at a
 batch whose backward capture runs out within the memory limit (budgeted CLIP, batch 1152 in
-20 GiB: RESULTS.md, sessions 10-11; 1024 ran out inside a bench_memory probe but captured in a fresh
-process), step 2 is lost. The forward then lets its graph go once that step's tensors are dead, and
-the steps after it run un-graphed as step 1 did (session 11: steps 3-5 at step 1's peak). The loop
+20 GiB: RESULTS.md, "CUDA graphs near the memory limit"), step 2 is lost. The forward then lets
+its graph go once that step's tensors are dead, and the steps after it run un-graphed as step 1 did. The loop
 catches an out-of-memory error as a trainer that skips a batch would (dropping its references to
 the step), and prints per step: ok or OOM, allocated / reserved GiB, and each graph's CUDA-graph
 state.

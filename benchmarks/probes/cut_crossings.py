@@ -1,6 +1,5 @@
-"""Probe (CPU): what crosses the cuts between apollo's subgraphs in a whole step, by op (session 31:
-apollo's whole step peaked 0.28 / 0.70 GiB over reduce-overhead's at batch 8 / 32, its one-subgraph
-variant did not; `passes/boundary.py`, NOTE: A cut materializes what crosses it).
+"""Probe (CPU): what crosses the cuts between apollo's subgraphs in a whole step, by op: what a
+cut keeps alive beyond what one subgraph would (`passes/boundary.py`, NOTE: A cut materializes what crosses it).
 
 Compiles ``compile_step`` (with AdamW inside unless ``--optimizer-outside``) on a transformers
 CLIP or SigLIP with the base model's widths and ``--layers`` layers a tower, subgraphs run as eager

@@ -118,7 +118,7 @@ def reserved_peak(trace: list[dict], phases: list[dict], k: int, segments: list[
     allocation made each segment and by the pool that still holds it after the run (from the final
     snapshot's `segments`; "released later" where it went back to the driver before the end, "?"
     where the final snapshot does not know its address).
-    The peak reserved is what a process holds at its worst (what nvidia-smi shows), issue 24's
+    The peak reserved is what a process holds at its worst (what nvidia-smi shows), the benchmarks'
     reserved column."""
     pool_of = {seg["address"]: ("default" if tuple(seg.get("segment_pool_id") or (0, 0)) == (0, 0)
                                 else "graph pool {}.{}".format(*seg["segment_pool_id"])) for seg in segments}
@@ -168,7 +168,7 @@ def pools(segments: list[dict]) -> dict[str, dict]:
     segments to make a larger one). Also per stream that made the segments (`by_stream`: the stream's
     handle -> reserved and allocated bytes): the allocator hands a freed block only to an allocation
     on the stream that made it, so a pool captured on lanes is one high-water mark per stream
-    (RESULTS.md, session 51); `small` is the part in the small pool's 2 MiB segments, whose blocks
+    (RESULTS.md); `small` is the part in the small pool's 2 MiB segments, whose blocks
     (1 MiB and under) no larger request can use."""
     out: dict[str, dict] = {}
     for seg in segments:

@@ -2,8 +2,8 @@
 
 A CUDA graph bakes a CPU scalar's value into its launches, so the runner never captures a graph
 with one (runtime/graph_io.py, `host_values`). smoke_gpu.py's "batch varies, inductor" mode found
-such an input in the symbolic graph's backward on an H100 (session 49: "its input 51 is a CPU
-tensor (torch.int64, shape ())"): this names it and its users, to tell whether it varies between
+such an input in the symbolic graph's backward ("its input 51 is a CPU tensor (torch.int64,
+shape ())"): this names it and its users, to tell whether it varies between
 replays at one shape (a Python number) or is fixed by the shape (then the backward could be
 captured). Runs one smoke_gpu mode, then lists every graph's fallback, every CPU tensor input of a
 graph whose other inputs are on the GPU, and apollo's warnings.

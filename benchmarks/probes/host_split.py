@@ -25,7 +25,7 @@ made it.
 
 With ``--b2b-profile``, ``--steps`` steps per variant also run back to back (no synchronize
 between them, as bench_step's back-to-back rounds: at batch 8 the host, 5.8-7.5 ms per step, set
-the pace there in session 10, above apollo's 5.1 ms of GPU work): the host ms per step, the
+the pace there, above apollo's GPU work): the host ms per step, the
 garbage collections in them (count, ms), then the same steps under cProfile, its top functions
 by own time. cProfile slows Python calls, so read the shares, not the absolute times.
 
@@ -155,7 +155,6 @@ def report_syncs(f, model, batch) -> int:
 
     def show(message, category, filename, lineno, file=None, line=None):
         # other warnings of the step are not the question, nor the mode's own "prototype" notice
-        # (session 9 counted it as apollo-1lane's one synchronizing call)
         if "synchroniz" not in str(message) or "prototype feature" in str(message):
             return
         seen.append(message)

@@ -1,10 +1,9 @@
 """Variants of ``bench_whole_step.py`` timed in one process, their steps interleaved: is a small
 difference between two variants theirs, or the process's and the order's?
 
-Session 48 on the H100: the same variant (HF CLIP b8, module-compiled apollo) ran 9.15 and 13.07
-ms per step in two processes of one call, and the variant run second in a process was 15% slower
-with identical kernels. Variants timed one after the other (``bench_whole_step.py``) cannot then
-tell a 7% difference (session 47's first-step pool) from drift. Here every variant is compiled and
+One variant can run tens of percent apart in two processes, and the variant run second in a
+process slower with identical kernels (RESULTS.md): variants timed one after the other
+(``bench_whole_step.py``) cannot tell a few percent from drift. Here every variant is compiled and
 warmed up first (each under its own ``bench_whole_step.runtime_for``), then ``--rounds`` rounds time
 each variant in turn, the order reversed every round: ``--steps`` steps from an idle GPU (the loss
 read every step) and one back-to-back run of ``--steps`` steps. Name a variant twice as a control
@@ -14,10 +13,9 @@ guards first), the floor under which a difference means nothing.
 
 Each copy of a module-compiled variant compiles a wrapper whose ``forward`` has a code object of
 its own (:class:`OwnCode`): Dynamo keys its graphs by code object, not by module instance, so
-without it every copy after the first ran the first's graphs. In session 48 those fell back to
-running un-graphed (55-58 against 14.77 ms); since session 49 each copy would get a family of
-CUDA graphs of its own (runtime/instances.py), but captured without the un-graphed first step
-and the choices a variant's first capture makes, so each copy still compiles its own.
+without it every copy after the first would run the first's graphs: a family of CUDA graphs of
+its own (runtime/instances.py), captured without the un-graphed first step and the choices a
+variant's first capture makes.
 ``compile_step``'s steps already get graphs of their own per instance.
 
     PYTHONPATH=. python benchmarks/probes/interleaved_ab.py --models hf-clip --batch 8 \\
@@ -46,7 +44,7 @@ from step_host import parse_step_args, step_models, training_step  # noqa: E402
 class OwnCode(torch.nn.Module):
     """`inner`, called through a ``forward`` whose code object is this copy's own (named
     ``forward_copy_K``), so that Dynamo compiles graphs for this instance rather than reusing
-    another copy's. Its plan is the bare model's (apollo_compile.explain on hf-clip-tiny, session 48)."""
+    another copy's. Its plan is the bare model's (apollo_compile.explain on hf-clip-tiny)."""
 
     def __init__(self, inner: torch.nn.Module, k: int) -> None:
         super().__init__()

@@ -1,9 +1,9 @@
 """Diagnostic (device tool): where a step's GPU memory peaks, forward or backward, with and without
 ``offload_activations``, against eager per-block checkpointing with ``save_on_cpu``.
 
-Session 11 (RESULTS.md): in 20 GiB, apollo at budget 0.05 with offloading trained 1536 but not 2048
-while eager per-block checkpointing with save_on_cpu trained 2048, though both keep the same block
-inputs on the host. This splits one step of each variant (after a warm-up step that compiles) into
+In 20 GiB, apollo at budget 0.05 with offloading trains a smaller batch than eager per-block
+checkpointing with save_on_cpu (RESULTS.md, "Largest batch within 20 GiB: offloading"), though
+both keep the same block inputs on the host. This splits one step of each variant (after a warm-up step that compiles) into
 its forward and its backward: the peak allocated in each (peak stats reset between them) and what
 the forward leaves allocated for the backward. With ``--code-dir`` it also copies the Inductor
 wrappers compiled in this process that copy to or from the host, to show where Inductor placed
@@ -104,8 +104,8 @@ def peak_allocations(entries: list[dict], top: int = 40) -> tuple[int, list[dict
 
 def sizes_at(allocations) -> list[dict]:
     """Live allocations grouped by size, most bytes first: two variants' lists side by side show
-    which buffer one holds that the other does not (session 13: apollo's offloading backward held
-    0.144 GiB more than eager + save_on_cpu's at batch 512, one bf16 hidden state's size)."""
+    which buffer one holds that the other does not (apollo's offloading backward against eager +
+    save_on_cpu's, say)."""
     counts = collections.Counter(e["size"] for e in allocations)
     return [{"bytes": size, "count": n, "gib": size * n / GiB}
             for size, n in sorted(counts.items(), key=lambda kv: -kv[0] * kv[1])]
@@ -114,8 +114,8 @@ def sizes_at(allocations) -> list[dict]:
 def host_copy_wrappers(root: str, since: float, out_dir: pathlib.Path) -> list[str]:
     """Copy each Inductor wrapper written after `since` that moves data between host and device (a
     ``.copy_(`` line in its ``call``) to `out_dir`, whole, so that the snapshot's line numbers
-    (``--snapshot``) point into the copy; return the file names. (Session 12 kept ``call`` alone,
-    and reading its snapshot meant finding the offset by hand.)"""
+    (``--snapshot``) point into the copy; return the file names. (A ``call`` copied alone
+    would leave the offset to find by hand.)"""
     out_dir.mkdir(parents=True, exist_ok=True)
     kept = []
     for path in pathlib.Path(root).rglob("*.py"):

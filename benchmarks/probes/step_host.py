@@ -1,5 +1,5 @@
-"""Where a whole step's host time goes before its CUDA graph starts (issue 23: compile_step with the
-optimizer inside ran 7.42 ms back to back but 11.32 ms with the loss read every step, session 30).
+"""Where a whole step's host time goes before its CUDA graph starts (compile_step with the
+optimizer inside runs faster back to back than with the loss read every step: RESULTS.md).
 
 Per variant of ``bench_whole_step.py`` (``apollo-step-opt``, ``apollo-step``, ``inductor-ro-step``; the
 module-compiled ones too: ``apollo``, ``inductor-ro``, ``apollo-no-first-step-pool``),

@@ -1,11 +1,8 @@
 """Which GPU kernels a whole step runs, by name: count and total time per step, from torch's
 profiler over a few warm steps (CUDA graph replays included: their kernels are traced one by one).
 
-Session 34: with each parameter's update as one fused-Adam op (``fused_update.py``),
-``compile_step`` with the optimizer inside ran HF CLIP's graph in 16.0 ms on one lane against
-8.2 ms with the update as Inductor's kernels; this says which kernels the time went to.
-
-Session 41: the timeline too (one row per variant): from the first kernel of a step to its last
+It says which kernels a step's time goes to (the optimizer's update as fused-Adam ops or as
+Inductor's kernels, ``fused_update.py``), and its timeline (one row per variant): from the first kernel of a step to its last
 ("span"), the time some kernel runs ("busy", the union over streams), the kernels' summed time
 ("sum": sum / busy is how much the streams overlap), the busiest stream's sum, and the sums by kind
 (matmuls, attention, the optimizer's update, Inductor's Triton kernels, copies and the rest), the

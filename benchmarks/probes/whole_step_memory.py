@@ -1,5 +1,5 @@
 """Probe (device tool): what each variant of the user's whole step holds between steps, pool by
-pool, and what set its peak, by allocating line (issue 24: apollo's surplus over reduce-overhead).
+pool, and what set its peak, by allocating line (apollo's surplus over reduce-overhead, say).
 
 For each variant of bench_whole_step.py, on a fresh copy of the model: the allocator's history
 recorded (Python stacks) over `--steps` whole steps (zero_grad, forward, backward, fused AdamW,

@@ -1,6 +1,6 @@
 """Can a weight's bf16 gradient matmul write float32 itself (``aten.mm.dtype``), and is that
-cheaper than the bf16 matmul plus the float32 cast kernel the update lists read (issue 23: 147
-cast kernels, 0.51 ms per HF CLIP B/16 step at batch 8, RESULTS.md session 36)?
+cheaper than the bf16 matmul plus the float32 cast kernel the update lists read (a cast kernel
+per weight, RESULTS.md)?
 
 For each weight-gradient shape of HF CLIP B/16 at a batch (``[out, in] = grad_out.T @ x`` over
 ``tokens = batch * 197`` rows, and the text tower's ``batch * 77``), CUDA-event medians of:
