@@ -118,6 +118,13 @@ class InGraphAdam:
                         t.copy_(value)
                     loaded[key] = t
 
+    @property
+    def groups(self) -> list[dict]:
+        """What the traced update reads, one dict per parameter group, as :meth:`prepare` last laid
+        it out ("params", "moments", "state", "steps", "counters", "lr" and the hyperparameters):
+        for inspection; the update owns these tensors."""
+        return self._groups
+
     def _static_address(self, t: torch.Tensor) -> None:
         if not self.owns(t):
             torch._dynamo.mark_static_address(t)
