@@ -1,17 +1,20 @@
 """The performance model calibrates itself from what the CUDA-graph runner measures.
 
 On CUDA the runner times every candidate runtime of a graph it captures (lanes, one lane, SM
-quotas: ``runtime/cudagraph.py``). Those times refit the model's two interference parameters for
-that device (``PerfModel.fit_overlap_penalty``: how much two lanes on plain streams slow each
-other; ``PerfModel.fit_quota_penalty``: the same between quota lanes). Later plans on the same
-device start from the fitted values instead of DESIGN.md's priors: recompiles and other graphs in
-this process, and later processes, since the fits are kept in a JSON file beside Inductor's
-on-disk cache (``<inductor cache dir>/apollo_compile/calibration.json``; ``APOLLO_CALIBRATION_FILE``
-names another file, an empty value keeps the fits in this process only).
+quotas: ``runtime/cudagraph.py``). :func:`record` refits the model's two interference parameters
+for that device from those times (``PerfModel.fit_overlap_penalty``: how much two lanes on plain
+streams slow each other; ``PerfModel.fit_quota_penalty``: the same between quota lanes), and
+:func:`defaults` hands later plans on the same device the median of the fits in place of the
+priors: recompiles and other graphs in this process, and later processes.
 
-The effect that matters: a quota split predicted (with calibrated interference) to lose to plain
-streams is not captured and timed at all (``backend._quota_candidates``); every capture costs
-compile-time and, for each new stream, a cuBLAS workspace that stays allocated.
+Reads and writes a JSON file beside Inductor's on-disk cache
+(``<inductor cache dir>/apollo_compile/calibration.json``); ``APOLLO_CALIBRATION_FILE`` names
+another file, an empty value keeps the fits in this process only.
+
+Why it matters: a quota split predicted (with calibrated interference) to lose to plain streams
+is not captured and timed at all (``pipeline.quota_candidates``), and every capture costs compile
+time and, for each new stream, a cuBLAS workspace that stays allocated
+(docs/design/performance-model.md#calibration).
 """
 
 from __future__ import annotations

@@ -1,30 +1,26 @@
 """The optimizer inside the compiled step: ``compile_step(fn, optimizer=opt)``.
 
 ``optimizer.step()`` cannot be traced into the step's graph on torch 2.13 (``whole_step.py`` says
-why), but the update it runs can: Adam's update of each parameter as one op (``fused_update.py``:
-a Triton kernel on CUDA, torch's fused Adam kernel elsewhere), over the optimizer's own
-parameters, gradients and state tensors.
-Traced after ``loss.backward()`` in the same function, it becomes part of the one graph, and each
-parameter's update is labelled with its tower (``passes/modality.py``: it reaches that parameter's
-write), so a tower whose backward finishes early updates its weights while the other tower's
-backward still runs.
+why), but the update it runs can: Adam's update as opaque ops (``fused_update.py``) over the
+optimizer's own parameters, gradients and state tensors. Traced after ``loss.backward()``, it
+becomes part of the one graph, and each parameter's update is labelled with its tower
+(``passes/modality.py``), so a tower whose backward finishes early updates its weights while the
+other tower's backward still runs.
 
 :class:`InGraphAdam` prepares, outside the graph before every call, what a CUDA-graph replay needs
-to find at fixed addresses: the optimizer's state created as ``Adam`` would create it, each group's
-moments named for the update ops (``fused_update.AdamMoments``; NOTE: The moments are not graph
-inputs), the step counters of a parameter group in one tensor per device, every state tensor marked
-static, and the learning rate of each parameter group as a device tensor (refreshed from
-``param_groups`` when a scheduler changed it; the other hyperparameters are Python numbers, and
-Dynamo recompiles if one changes). Inside the traced step the step counters advance on the device
-(no ``.item()``) and the parameters of a group share an ``apollo::adam_step_foreach``, which reads
-their counters and the learning rate there, split by tower and cut into parts in the graph
-(``fused_update.py``, NOTE: Small parameters share a launch); a parameter left out of the lists
-(``fused_update.FOREACH_NUMEL``, ``FOREACH_DEVICES``) gets an ``apollo::adam_step`` of its own. With
-the option ``optimizer_update="inductor"`` the update is Adam's formula as elementwise ops instead
-(:func:`adam_update`), which Inductor fuses with the ops around it, at the price of a compile ~3x as
-long.
+at fixed addresses: the state as ``Adam`` creates it, each group's moments registered by name
+(``fused_update.AdamMoments``), the step counters of a group in one tensor per device, every state
+tensor marked static, and each group's learning rate as a device tensor (refreshed when a
+scheduler changes it; the other hyperparameters are Python numbers, and Dynamo recompiles if one
+changes). Inside the traced step the counters advance on the device (no ``.item()``) and a group's
+parameters share an ``apollo::adam_step_foreach`` (a parameter ``fused_update.FOREACH_NUMEL`` or
+``FOREACH_DEVICES`` leave out gets an ``apollo::adam_step``). With ``optimizer_update="inductor"``
+the update is Adam's formula as elementwise ops instead (:func:`adam_update`), which Inductor
+fuses with the ops around it, at the price of a compile about 3x as long.
+
 The optimizer object stays the user's: its state is the one updated, ``state_dict()`` and
-schedulers work, and an eager ``optimizer.step()`` after a fallback continues from it.
+schedulers work, and an eager ``optimizer.step()`` after a fallback continues from it. The
+reasoning and measurements behind the layout: docs/design/whole-step.md#the-optimizer-inside-the-step.
 """
 
 from __future__ import annotations
@@ -122,6 +118,13 @@ class InGraphAdam:
                         t.copy_(value)
                     loaded[key] = t
 
+    @property
+    def groups(self) -> list[dict]:
+        """What the traced update reads, one dict per parameter group, as :meth:`prepare` last laid
+        it out ("params", "moments", "state", "steps", "counters", "lr" and the hyperparameters):
+        for inspection; the update owns these tensors."""
+        return self._groups
+
     def _static_address(self, t: torch.Tensor) -> None:
         if not self.owns(t):
             torch._dynamo.mark_static_address(t)
@@ -137,16 +140,14 @@ class InGraphAdam:
         """Dynamo's ``guard_filter_fn``: keep every guard but the tensor guards on the tensors this
         update owns.
 
-        [NOTE] The state's tensor guards are implied. Dynamo checks every tensor the traced step reads
-        before each call: with AdamW inside, four per parameter (a 398-parameter CLIP: 1597 tensors,
-        each with its metadata and five dynamic-marking checks). On this project's 2-core CPU the
-        guard manager alone took 0.48-0.54 ms per call, 0.26-0.30 ms without the state's tensor
-        guards, and the call's host time outside the graph went from 0.97-1.15 to 0.76-0.91 ms
-        (session 30, two runs each). The state's metadata is its parameter's by construction: :meth:`_state` makes each
-        moment with its parameter's shape, strides, dtype and device (and a step a 0-d float32 on
-        it), and :meth:`prepare` lays the state out again, before the call, whenever a parameter
-        group changes. So the parameters' guards (kept, with the lists' lengths) already decide
-        whether the graph fits; the state's own say nothing more."""
+        [NOTE] The state's tensor guards are implied. Dynamo checks every tensor the traced step
+        reads before each call, four per parameter with AdamW inside, and the state's guards are
+        about half of the guard manager's host time per call. The state's metadata is its parameter's by
+        construction: :meth:`_state` makes each moment with its parameter's shape, strides, dtype
+        and device (and a step a 0-d float32 on it), and :meth:`prepare` lays the state out again,
+        before the call, whenever a parameter group changes. So the parameters' guards (kept, with
+        the lists' lengths) already decide whether the graph fits; the state's own say nothing
+        more (docs/design/whole-step.md#the-states-tensor-guards-are-implied)."""
         return [not (entry.guard_type == "TENSOR_MATCH" and entry.has_value and self.owns(entry.value))
                 for entry in entries]
 
@@ -213,7 +214,7 @@ class InGraphAdam:
         """Before each call, outside the graph: the state exists where the graph reads it, and the
         learning-rate tensors hold ``param_groups``' current lr."""
         groups = self.optimizer.param_groups
-        # built by C loops (map): for a CLIP's 398 parameters 52 us per call against 71 with a genexpr (CPU)
+        # built by C loops (map), faster than a genexpr: it runs before every call
         layout = tuple((tuple(map(id, g["params"])), tuple(map(_REQUIRES_GRAD, g["params"])), g["betas"],
                         g["weight_decay"], g["eps"], g["maximize"], g["amsgrad"]) for g in groups)
         if layout != self._layout:
@@ -239,28 +240,19 @@ class InGraphAdam:
         ``.grad = None`` for every parameter, as ``optimizer.zero_grad(set_to_none=True)``.
 
         [NOTE] The step consumes its gradients. Left in ``.grad``, every gradient is an output of
-        the graph: held in the graph's memory between steps (0.56 GiB on HF CLIP B/16) and handed
-        out at every replay (398 tensors lent and reclaimed, and 398 ``.grad`` assignments, on the
-        host before the next step can start: the runner's host time was 1.6 ms per replay on the
-        H200 with them, session 29). Consumed inside, a gradient is a temporary of the graph, dead
-        once its parameter is updated.
+        the graph: held in the graph's memory between steps and handed out at every replay (a
+        tensor lent and reclaimed and a ``.grad`` assignment per parameter, on the host, before the
+        next step can start). Consumed inside, a gradient is a temporary of the graph, dead once
+        its parameter is updated (docs/design/whole-step.md#the-step-consumes-its-gradients).
 
         [NOTE] The step counters are one tensor: each parameter group keeps its counters in one
         float32 tensor per device, and ``state["step"]`` of each parameter is a 0-d view into it
         (what ``state_dict()``, a loaded checkpoint and an eager ``optimizer.step()`` after a
         fallback read and write). The traced step advances them with one ``add_`` and reads each
-        parameter's counter as an element of that one input. A counter per parameter was a graph
-        input per parameter: every input costs host time before each replay, in Dynamo's frame
-        (loading it), AOTAutograd (bumping the version of each input the graph writes) and the
-        runner (checking it is where the graph was captured). With AdamW inside, HF CLIP B/16's step
-        had 1597 inputs and 3.35 ms of host time before its replay on the H200 (session 31,
-        ``benchmarks/probes/step_host.py``); one counter tensor per group leaves 1200 (and the
-        moments, found by name, about 400: fused_update.py, NOTE: The moments are not graph inputs).
-        Before that (sessions 30-31) the per-parameter counters advanced in one ``_foreach_add_``,
-        and before that in a ``step.add_(1)`` each, a kernel and a CUDA-graph node per parameter. On
-        the H200 (session 32, another machine than session 31's, so compare ratios) the step from an
-        idle GPU went from 1.04x to 1.11x reduce-overhead's whole step; back to back it stayed
-        1.20x."""
+        parameter's counter as an element of that one input. A counter per parameter would be a
+        graph input per parameter, and every input costs host time before each replay, in Dynamo's
+        frame, AOTAutograd and the runner (docs/design/whole-step.md#the-step-counters-are-one-tensor;
+        fused_update.py, NOTE: The moments are not graph inputs)."""
         with torch.no_grad():
             for g in self._groups:
                 stepped = {j for j, p in enumerate(g["params"]) if p.grad is not None}
@@ -296,8 +288,8 @@ def as_range(js: list[int]) -> Sequence[int]:
 
     [NOTE] A group's indices are one guard. The traced step reads each counter's parameter indices
     (which counters advance, which parameters the update ops take); Dynamo guards every int it
-    reads out of a list, and a range as one value. HF CLIP's 398 indices were 398 guards and their
-    398 accessors, a tenth of the step's guard tree, checked before every call."""
+    reads out of a list, and a range as one value: a model's parameter indices would otherwise be a
+    guard and an accessor each, checked before every call (a tenth of HF CLIP's guard tree)."""
     if js and js == list(range(js[0], js[-1] + 1)):
         return range(js[0], js[-1] + 1)
     return js
@@ -321,21 +313,13 @@ def update_scalars(group: dict, stepped: set[int], decoupled: bool) -> dict[int,
     1 - lr * weight_decay`` (None unless decoupled weight decay applies), ``step_size = lr / (1 -
     beta1 ** step)`` and ``sqrt(1 - beta2 ** step)``, from its counter already advanced.
 
-    [NOTE] The update's scalars are foreach outputs. Inductor compiles the optimizer-inside step
-    slowly: on the H200, HF CLIP B/16 took 290-350 s against reduce-overhead's whole step's ~100
-    (sessions 30-33); on this project's 2-core CPU, HF CLIP's layout at width 32 (398 parameters,
-    Inductor's C++ kernels, no cache) 317 s against 78 s without the update (session 33). Two
-    things every update kernel read added to it. Each read its step as an element of the group's
-    counter tensor (``flat[k]``), a load at the constant offset k, so no two parameters' kernels
-    were the same source: 218 kernels compiled, against 39 without the update. And all read the
-    one learning-rate tensor, which puts every update in one group of Inductor's pairwise fusion
-    search (``Scheduler.get_possible_fusions``). Computed by foreach ops, each parameter's scalars
-    are buffers of its own: an update kernel shares no input with another parameter's, and
-    parameters of one shape share one kernel. Measured on the same CPU: 43 kernels; 307 s with
-    the steps alone as foreach outputs, 266 s with the learning rate too. The rest is Inductor
-    lowering, fusing and generating ~15 ops per parameter (py-spy: its scheduler 31% of the
-    compile, lowering 26%, code generation 20%); not measured on the H200, where Triton compiles
-    and tunes each distinct kernel, so the fewer kernels should count for more."""
+    [NOTE] The update's scalars are foreach outputs. Inductor compiles the formula slowly, and two
+    things every update kernel read would add to it: its step as ``flat[k]``, a load at a constant
+    offset, so that no two parameters' kernels are the same source; and the one learning-rate
+    tensor, which puts every update in one group of Inductor's pairwise fusion search
+    (``Scheduler.get_possible_fusions``). Computed by foreach ops, each parameter's scalars are
+    buffers of its own: an update kernel shares no input with another parameter's, and parameters
+    of one shape share one kernel (docs/design/whole-step.md#the-updates-scalars-are-foreach-outputs)."""
     out: dict[int, tuple] = {}
     for device, (flat, js) in group["counters"].items():
         ks = [k for k, j in enumerate(js) if j in stepped]
@@ -371,9 +355,9 @@ def adam_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
     [NOTE] Why not torch's functional ``adam(..., capturable=True)``: it divides by the step size
     (``denom / (-lr / bias_correction1)``), so at lr = 0, the first step of a warm-up schedule, a
     gradient element that is exactly zero (an embedding row no token used) gives 0 / 0 and the
-    parameter becomes NaN (measured on the CPU with the tiny HF CLIP at lr 0). Without capturable
-    it reads the step counter with ``.item()``, which a CUDA graph cannot replay. The formula is
-    short enough to state once here."""
+    parameter becomes NaN (docs/design/whole-step.md#why-not-torchs-capturable-adam). Without
+    capturable it reads the step counter with ``.item()``, which a CUDA graph cannot replay. The
+    formula is short enough to state once here."""
     beta1, beta2, eps, weight_decay = hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"]
     if hyper["maximize"]:
         grad = -grad

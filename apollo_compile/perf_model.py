@@ -1,72 +1,25 @@
 """The performance model: a subgraph's time under an SM quota, and a lane plan's on plain streams
-or under quotas. Pure Python, no GPU.
+or under quotas. Pure Python, no GPU. The reasoning and the measurements behind every constant:
+docs/design/performance-model.md.
 
 The quotas pass (``passes/quotas.py``) plans its candidate runtimes with it; ``calibration.py``
-refits its interference parameters from what the CUDA-graph runner measured. Candidate names
-that carry quotas (``"quota:1=88,2=44"``: :func:`quota_name`, :func:`parse_quota_name`) are
-defined here, where the model reads them back when it calibrates.
+refits its interference parameters from what the CUDA-graph runner measured. Candidate names that
+carry quotas (``"quota:1=88,2=44"``: :func:`quota_name`, :func:`parse_quota_name`) are defined
+here, where the model reads them back when it calibrates.
 
-Performance model (:class:`PerfModel`)
-======================================
-A subgraph's time on ``q`` of the device's ``S = spec.sms`` SMs is a sum of components, each a
-saturating power law::
+A subgraph's time on ``q`` of the device's ``S`` SMs is a sum of saturating power laws, one per
+component of its cost labels (compute, memory, the fixed launch cost, and tile-capped library
+kernels)::
 
     t(q) = Σ_c  us_c * (sat_c / min(q, sat_c)) ** alpha_c          (flat beyond sat_c)
 
-``us_c`` is the part of the subgraph's full-device estimate (``sum(NodeInfo.est_us)``) of that
-component; the components come from the cost labels:
+:meth:`PerfModel.calibrate` replaces a subgraph's curve by one fitted to measured quotas.
 
-* **compute** (``bound == "compute"``, minus the launch cost): ``alpha = 1.0``, saturating at
-  ``0.85 * S`` (112 of 132 SMs). Fitted to DESIGN.md's 8192^3 bf16 matmul on an H200 (10.3 / 5.2 /
-  2.4 / 1.8 ms on 16 / 32 / 66 / 100 SMs, 1.5 ms on 132): the least-squares fit in log space
-  (:func:`fit_power_law`, saturation on the multiples of 8) gives alpha 0.98 saturating at 112
-  SMs (0.97 at ~114 SMs without the grid). Rounded to alpha 1 and 0.85 * S, it reproduces the
-  four points within 7% (+2%, +1%, +6%, -7%): linear scaling, saturating before the full chip
-  (the last ~15% of SMs bought little for that matmul; why was not measured).
-* **memory** (``bound == "memory"`` or an unlabelled node with a cost, minus the launch cost):
-  ``alpha = 0.5``, saturating at ``0.5 * S``. An ASSUMPTION, not measured: HBM bandwidth is
-  usually saturated by a fraction of the SMs. To be calibrated on the GPU.
-* **fixed**: ``spec.launch_us`` per costed node (the cost pass adds it to every ``est_us``):
-  kernel dispatch does not depend on the SM count (``alpha = 0``).
-* **tile caps** (``tile_caps=True``): a compute node that is a library kernel (a matmul, convolution
-  or attention: ``nodes.is_library_kernel_name``) whose output tiles (128x128 per SM, from
-  ``node.meta["val"]``) are fewer than the compute saturation saturates at its tile count
-  (rounded up to the quota granularity): the text tower of a CLIP model at B=8 has projections of
-  20 tiles, which no quota above 24 SMs speeds up under this rule. A heuristic (cuBLAS tile sizes vary);
-  calibration replaces it per subgraph.
-
-``calibrate(measurements)`` takes ``(subgraph key, sms, measured_us)`` triples (the key is the
-subgraph id: one model per graph) and replaces that subgraph's curve by a fitted one: with two or
-more distinct quotas, ``t_full`` and ``alpha`` by least squares on ``log t`` (the saturation point
-also fitted on the multiples of 8 when there are three or more quotas); with one quota, only a
-scale on the prior curve. Predictions stay monotone non-increasing in ``q`` (alpha >= 0).
-
-Plain streams without quotas
-----------------------------
-Two lanes overlapping on plain streams take ``max(a, b) + overlap_penalty * min(a, b)``: each of
-``k`` concurrently running subgraphs progresses at rate ``1 / (1 + p * (k - 1))`` of its
-full-device speed (processor sharing; for two lanes this is exactly the formula above, ``p = 1``
-is no gain over serial). In the DAG simulation the penalty slows only the SM-bound part of a
-subgraph, not its fixed launch part (ASSUMPTION: dispatch of independent kernels in a CUDA graph
-overlaps; otherwise launch-bound graphs would be predicted to favour quotas, which do not pay
-the penalty). Default ``p = 0.35``, derived from DESIGN.md at B=8 (CUDA graph: one
-stream 9.79 ms, two streams 7.61, vision alone 6.09, text alone 3.34, so the non-overlappable
-rest is 9.79 - 6.09 - 3.34 = 0.36): ``p = (7.61 - 6.09 - 0.36) / 3.34 = 0.35`` (1.29x reached
-where perfect overlap would give 1.55x). The same table at B=32 implies 0.64: the penalty grows
-as the kernels fill the GPU, hence ``calibrate`` refits it from a measured (lanes, one_lane) pair.
-
-Quotas: lane 0 runs on the full device
---------------------------------------
-Side lanes (1, 2, ...) get green-context quotas, multiples of 8 SMs (at least 8). Lane 0, the
-caller's stream, gets NO quota: its joins, loss and everything before and after the branches run
-alone and keep all ``S`` SMs (a green context is a fixed partition for the whole graph, so a lane-0
-quota would slow exactly those solo parts). When lane 0 has work concurrent with side lanes, the
-model gives it the SMs the running side lanes leave (``S - Σ quotas of running side lanes``), and
-the planner reserves it a share of them. Side lanes under quotas are assumed isolated from each
-other (no interference penalty; shared HBM bandwidth is ignored: an optimistic assumption the
-runtime's measurement corrects; ``quota_penalty``, 0 by default, is the same processor-sharing
-slowdown between quota lanes, refitted from a measured quota candidate). A side lane keeps its
-quota even when it runs alone: that is the cost that made DESIGN.md's fixed splits lose.
+Lanes on plain streams slow each other by processor sharing: each of ``k`` running subgraphs
+progresses at ``1 / (1 + p * (k - 1))`` of its full-device speed on its SM-bound part
+(``overlap_penalty``). Under quotas, side lanes run on their green-context partitions (multiples
+of 8 SMs) and lane 0 keeps what the running side lanes leave: its solo parts need the whole chip
+(docs/design/performance-model.md#quotas-lane-0-runs-on-the-full-device).
 """
 
 from __future__ import annotations
@@ -88,11 +41,12 @@ __all__ = [
 ]
 
 GRANULARITY = 8  # Hopper green-context partitions: multiples of 8 SMs, at least 8
-COMPUTE_ALPHA = 1.0  # fitted to the DESIGN.md matmul (least squares: 0.98)
-COMPUTE_SAT_FRAC = 0.85  # fitted to the DESIGN.md matmul (least squares: 112 of 132 SMs)
-MEMORY_ALPHA = 0.5  # assumption, to be calibrated
-MEMORY_SAT_FRAC = 0.5  # assumption, to be calibrated
-OVERLAP_PENALTY = 0.35  # DESIGN.md, B=8: (7.61 - 6.09 - 0.36) / 3.34
+# the priors, fitted to DESIGN_MATMUL_MS and DESIGN_STREAMS_B8 (docs/design/performance-model.md)
+COMPUTE_ALPHA = 1.0  # least squares on the matmul: 0.98
+COMPUTE_SAT_FRAC = 0.85  # least squares on the matmul: 112 of 132 SMs
+MEMORY_ALPHA = 0.5  # an assumption; calibration corrects it per subgraph
+MEMORY_SAT_FRAC = 0.5  # an assumption; calibration corrects it per subgraph
+OVERLAP_PENALTY = 0.35  # batch 8: (7.61 - 6.09 - 0.36) / 3.34 (docs/design/performance-model.md#plain-streams)
 ALPHA_MAX = 2.0
 TILE = (128, 128)  # output tile one SM computes at a time, for the tile caps (heuristic)
 
@@ -396,9 +350,10 @@ class PerfModel:
         """The overlap penalty that explains a measured (lanes, one_lane) pair.
 
         With ``lane_us=(a, b)``, the two lanes measured alone: closed form, the rest of the step
-        being ``one_lane - a - b`` (how DESIGN.md's default was derived). With ``plan``: the
-        penalty whose simulated plain-stream time, scaled so the predicted serial time matches
-        ``one_lane_us``, matches ``lanes_us`` (bisection). Kept in [0, p_max]; above 1 the lanes
+        being ``one_lane - a - b`` (how the default is derived:
+        docs/design/performance-model.md#plain-streams). With ``plan``: the penalty whose
+        simulated plain-stream time, scaled so the predicted serial time matches ``one_lane_us``,
+        matches ``lanes_us`` (bisection). Kept in [0, p_max]; above 1 the lanes
         are slower than one lane.
         """
         if lane_us is not None:

@@ -19,7 +19,7 @@ apollo runs a graph that spans several CUDA devices with one lane and without a 
 capture records one device's streams): each device works through its own queue, so the towers
 can run at the same time, and PyTorch orders the copies between the devices' current streams.
 The memory plan of such a graph is one arena over both devices' buffers (it describes, it does not
-allocate). Measured on two H200s: benchmarks/RESULTS.md, session 12.
+allocate). Measured on two GPUs: benchmarks/RESULTS.md#distributed-2-x-h200.
 """
 
 from __future__ import annotations

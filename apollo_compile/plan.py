@@ -33,8 +33,8 @@ class GraphPlan:
     def runner(self):
         """The CUDA-graph runner on CUDA (which runtime it measured and replays) while the compiled
         graph lives. Plans outlive ``torch._dynamo.reset()`` and recompiles, so they hold the
-        runner weakly: a strong reference kept every replaced graph's CUDA graph, pool and static
-        outputs allocated (gigabytes: it inflated every later peak in the H200 benchmarks)."""
+        runner weakly: a strong reference would keep every replaced graph's CUDA graph, pool and
+        static outputs allocated (gigabytes, which every later peak would include)."""
         return self.runner_ref() if self.runner_ref is not None else None
 
     @property

@@ -2,30 +2,25 @@
 
     step = apollo_compile.compile_step(step_fn)      # step_fn calls loss.backward() itself
 
-With ``torch._dynamo.config.trace_autograd_ops`` on, Dynamo traces ``loss.backward()`` as
-``torch.autograd.grad`` plus the ``.grad`` accumulation into the same graph as the forward, and
-AOTAutograd hands apollo one inference graph holding the forward and the backward. Each tower's
-forward and backward then run on that tower's lane and, on CUDA, the whole step replays as one
-CUDA graph: no autograd engine and no AOTAutograd wrapper between the halves.
+With ``torch._dynamo.config.trace_autograd_ops`` on (only while Dynamo traces and runs this
+function), Dynamo traces ``loss.backward()`` into the forward's graph, and AOTAutograd hands apollo
+one inference graph holding the forward and the backward. Each tower's forward and backward then
+run on that tower's lane and, on CUDA, the whole step replays as one CUDA graph: no autograd engine
+and no AOTAutograd wrapper between the halves.
 
-The flag is on only while Dynamo traces and runs this function (every other compiled function
-keeps Dynamo's configuration as it was). What cannot be one graph still trains correctly, as a
-module-compiled model does (forward and backward graphs, the autograd engine between them), with
-one :class:`ApolloFallbackWarning` saying why: a PyTorch whose Dynamo cannot trace the backward,
-or a graph break inside the step (an ``optimizer.step()`` inside it breaks the graph on
-torch 2.13, at its ``graph_break()`` calls and, past them, where Dynamo's optimizer support meets
-the ``.grad`` this graph assigned: keep the optimizer outside, ``fused=True``, or pass it to
-``compile_step(fn, optimizer=opt)``), or code whose shapes depend on a tensor's values (NOTE:
-Data-dependent code under fullgraph).
+What cannot be one graph trains on the module path, as a module-compiled model does (forward and
+backward graphs, the autograd engine between them), with one :class:`ApolloFallbackWarning` saying
+why: a Dynamo that cannot trace the backward, a graph break inside the step (``optimizer.step()``
+is one: pass ``compile_step(fn, optimizer=opt)`` instead), or code whose shapes depend on a
+tensor's values (NOTE: Data-dependent code under fullgraph).
 
-With ``optimizer=`` (Adam or AdamW), each call is ``fn(...)`` followed by ``optimizer.step()`` and
+With ``optimizer=`` (Adam or AdamW), each call is ``fn(...)``, ``optimizer.step()`` and
 ``optimizer.zero_grad(set_to_none=True)``, all traced into the same graph (``optimizer_step.py``):
-do not call ``optimizer.step()`` yourself; what reads the gradients (clipping them, logging their
-norm) goes inside `fn`, after ``loss.backward()``. AOTAutograd then keeps the writes into the
-parameters and the optimizer's state inside the graph (``keep_inference_input_mutations``), rather
-than returning every new value and copying it back after the graph. Another optimizer, or a step
-that falls back to the module path, trains the same way with ``optimizer.step()`` and
-``zero_grad(set_to_none=True)`` run eagerly after the compiled part, with one warning.
+what reads the gradients (clipping, logging their norm) goes inside `fn`, after
+``loss.backward()``. AOTAutograd then keeps the writes into the parameters and the optimizer's
+state inside the graph (``keep_inference_input_mutations``). Another optimizer, or a step on the
+module path, runs ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` eagerly after the
+compiled part, with one warning. Design: docs/design/whole-step.md#the-whole-step-as-one-graph.
 """
 
 from __future__ import annotations
@@ -112,7 +107,7 @@ class CompiledStep:
 
     [NOTE] Why a graph break cannot be allowed inside a whole step: Dynamo resumes after a break in
     a new frame, and there ``loss.backward()`` finds no leaf it knows of (the parameters were the
-    first frame's) and traces it as nothing: on torch 2.13 every ``.grad`` stayed None, with no
+    first frame's) and traces it as nothing: on torch 2.13 every ``.grad`` stays None, with no
     error. With ``fullgraph=True`` the break raises while the first frame is traced, before any of
     the step has run, so the module path can run the call from its start.
 

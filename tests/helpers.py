@@ -1,11 +1,21 @@
-"""Train a model eagerly and under apollo side by side; compare loss and every gradient. And a fake
-CUDA graph, so the CUDA-graph runner runs on the CPU."""
+"""What several test files share: train a model eagerly and under apollo side by side and compare
+loss and every gradient; the step ``compile_step`` tests compile; synthetic lane plans for the
+performance model; and a fake CUDA graph, so the CUDA-graph runner runs on the CPU."""
 
 from __future__ import annotations
 
 import copy
+import operator
 
+import networkx as nx
 import torch
+import torch.fx
+
+from apollo_compile.annotations import KEY, NodeInfo
+from apollo_compile.devices import DEVICE_SPECS
+from apollo_compile.passes.lanes import LanePlan, Subgraph
+
+H200 = DEVICE_SPECS["H200"]
 
 # fp32 on CPU. The eager subgraph compiler runs the same ATen kernels as eager PyTorch, only
 # split differently, so results agree to float rounding (observed: bit-identical). Inductor
@@ -48,6 +58,50 @@ def assert_trains_like_eager(model, make_inputs, options=None, steps=3, lr=0.1, 
         opt.zero_grad()
         ref_opt.zero_grad()
     return compiled
+
+
+def backward_step(model):
+    """The step the whole-step tests compile: the forward, ``loss.backward()``, the loss detached."""
+
+    def step(images, tokens):
+        loss = model(images, tokens)
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def cost_nodes(graph: torch.fx.Graph, parts: list[tuple[str, float]]) -> list[torch.fx.Node]:
+    """Fake compute nodes carrying cost annotations: (bound, est_us) each."""
+    out = []
+    for bound, us in parts:
+        n = graph.call_function(operator.add, (1, 1))
+        n.meta[KEY] = NodeInfo(bound=bound, est_us=us)
+        out.append(n)
+    return out
+
+
+def make_plan(subgraphs: list[tuple[int, list[tuple[str, float]]]], edges: list[tuple[int, int]]) -> LanePlan:
+    """A lane plan of synthetic subgraphs, each (lane, [(bound, est_us), ...]), with `edges` between
+    them (indices into `subgraphs`)."""
+    graph = torch.fx.Graph()
+    sgs = [Subgraph(i, lane, cost_nodes(graph, parts)) for i, (lane, parts) in enumerate(subgraphs)]
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(sgs)))
+    dag.add_edges_from(edges)
+    lanes: dict[int, list[str]] = {}
+    for sg in sgs:
+        lanes.setdefault(sg.lane, [f"m{sg.lane}"])
+    return LanePlan(lanes, sgs, dag, list(nx.lexicographical_topological_sort(dag)))
+
+
+def two_tower_plan(heavy: float = 6000.0, light: float = 2000.0) -> LanePlan:
+    """Forward of a two-tower model: lane 1 heavy, lane 2 light, then a join on lane 0."""
+    return make_plan(
+        [(1, [("compute", heavy * 0.8), ("memory", heavy * 0.2)]),
+         (2, [("compute", light * 0.6), ("memory", light * 0.4)]),
+         (0, [("memory", 300.0)])],
+        [(0, 2), (1, 2)])
 
 
 def replace_pass(monkeypatch, name: str, fn) -> None:

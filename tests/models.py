@@ -1,8 +1,12 @@
-"""Small models the tests train: a CLIP-style two-tower model, a single-branch MLP, and a
-model with a graph break. Sizes are tiny so that CPU CI compiles and trains them quickly."""
+"""Small models the tests train: a CLIP-style two-tower model (and a variant that does work only
+on its first call), a single-branch MLP, a model with a graph break, and tiny Hugging Face CLIP and
+SigLIP models. Sizes are tiny so that CPU CI compiles and trains them quickly."""
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -117,3 +121,32 @@ class GraphBreakModel(nn.Module):
 def two_tower_inputs(batch: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 64, (batch, 8), generator=g)
+
+
+_HOOKS_LOCK = threading.Lock()
+
+
+class HookedOnFirstCall(TwoTower):
+    """Does work on its first call under a ``threading.Lock``, which Dynamo cannot enter, as Hugging
+    Face's output-capturing models install their hooks (LLaVA)."""
+
+    def forward(self, images, tokens):
+        if not getattr(self, "hooks_installed", False):
+            with _HOOKS_LOCK:
+                self.hooks_installed = True
+        return super().forward(images, tokens)
+
+
+def tiny_hf(kind: str):
+    """A one-layer Hugging Face ``"clip"`` or ``"siglip"`` model, width 32 (skips the test without
+    transformers)."""
+    transformers = pytest.importorskip("transformers")
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                max_position_embeddings=16)
+    vision = dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                  num_attention_heads=4, num_channels=3)
+    torch.manual_seed(0)
+    if kind == "clip":
+        return transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision,
+                                                               projection_dim=16))
+    return transformers.SiglipModel(transformers.SiglipConfig(text_config=text, vision_config=vision))

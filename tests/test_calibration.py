@@ -12,7 +12,7 @@ from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.passes import quotas as Q
 from apollo_compile.perf_model import PerfModel, quota_name
 from apollo_compile.pipeline import GraphContext
-from test_quotas import H200, make_plan, two_tower_plan
+from helpers import H200, make_plan, two_tower_plan
 
 
 def measured_by(truth: PerfModel, plan, split: dict[int, int]) -> dict[str, float]:
@@ -24,7 +24,7 @@ def measured_by(truth: PerfModel, plan, split: dict[int, int]) -> dict[str, floa
 def test_record_fits_both_penalties_and_later_models_start_from_them(tmp_path):
     plan, split = two_tower_plan(), {1: 88, 2: 40}
     truth = PerfModel(H200, overlap_penalty=0.6, quota_penalty=0.9)
-    assert calibration.defaults(H200) == {}  # DESIGN.md's priors until something is measured
+    assert calibration.defaults(H200) == {}  # the priors until something is measured
     fitted = calibration.record(H200, plan, PerfModel(H200), measured_by(truth, plan, split))
     assert fitted["overlap_penalty"] == pytest.approx(0.6, abs=1e-3)
     assert fitted["quota_penalty"] == pytest.approx(0.9, abs=1e-3)
@@ -73,7 +73,7 @@ def test_quota_splits_predicted_to_lose_are_not_captured(monkeypatch):
     split lose, none is timed again."""
     from torch.cuda import green_contexts
 
-    monkeypatch.setattr(green_contexts, "SUPPORTED", True)  # as on the H200 build
+    monkeypatch.setattr(green_contexts, "SUPPORTED", True)  # as on a CUDA build with green contexts
     # a compute-bound tower beside a memory-bound one, then a join: the priors favour a 96/32 split
     plan, split = make_plan([(1, [("compute", 4000.0)]), (2, [("memory", 3000.0)]), (0, [("memory", 100.0)])],
                             [(0, 2), (1, 2)]), {1: 96, 2: 32}
@@ -83,7 +83,7 @@ def test_quota_splits_predicted_to_lose_are_not_captured(monkeypatch):
     lanes = planned["lanes"]
     assert any(name.startswith("quota:") and us >= lanes for name, us in planned.items())  # one predicted to lose
     assert quota_candidates(ctx) == {quota_name(split): split}  # ... is not measured; the winner is
-    slow = PerfModel(H200, quota_penalty=1.5)  # what the H200 showed: every split lost by 1.3-1.7x
+    slow = PerfModel(H200, quota_penalty=1.5)  # as fixed splits measure on a GPU: every split loses
     calibration.record(H200, plan, PerfModel(H200), measured_by(slow, plan, split))
     ctx.decisions["quotas"] = Q.run(None, ctx)
     assert quota_candidates(ctx) == {}

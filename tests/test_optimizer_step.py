@@ -5,12 +5,11 @@ counter and the learning rate as float32 tensors, where the eager optimizer here
 single-tensor path with Python doubles, so each update differs from eager by float32 rounding.
 Adam amplifies such differences wherever a gradient is near ``eps`` (the update
 ``m / (sqrt(v) + eps)`` flips between about +lr and -lr there): with the default eps=1e-8 the tiny
-test models' parameters drifted 4e-3 from eager within two steps, in the eager optimizer too when
-only its lr was made a tensor. These tests use eps=1e-4, where the update is a smooth function of
-the gradient: parameters then stayed within 6e-6 of eager over four steps (measured with the formula
-that is now optimizer_update="inductor"), and are
-checked at rtol 1e-4 / atol 5e-5, several times that, while a missed or doubled update moves them
-by ~lr = 1e-2.
+test models' parameters drift 4e-3 from eager within two steps, in the eager optimizer too when
+only its lr is made a tensor. These tests use eps=1e-4, where the update is a smooth function of
+the gradient: parameters stay within about 6e-6 of eager over four steps, and are checked at
+rtol 1e-4 / atol 5e-5, several times that, while a missed or doubled update moves them by
+~lr = 1e-2.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ from apollo_compile.nodes import readers_of, written_inputs
 from apollo_compile.optimizer_step import InGraphAdam
 from apollo_compile.runtime import choice
 from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
-from helpers import TOLERANCE
-from models import TwoTower, two_tower_inputs
-from test_whole_step import _tiny_hf, backward_step as step_of
+from helpers import TOLERANCE, backward_step as step_of
+from models import HookedOnFirstCall, TwoTower, tiny_hf, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
 PARAMS = dict(rtol=1e-4, atol=5e-5)  # see the module docstring
@@ -75,7 +73,6 @@ def test_a_step_whole_from_its_second_call_takes_its_update_inside():
     """HookedOnFirstCall's first call runs on the module path with the optimizer's step after it,
     eagerly; from the second on, the update is inside the one graph (whole_step.py, NOTE: Code only
     a first call runs). Each step equals eager's."""
-    from test_whole_step import HookedOnFirstCall
 
     torch.manual_seed(0)
     apollo_compile.clear_plans()
@@ -254,7 +251,7 @@ def test_a_graph_whose_writes_do_not_fit_on_the_host_replays_the_planners_plain_
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_hugging_face_step_with_the_update_inside_trains_like_eager(kind):
     """Called as HF models are, by keyword, the loss from the output object, AdamW inside."""
-    model = _tiny_hf(kind)
+    model = tiny_hf(kind)
     ref, opt, ref_opt = eager_twin(model)
 
     def step(input_ids, pixel_values):
@@ -531,11 +528,11 @@ def test_the_update_ops_find_the_moments_by_name():
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     update = InGraphAdam(adamw(model))
     update.prepare()
-    (group,) = update._groups
+    (group,) = update.groups
     (counters, _), = group["counters"].values()
     model[0].weight.requires_grad_(False)
     update.prepare()
-    (relaid,) = update._groups
+    (relaid,) = update.groups
     (new_counters, _), = relaid["counters"].values()
     assert relaid["state"] == group["state"] and relaid["moments"] is not group["moments"]
     assert len(relaid["moments"].exp_avgs) == 3 and new_counters.data_ptr() != counters.data_ptr()
@@ -692,7 +689,7 @@ def test_a_towers_list_is_cut_in_the_order_of_its_gradients(monkeypatch):
 
 
 def _autocast_step(model):
-    """test_whole_step.backward_step under bf16 autocast."""
+    """helpers.backward_step under bf16 autocast."""
     def step(images, tokens):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(images, tokens)

@@ -24,8 +24,10 @@ import apollo_compile
 from apollo_compile import ApolloFallbackWarning, ApolloOptionsError, whole_step
 from apollo_compile.annotations import info
 from apollo_compile.nodes import deterministic_attention, storage_node
-from helpers import TOLERANCE
-from models import TwoTower, two_tower_inputs
+from helpers import TOLERANCE, backward_step
+from models import HookedOnFirstCall, TwoTower, tiny_hf, two_tower_inputs
+
+_tiny_hf = tiny_hf  # test_attention_masks imports it from here; its home is models.tiny_hf
 
 EAGER = {"subgraph_compiler": "eager"}
 
@@ -64,17 +66,6 @@ def train_both(model, make_inputs, options, steps=4, accumulate=1, forward=None)
             opt.zero_grad(set_to_none=True)
             ref_opt.zero_grad(set_to_none=True)
     return compiled
-
-
-def backward_step(model):
-    """The step these tests compile whole: the forward, ``loss.backward()``, the loss detached."""
-
-    def step(images, tokens):
-        loss = model(images, tokens)
-        loss.backward()
-        return loss.detach()
-
-    return step
 
 
 def whole_step_plans():
@@ -255,9 +246,9 @@ def unmark_autograd_backward(monkeypatch):
 
 
 def test_whole_step_lanes_without_autograd_backward_marks(monkeypatch):
-    """torch 2.11 marks no whole-step node ``autograd_backward`` (on the H200 its graph got no
-    backward nodes, and its gradients were copied out at every replay): the backward is found
-    from the call it was traced from, ``torch.autograd.grad``, and the lanes are the same."""
+    """torch 2.11 marks no whole-step node ``autograd_backward`` (read from the marks alone, the
+    graph has no backward nodes, and its gradients are copied out at every replay): the backward
+    is found from the call it was traced from, ``torch.autograd.grad``, and the lanes are the same."""
     marked = _lanes_of("whole_step")
     unmark_autograd_backward(monkeypatch)
     torch.manual_seed(0)
@@ -367,20 +358,6 @@ def test_data_dependent_code_in_the_step_falls_back_and_trains_like_eager():
     mine = [w for w in caught if issubclass(w.category, ApolloFallbackWarning) and "compile_step" in str(w.message)]
     assert len(mine) == 1, [str(w.message) for w in caught]
     assert "data-dependent" in compiled.fallback_reason, compiled.fallback_reason
-
-
-_HOOKS_LOCK = threading.Lock()
-
-
-class HookedOnFirstCall(TwoTower):
-    """Does work on its first call under a ``threading.Lock``, which Dynamo cannot enter, as Hugging
-    Face's output-capturing models install their hooks (LLaVA)."""
-
-    def forward(self, images, tokens):
-        if not getattr(self, "hooks_installed", False):
-            with _HOOKS_LOCK:
-                self.hooks_installed = True
-        return super().forward(images, tokens)
 
 
 def test_code_only_a_first_call_runs_leaves_the_later_steps_whole():
@@ -527,19 +504,6 @@ def test_retain_graph_trains_like_eager():
 # ---------------------------------------------------------------------------- Hugging Face models
 
 
-def _tiny_hf(kind: str):
-    transformers = pytest.importorskip("transformers")
-    text = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
-                max_position_embeddings=16)
-    vision = dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
-                  num_attention_heads=4, num_channels=3)
-    torch.manual_seed(0)
-    if kind == "clip":
-        return transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision,
-                                                               projection_dim=16))
-    return transformers.SiglipModel(transformers.SiglipConfig(text_config=text, vision_config=vision))
-
-
 def assert_forwards_side_by_side(cut) -> None:
     """No tower's first subgraph (its forward) waits for a subgraph of another tower: HF CLIP's
     ``t(t(image_embeds))``, read by the text tower's gradient, made the text tower's forward wait
@@ -558,7 +522,7 @@ def assert_forwards_side_by_side(cut) -> None:
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_hugging_face_whole_step_trains_like_eager(kind):
     """Called as HF models are, by keyword, with the loss from the model's output object."""
-    model = _tiny_hf(kind)
+    model = tiny_hf(kind)
 
     def forward(m, inputs):
         input_ids, pixel_values = inputs
