@@ -13,8 +13,8 @@ import torch.fx
 from apollo_compile.annotations import KEY, NodeInfo
 from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile import perf_model as M
+from apollo_compile.lane_plan import LanePlan, Subgraph
 from apollo_compile.passes import quotas as Q
-from apollo_compile.passes.lanes import LanePlan, Subgraph
 from apollo_compile.passes.quotas import Candidate, plan_quotas
 from apollo_compile.perf_model import PerfModel, SubgraphStats, fit_power_law
 

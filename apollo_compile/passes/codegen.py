@@ -45,12 +45,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import textwrap
-from dataclasses import dataclass, field
 
 import torch.fx
 
 from ..annotations import info
-from .lanes import LanePlan
+from ..lane_plan import LanePlan, Op, RuntimeSource
 
 HEADER = '''\
 # apollo_compile runtime for {name}
@@ -58,25 +57,6 @@ HEADER = '''\
 {lane_lines}
 # Names are the FX node names of the {name} graph; subgraph_<i> is subgraph i compiled.
 '''
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: str  # "launch" | "wait" | "record" | "keep" | "join" | "release"
-    lane: int
-    subgraph: int | None = None
-    names: tuple[str, ...] = ()  # launch: its outputs; keep: the values held
-    last_read: tuple[str, ...] = ()  # launch: inputs read for the last time, handed over (NOTE: Freeing)
-
-
-@dataclass
-class RuntimeSource:
-    text: str
-    ops: list[Op] = field(default_factory=list)
-    side_lanes: list[int] = field(default_factory=list)
-    waits: int = 0
-    one_lane: "RuntimeSource | None" = None  # the same subgraphs on one stream, when there are lanes
-    input_lanes: tuple[frozenset[int], ...] = ()  # per graph input: the lanes whose subgraphs read it
 
 
 def producer_lane(plan: LanePlan, node: torch.fx.Node) -> int:

@@ -82,7 +82,6 @@ as an extra input, after the ones its nodes read.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 
 import networkx as nx
 import sympy
@@ -91,61 +90,9 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbol_binding_fx_node
 
 from ..annotations import FUSION, info
+from ..lane_plan import COMPUTE_OPS, LanePlan, Subgraph
 from ..nodes import is_random, readers_of, written_inputs
 from . import boundary
-
-COMPUTE_OPS = ("call_function", "call_method", "call_module")
-
-
-@dataclass
-class Subgraph:
-    id: int
-    lane: int
-    nodes: list[torch.fx.Node] = field(default_factory=list)
-    # values from outside, first-use order, then the binders of symbols they leave unbound ([NOTE] Every symbol)
-    inputs: list[torch.fx.Node] = field(default_factory=list)
-    outputs: list[torch.fx.Node] = field(default_factory=list)  # values used outside, graph order
-    # outputs written in place into buffers the main lane allocated (main_allocated.py), in this order
-    main_allocated: list[torch.fx.Node] = field(default_factory=list)
-    allocate_after: int | None = None  # ... allocated right after this main-lane subgraph
-
-    @property
-    def est_us(self) -> float:
-        return sum(info(n).est_us for n in self.nodes)
-
-
-@dataclass
-class LanePlan:
-    lanes: dict[int, list[str]]  # lane -> modalities on it
-    subgraphs: list[Subgraph]
-    dag: nx.DiGraph  # subgraph id -> subgraph id: happens-before
-    order: list[int]  # launch order: a topological order of `dag`
-    reason: str = ""  # why this many lanes
-    recomputed: dict = field(default_factory=dict)  # values recomputed where read, not handed across (boundary.py)
-
-    def lane_of(self, sg_id: int) -> int:
-        return self.subgraphs[sg_id].lane
-
-    def predicted_us(self) -> tuple[float, float]:
-        """(serial sum, critical path through the DAG) from the cost labels."""
-        serial = sum(sg.est_us for sg in self.subgraphs)
-        finish: dict[int, float] = {}
-        for sg_id in self.order:
-            start = max((finish[p] for p in self.dag.predecessors(sg_id)), default=0.0)
-            finish[sg_id] = start + self.subgraphs[sg_id].est_us
-        return serial, max(finish.values(), default=0.0)
-
-    def summary(self) -> dict:
-        serial, critical = self.predicted_us()
-        return {
-            "lanes": {str(k): v for k, v in sorted(self.lanes.items())},
-            "subgraphs": len(self.subgraphs),
-            "cross_lane_edges": sum(self.lane_of(a) != self.lane_of(b) for a, b in self.dag.edges),
-            "predicted_serial_us": round(serial, 1),
-            "predicted_concurrent_us": round(critical, 1),
-            "reason": self.reason,
-            "recomputed_at_cuts": self.recomputed,
-        }
 
 
 def assign_lanes(nodes: list[torch.fx.Node], max_lanes: int | None) -> tuple[dict[str, int], str]:

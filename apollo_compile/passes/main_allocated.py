@@ -66,8 +66,8 @@ allocated right before the tail, so the program and its results are the same as 
 from __future__ import annotations
 
 import operator
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import networkx as nx
 import torch
@@ -75,57 +75,17 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..annotations import info
+from ..lane_plan import LanePlan, Subgraph
 from ..nodes import graph_outputs
+from ..ops.mm_into import matmul_of
 from ..shapes import concrete_numel
 from ..tracing import fw_metadata
-from .lanes import LanePlan, Subgraph, wire
+from .lanes import wire
 
 MIN_BYTES = 1 << 20  # the caching allocator's small-pool limit (kSmallSize)
 # The side stream's excess as measured over `_side_excess`'s estimate: freed blocks do not fit new
 # requests exactly (HF SigLIP base at batch 8 on an H100: 0.18 GiB measured, 0.144 estimated).
 FRAGMENTATION = 1.25
-
-MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.mm.dtype)  # what `mm_into` writes in place
-
-TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.permute.default)
-
-
-def matmul_of(n: torch.fx.Node) -> tuple[torch.fx.Node, bool, list[torch.fx.Node]] | None:
-    """(the matmul that makes `n`, whether `n` is its transpose, the nodes from the matmul up to
-    `n`'s input), or None: `n` is a matmul, or transposes of one that nothing else reads (a linear
-    layer's weight gradient, as AOTAutograd traces it: ``t(mm(t(dY), X))``, at times ``t(t(mm))``);
-    ``(A @ B).T`` is written as ``B.T @ A.T``."""
-    chain, x = [], n
-    while (x.op == "call_function" and x.target in TRANSPOSES
-           and (x.target is torch.ops.aten.t.default or list(x.args[1]) in ([1, 0], [-1, -2]))):
-        x = x.args[0]
-        if not isinstance(x, torch.fx.Node) or len(x.users) != 1:
-            return None
-        chain.append(x)
-    if x.op != "call_function" or x.target not in MATMULS:
-        return None
-    return x, len(chain) % 2 == 1, chain
-
-
-_LIBRARY = torch.library.Library("apollo", "FRAGMENT")
-_LIBRARY.define("mm_into(Tensor(a!) out, Tensor self, Tensor mat2, ScalarType? out_dtype=None) -> ()")
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> None:
-    """``a @ b`` written into `out` (a buffer the main lane allocated). Inductor runs a mutating op
-    on the input it mutates, where its ``out=`` ops are unsupported and a functional matmul copied
-    into the input goes through a temporary of its own (module docstring)."""
-    if out_dtype is None:
-        torch.mm(a, b, out=out)
-    elif out.device.type == "cuda":
-        torch.ops.aten.mm.dtype_out(a, b, out_dtype, out=out)
-    else:  # mm.dtype has CUDA kernels only: the same products, accumulated in out_dtype
-        torch.mm(a.to(out_dtype), b.to(out_dtype), out=out)
-
-
-_LIBRARY.impl("mm_into", _mm_into, "CompositeExplicitAutograd")
-torch.library.register_fake("apollo::mm_into", lambda *args, **kwargs: None, lib=_LIBRARY)
-mm_into = torch.ops.apollo.mm_into.default
 
 # Measured on an H100 (RESULTS.md, session 53; bf16, fused AdamW, batch 8, one process each), graph
 # pool / reserved against reduce-overhead's, off -> on: HF SigLIP base 1.45 -> 1.39 GiB, 1.06x ->

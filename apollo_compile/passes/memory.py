@@ -16,8 +16,8 @@ import torch
 import torch.fx
 
 from ..annotations import info
+from ..lane_plan import LanePlan
 from ..shapes import concrete_numel
-from .lanes import LanePlan
 from .memory_plan import Buffer, MemoryPlan, plan_memory
 
 OUTPUT = "output"

@@ -35,8 +35,8 @@ import torch.fx
 
 from ..calibration import defaults
 from ..devices import DeviceSpec
+from ..lane_plan import LanePlan
 from ..perf_model import PerfModel, Schedule, quota_name
-from .lanes import LanePlan
 
 __all__ = ["MIN_GAIN", "Candidate", "QuotaDecision", "concurrent_lanes", "plan_quotas", "run"]
 
