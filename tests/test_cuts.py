@@ -159,7 +159,7 @@ def test_nothing_new_crosses_and_written_inputs_are_not_read_again():
 
 
 def test_the_items_of_a_multi_output_op_stay_in_its_subgraph():
-    """lanes.py, NOTE: An item stays with its tuple: one foreach op on the main lane, each item read
+    """docs/design/lanes.md#items-with-tuple: one foreach op on the main lane, each item read
     by another tower's matmul. The items are cut with the op, and leave its subgraph as tensors
     (a subgraph handing on the op's list made Inductor assert)."""
     def f(a, b):
@@ -193,7 +193,7 @@ def _label(gm: torch.fx.GraphModule, towers: dict[str, str]) -> list[torch.fx.No
 
 
 def test_a_read_across_lanes_waits_where_it_is_used():
-    """lanes.py, NOTE: A lane waits for another where it reads it: a text node that reads a vision
+    """docs/design/lanes.md#wait-where-read: a text node that reads a vision
     value, standing in graph order while the text tower's subgraph is open, is placed with its
     reader. The text subgraph before it waits for nothing of the vision lane; the reader's does."""
     def f(v, t, w):

@@ -47,7 +47,7 @@ from .recompute_planner import GLOBAL, Planner
 
 log = logging.getLogger("apollo_compile")
 
-__all__ = ["CheckpointDecision", "attention_recomputed_as_is", "mark_saved", "run"]
+__all__ = ["CheckpointDecision", "attention_recomputed_as_is", "mark_saved", "num_fwd_outputs", "run"]
 
 MEMORY_BOUND_FIRST = True  # order rule 2's tiers; False: bytes freed per microsecond alone
 
@@ -135,7 +135,7 @@ def _remat_modules() -> list:
 # ---------------------------------------------------------------------------- graph facts
 
 
-def _num_fwd_outputs(gm: torch.fx.GraphModule) -> int | None:
+def num_fwd_outputs(gm: torch.fx.GraphModule) -> int | None:
     """Forward outputs of an AOTAutograd joint graph: (forward outputs..., one grad per primal)."""
     outputs = graph_outputs(gm)
     primals = [n for n in gm.graph.find_nodes(op="placeholder") if _is_primal(n)]
@@ -210,7 +210,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
     if budget is None:
         return None
     _cse(gm)
-    num_fwd = _num_fwd_outputs(gm)
+    num_fwd = num_fwd_outputs(gm)
     if num_fwd is None:
         log.warning("apollo: memory_budget ignored for %s: cannot tell its forward outputs apart", ctx.name)
         return None

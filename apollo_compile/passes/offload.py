@@ -75,8 +75,9 @@ def partitioner_offloads(options: ApolloOptions) -> Iterator[None]:
         yield
 
 
-def _transfer(node: torch.fx.Node) -> str | None:
-    """Which copy `node` is, by the names PyTorch's offloading gives its copies."""
+def transfer_of(node: torch.fx.Node) -> str | None:
+    """"to host" or "to device": which copy of PyTorch's offloading `node` is, by the names it
+    gives its copies; None for any other node."""
     if node.op != "call_function" or node.target is not torch.ops.prims.device_put.default:
         return None
     from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX, GPU_RELOAD_PREFIX
@@ -95,7 +96,7 @@ def label(gm: torch.fx.GraphModule, ctx) -> dict[str, Any] | None:
         return None
     count, total = 0, 0
     for n in gm.graph.nodes:
-        if (direction := _transfer(n)) is not None:
+        if (direction := transfer_of(n)) is not None:
             info(n).transfer = direction
             count += 1
             total += nbytes(n)

@@ -36,7 +36,7 @@ from ..nodes import (deterministic_attention, graph_outputs, is_library_kernel, 
 from . import modality
 from .cost import node_cost
 
-__all__ = ["GLOBAL", "Planner"]
+__all__ = ["GLOBAL", "Planner", "block_of", "materialized", "recomputable"]
 
 GLOBAL = "*"  # the constraint key of a budget over all modalities
 _EXPAND_ROUNDS = 3
@@ -46,7 +46,7 @@ _RELAX_MISSES = 8  # relax(): refusals in a row before it stops trying (each try
 # ---------------------------------------------------------------------------- node kinds
 
 
-def _recomputable(node: torch.fx.Node) -> bool:
+def recomputable(node: torch.fx.Node) -> bool:
     """A forward op the planner may move to the backward."""
     if node.op != "call_function" or is_random(node) or "recompute" in node.meta:
         return False
@@ -61,7 +61,7 @@ def _heavy(node: torch.fx.Node, bound: str) -> bool:
     return bound == "compute" or is_library_kernel(node)
 
 
-def _materialized(op: torch.fx.Node) -> bool:
+def materialized(op: torch.fx.Node) -> bool:
     """Whether a compiler that fuses pointwise work (Inductor) still writes `op`'s output to memory
     when it is re-run: a library kernel's output, or an input of one (directly or through views
     and getitems). Pointwise and reduction work that only feeds fused kernels is recomputed inside
@@ -83,7 +83,7 @@ def _materialized(op: torch.fx.Node) -> bool:
     return False
 
 
-def _block_of(node: torch.fx.Node) -> str | None:
+def block_of(node: torch.fx.Node) -> str | None:
     """``vision.blocks.3`` for a node of ``vision.blocks.3.mlp.0``: the outermost repeated block
     (module list or sequential entry) it is in, if any."""
     path = modality.innermost_path(node)
@@ -169,7 +169,7 @@ class Planner:
                 self.values.setdefault(self.op(n), []).append(n)
         # what a re-run op holds in the backward (docs/design/checkpointing.md#peak): all of its outputs, or, when the
         # subgraph compiler fuses pointwise work into its readers, only what a kernel must write
-        self.held = {o: self.nb(o) if not fuses_pointwise or _materialized(o) else 0 for o in self.cost}
+        self.held = {o: self.nb(o) if not fuses_pointwise or materialized(o) else 0 for o in self.cost}
         self.fuses_pointwise = fuses_pointwise
         self.read_by_backward = {self.op(v) for v in self.direct}
 
@@ -397,7 +397,7 @@ class Planner:
             largest = groups.largest()
             moves = []
             for o in sorted({self.op(v) for v in saved}, key=self.order.__getitem__):
-                if o not in self.cost or not _recomputable(o) or self.key[o] not in over:
+                if o not in self.cost or not recomputable(o) or self.key[o] not in over:
                     continue
                 move = self._best_move(o, saved, rerun, groups, largest, targets)
                 if move is not None:
@@ -414,10 +414,10 @@ class Planner:
         another block or the rest of the forward reads, so only what flows between blocks stays
         saved. A greedy walk never gets there (each step alone must look good); it is the plan of
         lowest peak for a stack of blocks, at the cost of re-running the blocks' forward."""
-        block = {o: _block_of(o) for o in self.cost}
+        block = {o: block_of(o) for o in self.cost}
         rerun = set()
         for o, b in block.items():
-            if b is not None and _recomputable(o) and all(block.get(r) == b for r in self.readers.get(o, ())):
+            if b is not None and recomputable(o) and all(block.get(r) == b for r in self.readers.get(o, ())):
                 rerun.add(o)
         return rerun
 
@@ -461,7 +461,7 @@ class Planner:
             if delta.get(key, 0) < 0:
                 break
             grow = {self.op(u) for u in new if self.op(u) in self.cost and self.key[self.op(u)] == key
-                    and _recomputable(self.op(u)) and not deterministic_attention(self.op(u))}
+                    and recomputable(self.op(u)) and not deterministic_attention(self.op(u))}
             if not grow:
                 return None
             ops |= grow
