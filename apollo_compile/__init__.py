@@ -10,6 +10,7 @@ point is not installed (running from a source tree).
 
 from __future__ import annotations
 
+from . import ops as _ops  # noqa: F401  registers apollo's custom ops (torch.ops.apollo.*)
 from .report import logs as _logs
 from .backend import apollo_backend
 from .fallback import ApolloFallbackWarning

@@ -125,8 +125,8 @@ def deterministic_attention(node: torch.fx.Node) -> bool:
     It carries the random tag for its dropout, but at 0 its kernels draw no random numbers (the
     rng outputs are placeholders), so re-running it gives the forward's values. Recomputable, it
     lets the checkpoint planner's block plan (``recompute_planner.Planner.block_plan``) save only
-    block inputs: kept, every block's q, k, v, output and logsumexp were a floor no budget went
-    under (0.108 of the base CLIP's plain peak on the H200)."""
+    block inputs: saved, every block's q, k, v, output and logsumexp are a floor no budget goes
+    under (docs/design/checkpointing.md#plan)."""
     if not isinstance(node.target, torch._ops.OpOverload) or "attention" not in op_name(node):
         return False
     for i, arg in enumerate(node.target._schema.arguments):

@@ -33,8 +33,8 @@ import torch.fx
 
 from .annotations import info
 from .devices import DeviceSpec
+from .lane_plan import LanePlan, Subgraph
 from .nodes import is_library_kernel_name, op_name
-from .passes.lanes import LanePlan, Subgraph
 
 __all__ = [
     "Fit", "PerfModel", "Schedule", "SubgraphStats", "fit_power_law", "parse_quota_name", "quota_name", "tiles",

@@ -19,7 +19,7 @@ import networkx as nx
 import torch.fx
 
 from .annotations import KEY, info
-from .passes.lanes import COMPUTE_OPS
+from .lane_plan import COMPUTE_OPS
 
 
 def verify(gm: torch.fx.GraphModule, decisions: dict[str, Any]) -> list[str]:

@@ -13,7 +13,7 @@ import torch.fx
 
 from apollo_compile.annotations import KEY, NodeInfo
 from apollo_compile.devices import DEVICE_SPECS
-from apollo_compile.passes.lanes import LanePlan, Subgraph
+from apollo_compile.lane_plan import LanePlan, Subgraph
 
 H200 = DEVICE_SPECS["H200"]
 

@@ -350,7 +350,7 @@ def test_dropout_under_inductor_compiles_and_recompute_changes_no_gradient():
 
 
 def test_a_budget_frees_each_buffer_at_its_last_use(monkeypatch):
-    """NOTE: Memory first frees at once: with a memory budget, every subgraph Inductor compiles has
+    """runtime/subgraphs.py, NOTE: Memory first frees at once: with a memory budget, every subgraph Inductor compiles has
     allow_buffer_reuse off (the wrapper deletes a buffer at its last use rather than hold it for a
     later same-size one); without one, Inductor's default stands."""
     import torch._inductor.compile_fx as compile_fx
@@ -382,7 +382,7 @@ def test_fused_recompute_holds_memory_only_where_a_library_kernel_reads_it(monke
     torch.manual_seed(0)
     joint = capture_joint(TwoTower(), monkeypatch)
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
-    num_fwd = checkpoint._num_fwd_outputs(gm)
+    num_fwd = checkpoint.num_fwd_outputs(gm)
     fused = recompute_planner.Planner(gm, num_fwd, DEVICE_SPECS["H200"], {}, False, fuses_pointwise=True)
     eager = recompute_planner.Planner(gm, num_fwd, DEVICE_SPECS["H200"], {}, False)
     assert all(eager.held[o] == checkpoint.nbytes(o) for o in eager.cost)
@@ -392,19 +392,19 @@ def test_fused_recompute_holds_memory_only_where_a_library_kernel_reads_it(monke
     assert fused.held[gelu] > 0  # read by the next matmul
     # layer norm's output feeds the qkv matmul; the residual add feeds only the next layer norm and add
     pointwise_only = [o for o in fused.cost if o.target is torch.ops.aten.add.Tensor
-                      and not recompute_planner._materialized(o)]
+                      and not recompute_planner.materialized(o)]
     assert pointwise_only and all(fused.held[o] == 0 for o in pointwise_only)
 
 
 def test_on_gpu_the_peak_counts_offloaded_values_from_their_first_reader(monkeypatch):
-    """NOTE: Offloaded per-block start: with ``on_gpu`` a saved value that waits on the host holds
+    """docs/design/checkpointing.md#offloaded-block-start: with ``on_gpu`` a saved value that waits on the host holds
     the GPU from its first backward reader on, not from the backward's start. Nothing offloaded:
     the same peak; everything offloaded: lower, and never below the largest saved value, which
     comes back at some point."""
     torch.manual_seed(0)
     joint = capture_joint(TwoTower(), monkeypatch)
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
-    planner = recompute_planner.Planner(gm, checkpoint._num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False)
+    planner = recompute_planner.Planner(gm, checkpoint.num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False)
     saved, rerun = planner.close(set())
     _, everything = planner.peaks(saved, rerun)
     assert planner.peaks(saved, rerun, on_gpu=True)[1] == everything  # no on_host: nothing offloaded
@@ -426,15 +426,15 @@ def test_a_fused_recompute_chain_is_rerun_whole_at_its_first_use(monkeypatch):
     torch.manual_seed(0)
     joint = capture_joint(TwoTower(layers=4), monkeypatch)
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
-    planner = recompute_planner.Planner(gm, checkpoint._num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False,
+    planner = recompute_planner.Planner(gm, checkpoint.num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False,
                                         fuses_pointwise=True)
-    pointwise = {o for o in planner.cost if recompute_planner._recomputable(o) and not is_library_kernel(o)}
+    pointwise = {o for o in planner.cost if recompute_planner.recomputable(o) and not is_library_kernel(o)}
     saved, rerun = planner.close(pointwise)
     group = planner.fused(rerun)
     residual = [o for o in rerun if o.target is torch.ops.aten.add.Tensor
-                and recompute_planner._block_of(o) is not None
-                and recompute_planner._block_of(o).startswith("vision.blocks.")]
-    assert {recompute_planner._block_of(o) for o in residual} == {f"vision.blocks.{i}" for i in range(4)}
+                and recompute_planner.block_of(o) is not None
+                and recompute_planner.block_of(o).startswith("vision.blocks.")]
+    assert {recompute_planner.block_of(o) for o in residual} == {f"vision.blocks.{i}" for i in range(4)}
     assert all(group[o] is group[residual[0]] for o in residual)  # one chain through every block
     _, whole = planner.peaks(saved, rerun)
     monkeypatch.setattr(planner, "fused", lambda rerun: {})

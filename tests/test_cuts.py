@@ -5,20 +5,22 @@ multi-output op, which stay with it, and a read of another lane's value, placed 
 
 from __future__ import annotations
 
+import networkx as nx
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from apollo_compile.report import dump
 from apollo_compile.annotations import info
+from apollo_compile.lane_plan import Subgraph
 from apollo_compile.nodes import storage_node
 from apollo_compile.passes import boundary, lanes
 
 
-def cut(gm: torch.fx.GraphModule, first_of_second: str) -> list[lanes.Subgraph]:
+def cut(gm: torch.fx.GraphModule, first_of_second: str) -> list[Subgraph]:
     """Two subgraphs: the ops before the node whose name starts with `first_of_second`, and the rest."""
     ops = [n for n in gm.graph.nodes if n.op == "call_function"]
     at = next(i for i, n in enumerate(ops) if n.name.startswith(first_of_second))
-    subgraphs = [lanes.Subgraph(0, 0, ops[:at]), lanes.Subgraph(1, 1, ops[at:])]
+    subgraphs = [Subgraph(0, 0, ops[:at]), Subgraph(1, 1, ops[at:])]
     for sg in subgraphs:
         for n in sg.nodes:
             info(n).lane, info(n).subgraph = sg.lane, sg.id
@@ -32,8 +34,8 @@ def recomputed_at_relu_cut(f, *shapes: tuple[int, ...]) -> int:
     return boundary.recompute_crossings(cut(gm, "relu"), gm.graph)["recomputed"]
 
 
-def crossing(subgraphs: list[lanes.Subgraph], gm: torch.fx.GraphModule) -> set[str]:
-    lanes.wire(subgraphs, list(gm.graph.nodes), lanes.nx.DiGraph([(0, 1)]))
+def crossing(subgraphs: list[Subgraph], gm: torch.fx.GraphModule) -> set[str]:
+    lanes.wire(subgraphs, list(gm.graph.nodes), nx.DiGraph([(0, 1)]))
     return {n.target.overloadpacket.__name__ for n in subgraphs[1].inputs if n.op == "call_function"}
 
 
@@ -51,7 +53,7 @@ def test_an_elementwise_value_read_across_the_cut_is_recomputed_there():
     gm = make_fx(quick_gelu_then_backward)(x, w)
     expected = gm(x, w)
     subgraphs = cut(gm, "relu")
-    assert crossing([lanes.Subgraph(s.id, s.lane, list(s.nodes)) for s in subgraphs], gm) == {"sigmoid", "mm"}
+    assert crossing([Subgraph(s.id, s.lane, list(s.nodes)) for s in subgraphs], gm) == {"sigmoid", "mm"}
     done = boundary.recompute_crossings(subgraphs, gm.graph)
     gm.graph.lint()
     gm.recompile()
@@ -157,7 +159,7 @@ def test_nothing_new_crosses_and_written_inputs_are_not_read_again():
 
 
 def test_the_items_of_a_multi_output_op_stay_in_its_subgraph():
-    """lanes.py, NOTE: An item stays with its tuple: one foreach op on the main lane, each item read
+    """docs/design/lanes.md#items-with-tuple: one foreach op on the main lane, each item read
     by another tower's matmul. The items are cut with the op, and leave its subgraph as tensors
     (a subgraph handing on the op's list made Inductor assert)."""
     def f(a, b):
@@ -191,7 +193,7 @@ def _label(gm: torch.fx.GraphModule, towers: dict[str, str]) -> list[torch.fx.No
 
 
 def test_a_read_across_lanes_waits_where_it_is_used():
-    """lanes.py, NOTE: A lane waits for another where it reads it: a text node that reads a vision
+    """docs/design/lanes.md#wait-where-read: a text node that reads a vision
     value, standing in graph order while the text tower's subgraph is open, is placed with its
     reader. The text subgraph before it waits for nothing of the vision lane; the reader's does."""
     def f(v, t, w):
@@ -214,8 +216,8 @@ def test_a_read_across_lanes_waits_where_it_is_used():
     subgraphs, dag = lanes.segment(nodes, {"fusion": 0, "vision": 1, "text": 2})
     sg = {name: info(by_name[name]).subgraph for name in ("mm", "relu", "mm_1", "mul", "tanh", "sigmoid")}
     assert sg["mm_1"] == sg["tanh"] and sg["mul"] == info(add).subgraph == sg["sigmoid"] != sg["mm_1"], sg
-    assert sg["relu"] not in lanes.nx.ancestors(dag, sg["mm_1"])
-    assert sg["relu"] in lanes.nx.ancestors(dag, sg["mul"])
+    assert sg["relu"] not in nx.ancestors(dag, sg["mm_1"])
+    assert sg["relu"] in nx.ancestors(dag, sg["mul"])
 
 
 def test_a_held_read_of_an_input_is_placed_before_its_write():
@@ -239,4 +241,4 @@ def test_a_held_read_of_an_input_is_placed_before_its_write():
         order = subgraphs[info(write).subgraph].nodes
         assert order.index(mul) < order.index(write)
     else:
-        assert info(mul).subgraph in lanes.nx.ancestors(dag, info(write).subgraph)
+        assert info(mul).subgraph in nx.ancestors(dag, info(write).subgraph)

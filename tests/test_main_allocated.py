@@ -10,8 +10,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import apollo_compile
+from apollo_compile.lane_plan import LanePlan, Subgraph
+from apollo_compile.ops.mm_into import mm_into
 from apollo_compile.passes import main_allocated
-from apollo_compile.passes.lanes import LanePlan, Subgraph
 from helpers import assert_trains_like_eager
 from models import TextTower, TwoTower, VisionTower, two_tower_inputs
 from test_runtime import assert_runtimes_equal_the_graph
@@ -133,7 +134,7 @@ def test_only_matmuls_that_alias_nothing_else_are_chosen(every_size):
 
 def test_a_transposed_matmul_is_written_as_the_transposes_product():
     a, b, out = torch.randn(5, 3), torch.randn(3, 4), torch.empty(4, 5).t().contiguous().t()
-    main_allocated.mm_into(out, b.t(), a.t())
+    mm_into(out, b.t(), a.t())
     torch.testing.assert_close(out, (a @ b).t(), rtol=0, atol=1e-6)
-    main_allocated.mm_into(out := torch.empty(5, 4), a.bfloat16(), b.bfloat16(), torch.float32)
+    mm_into(out := torch.empty(5, 4), a.bfloat16(), b.bfloat16(), torch.float32)
     torch.testing.assert_close(out, a.bfloat16().float() @ b.bfloat16().float(), rtol=1e-2, atol=1e-2)

@@ -2,8 +2,8 @@
 
 On the CPU "the host" is the same device, so the copies move nothing; what CI checks is that the
 partitioner inserts them where apollo asked, that every pass, the lane runtime and Inductor take
-graphs with them, and that training stays equal to eager. The memory it frees is measured on the
-H200 (benchmarks/probes/offload_memory.py, bench_memory.py, RESULTS.md session 11).
+graphs with them, and that training stays equal to eager. The memory it frees is measured on a GPU
+(benchmarks/bench_memory.py, benchmarks/RESULTS.md; docs/design/checkpointing.md#offload).
 """
 
 import copy
@@ -55,15 +55,15 @@ def test_trains_like_eager_and_every_offloaded_value_comes_back(options, every_v
     # each copy to the host follows the last forward use of what it copies (the GPU memory is free
     # from there on), and each copy back precedes the first backward use
     fw = list(plan.forward.gm.graph.nodes)
-    for copy_node in (n for n in fw if offload._transfer(n) == "to host"):
+    for copy_node in (n for n in fw if offload.transfer_of(n) == "to host"):
         source = copy_node.args[0]
         assert all(fw.index(u) < fw.index(copy_node) for u in source.users if u is not copy_node and u.op != "output")
     bw = list(plan.backward.gm.graph.nodes)
-    for copy_node in (n for n in bw if offload._transfer(n) == "to device"):
+    for copy_node in (n for n in bw if offload.transfer_of(n) == "to device"):
         assert all(bw.index(u) > bw.index(copy_node) for u in copy_node.users)
     # the memory plan places device buffers only: a copy on the host takes no arena bytes
     placed = {p.buffer.name: p.buffer.nbytes for p in plan.forward.memory.placements}
-    host = [n.name for n in fw if offload._transfer(n) == "to host"]
+    host = [n.name for n in fw if offload.transfer_of(n) == "to host"]
     assert host and all(placed[name] == 0 for name in host)
 
 

@@ -13,8 +13,8 @@ import torch.fx
 from apollo_compile.annotations import KEY, NodeInfo
 from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile import perf_model as M
+from apollo_compile.lane_plan import LanePlan, Subgraph
 from apollo_compile.passes import quotas as Q
-from apollo_compile.passes.lanes import LanePlan, Subgraph
 from apollo_compile.passes.quotas import Candidate, plan_quotas
 from apollo_compile.perf_model import PerfModel, SubgraphStats, fit_power_law
 
@@ -227,7 +227,7 @@ def test_sequential_lanes_get_no_quota():
 def test_two_lane_unequal_work_quota_split():
     plan = two_tower_plan(heavy=6000.0, light=2000.0)
     model = PerfModel(H200)
-    cands, reason, greedy = Q._plan(plan, model)
+    cands, reason, greedy = Q.plan_candidates(plan, model)
     names = [c.name for c in cands]
     assert "one_lane" in names and "lanes" in names and len(cands) <= 4
     times = [c.predicted_us for c in cands]
@@ -251,7 +251,7 @@ def test_refinement_balances_a_bad_greedy_start():
     # work gives lane 1 too many SMs; refinement moves them to lane 2
     plan = make_plan([(1, [("memory", 5000.0)]), (2, [("compute", 3000.0)])], [])
     model = PerfModel(H200)
-    cands, _, greedy = Q._plan(plan, model)
+    cands, _, greedy = Q.plan_candidates(plan, model)
     refined = min(quota_cands(cands), key=lambda c: c.predicted_us)
     assert refined.quotas != greedy.quotas
     assert refined.quotas[2] > greedy.quotas[2]

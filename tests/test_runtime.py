@@ -63,7 +63,7 @@ def test_a_run_that_raised_lets_go_of_its_cross_lane_values(monkeypatch):
     """keep_alive holds values until the join; a run that raises (an OOM) never reaches it. The
     loaded runtime then joins its lanes (so a CUDA-graph capture can end) and drops what it held:
     plans keep their runtimes, so anything left held stays allocated (1.3 GiB on the H200)."""
-    from apollo_compile.passes.codegen import RuntimeSource
+    from apollo_compile.lane_plan import RuntimeSource
     from apollo_compile.runtime.runner import _load
 
     program = ("def run(args):\n    (x,) = args\n    args.clear()\n    rt.fork([1])\n"

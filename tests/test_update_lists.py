@@ -56,9 +56,9 @@ def test_every_part_is_one_launch(sizes, max_tensors, max_chunks, chunk):
 
 def test_hf_siglips_update_launches_as_measured():
     """HF SigLIP base's 408 parameters (built on the meta device): eager's fused AdamW over one
-    list takes 13 launches and the cut by elements (320 x 65536 per part, the rule to session 41)
-    21, as step_kernels.py counted on the H200 (session 41); one launch per part takes 15 (the
-    token embedding, 375 chunks, takes two alone). Each tower's parameters in reverse order, as the
+    list takes 13 launches, a cut by elements alone (320 x 65536 per part) 21, as
+    benchmarks/probes/step_kernels.py counts on a GPU; one launch per part takes 15 (the token
+    embedding, 375 chunks, takes two alone; docs/design/step-passes.md#launch-parts). Each tower's parameters in reverse order, as the
     backward makes their gradients."""
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):

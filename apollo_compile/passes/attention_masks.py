@@ -6,28 +6,13 @@ Reads Dynamo's graph (``node.meta["example_value"]``); rewrites the mask argumen
 transposed mask's); returns the masks it rewrote.
 
 [NOTE] A broadcast mask rules out the fused kernels. On CUDA, SDPA's memory-efficient and cuDNN
-kernels take a mask only if its last dimension has stride 1 (``check_last_dim_stride_equals_1_dense``
-in ATen's ``sdp_utils.cpp``; flash attention takes none), and otherwise SDPA runs its math path,
-which computes bf16 or fp16 attention in float32 (``_safe_softmax`` and float32 ``bmm``). A mask
-built by broadcasting a column, such as transformers' all-True bidirectional mask (``q_idx >= 0`` of
-shape (1, 1, Q, 1), expanded to (B, 1, Q, K): strides (0, Q, 1, 0)), is such a mask. Older
-transformers build that mask whenever the model is traced, even with no padding (eager passes
-none), so HF SigLIP's text tower ran 24 float32 GEMMs of each orientation and a float32 softmax in
-every compiled step, reduce-overhead's too, where eager ran cuDNN attention (H200, torch 2.11,
-session 41: ``benchmarks/probes/attention_ops.py``; 0.39 ms of the GEMMs alone in the step's 8.9 ms
-on one lane). This pass keeps the mask's values and shape and densifies only what the kernels
-check: it takes one slice of every other broadcast dimension, copies that (for SigLIP's text tower
-64 x 64 booleans, 4 KiB, where densifying all of (8, 1, 64, 64) would be 32), and broadcasts it back
-with ``expand_as``. SDPA then chooses among its kernels as it would for a mask the user had laid
-out so. A mask broadcast along its keys (stride 0) gives each query all keys or none: a row with
-none is zero in the math path (``_safe_softmax``) and, since torch 2.5, in the fused kernels that
-pytorch/pytorch#133882 updated to match (not checked here for cuDNN's), so the kernel SDPA picks
-changes rounding only. A mask with a symbolic
-size or stride is left as it is (its strides cannot be read here). With the pass, SigLIP's whole
-step at batch 8 (optimizer inside) ran its graph in 7.64 ms with lanes and 9.03 on one lane,
-against 7.88-8.07 and 9.29-9.86 on session 40's two machines, and 1.19x reduce-overhead's whole
-step from an idle GPU (1.12x in session 40); not yet A/B'd in one process (``bench_whole_step.py``'s
-``apollo-step-opt-masks-as-traced`` leaves the pass out).
+kernels take a mask only if its last dimension has stride 1 (``sdp_utils.cpp``); otherwise SDPA
+runs its math path, which computes bf16 or fp16 attention in float32. Transformers' all-True
+bidirectional mask, a broadcast column, is such a mask, and costs HF SigLIP's text tower float32
+GEMMs and softmax in every step (docs/design/graph-rewrites.md#broadcast-masks). The pass keeps
+the mask's values and shape, copies one slice of every other broadcast dimension densely and
+broadcasts it back with ``expand_as``; SDPA then picks a kernel as for a mask laid out so, which
+changes rounding only. A mask with a symbolic size or stride is left as it is.
 """
 
 from __future__ import annotations

@@ -6,35 +6,19 @@ Called by the lanes pass between cutting the graph and wiring the subgraphs' inp
 edits the graph (a copy of each recomputed chain before its first reader in the reading subgraph)
 and the subgraphs' node lists.
 
-[NOTE] A cut materializes what crosses it. Compiled as one graph, Inductor inlines a cheap
-elementwise value into each kernel that reads it: HF CLIP's ``quick_gelu``, ``x * sigmoid(1.702 *
-x)``, keeps only ``x`` and the product (a matmul's input) for the backward of a whole step, and
-the backward's kernels compute the sigmoid again from ``x``. Cut into subgraphs, every value read
-across the cut is a subgraph output, so a buffer of its own: the sigmoid was written in the
-forward's subgraph and held, one MLP-sized bf16 buffer per layer, until the backward's subgraph
-read it. Measured on the H200 (HF CLIP B/16, whole step, sessions 30-31): apollo's step peaked
-0.23-0.28 GiB over Inductor's whole-step graph at batch 8 and 0.70 GiB over it at batch 32, while
-apollo on one lane, one subgraph, peaked where Inductor did; on the CPU the cut of that step handed across one
-sigmoid per layer and tower and no other elementwise value that a recomputation could inline
-(``benchmarks/probes/cut_crossings.py``; HF SigLIP's tanh GELU leaves none).
+A cut materializes what crosses it: compiled as one graph, Inductor inlines such a value into each
+kernel that reads it, while a value read across a cut becomes a subgraph output, a buffer held
+until its reader runs (docs/design/lanes.md#boundary-recompute, with the measurement). A value is
+recomputed where it is read when:
 
-A value is recomputed where it is read when:
-
-- it is an elementwise op (``Tag.pointwise``) that draws no random numbers, or a view of one made in
-  the same subgraph: autograd saves a ``detach`` of the sigmoid for its backward, and the sigmoid's
-  buffer is only freed when neither it nor an alias of it crosses (the first version of this pass
-  recomputed the sigmoid and left its ``detach`` crossing: the H200 peak did not move, session 32);
+- it is an elementwise op that draws no random numbers, or a view of one made in the same
+  subgraph (an alias left crossing keeps the buffer alive);
 - every reader of it in the reading subgraph is elementwise too, or a view read only by such
-  readers there, so Inductor inlines the recomputation into their kernels rather than writing it
-  to a buffer there;
+  readers, so Inductor inlines the recomputation;
 - its inputs, through at most :data:`MAX_DEPTH` elementwise ops or views, are values that subgraph
-  reads anyway, or graph inputs: no new value crosses. Never a graph input the graph writes, or a
-  view of one, even where the subgraph reads it: a parameter an optimizer inside the step updates
-  is read before its write only by the readers the updates pass and the cut ordered (``lanes.py``,
-  NOTE: A write into an input comes after its readers), and a recomputation placed later, in a
-  subgraph that also holds the write, would read the updated weights;
-- that holds in every subgraph that reads it, and no graph output is it: otherwise it is
-  materialized anyway, and recomputing would only add work.
+  reads anyway, or graph inputs the graph never writes: no new value crosses, and no
+  recomputation reads a parameter after its update;
+- that holds in every subgraph that reads it, and no graph output is it.
 """
 
 from __future__ import annotations

@@ -1,83 +1,26 @@
 """Cast pass: mixed precision on the Dynamo graph, for ``options={"precision": "bf16" | "fp16"}``.
 
-Runs on the torch-level Dynamo FX graph, before AOTAutograd, so autograd traces through the
-casts it inserts: the gradient of ``w.to(bf16)`` is cast back to fp32 on its way to ``w.grad``.
+Runs on the torch-level Dynamo FX graph, before AOTAutograd, so autograd traces through the casts
+it inserts: the gradient of ``w.to(bf16)`` is cast back to fp32 on its way to ``w.grad``.
 
 Reads  ``node.meta["example_value"]`` (Dynamo's FakeTensors: dtypes and shapes), ``ctx.options``
        (``precision``) and ``ctx.device`` (for the roofline figures in a keep-fp32 decision).
-Writes new ``x.to(dtype)`` nodes (``call_method "to"``), each marked twice: ``NodeInfo.cast``
-       (``node.meta["apollo"]``) on the Dynamo graph, and ``node.meta["custom"]["apollo_cast"]``,
-       which torch copies onto every ATen node traced from it (``torch.fx.proxy._COPY_META_FIELDS``
-       under ``fx_traceback.preserve_node_meta``, which AOTAutograd uses). The modality pass calls
-       :func:`cast_mark` on each ATen node to turn that into ``NodeInfo.cast``; the listing shows
-       it as ``cast->bf16``. Returns a dict: what was lowered, kept, cast up, and every cast.
+Writes new ``x.to(dtype)`` nodes, each marked twice: ``NodeInfo.cast`` on the Dynamo graph, and
+       ``node.meta["custom"]["apollo_cast"]``, which torch copies onto every ATen node traced from
+       it; the modality pass turns that into ``NodeInfo.cast`` (:func:`cast_mark`), shown as
+       ``cast->bf16`` in listings. Returns a dict: what was lowered, kept, cast up, and every cast.
 
-``precision=None`` (the default) and ``"fp32"`` change nothing: the user's dtypes and autocast
-stay as written. For ``"bf16"`` / ``"fp16"``, visiting nodes in graph order:
+``precision=None`` (the default) and ``"fp32"`` change nothing. For ``"bf16"`` / ``"fp16"``
+(docs/design/casts.md#rules): compute-bound ops get their fp32 inputs cast low; other ops follow
+torch's type promotion; numerically sensitive ops (softmax, norms, losses, reductions) and ops
+that need matching dtypes get fp32 inputs back; graph outputs return in their original dtypes;
+parameters stay fp32 masters, each cast at most once per dtype. Matmuls under one 16x16x16 tile
+(:data:`MIN_LOW_FLOPS`) keep fp32 (#tiny-matmuls); fp16 needs a ``GradScaler`` (#fp16); inside a
+user's autocast region autocast decides (#autocast).
 
-* **Compute-bound ops** (linear, matmul/``@``/mm/bmm/mv/addmm/baddbmm/addbmm/addmv, einsum,
-  conv1-3d, conv_transpose1-3d, scaled_dot_product_attention) get every floating input that is
-  fp32 cast to the low dtype (biases and float attention masks included); the op runs, and its
-  output flows on, in the low dtype.
-* **Outputs flow on in low precision** (the rule autocast uses): every other op follows torch's
-  type promotion, so ``x + proj(h)`` with an fp32 residual ``x`` is fp32 again, while
-  ``gelu(fc1(h))`` stays low and feeds ``fc2`` with no cast at all.
-* **Numerically sensitive ops stay fp32**: softmax/log_softmax, the norms (layer/group/batch/
-  instance/rms), the losses (cross_entropy, nll_loss, mse, kl_div, ...), normalize, exp/log/pow
-  and friends, and every reduction (sum/mean/prod/cumsum/norm/var/std/logsumexp: the error of a
-  low-precision result grows with the number of terms; one rule for all sizes is simpler than a
-  "large" threshold and costs one pointwise cast). Any input of theirs that the pass turned low
-  is cast back to the dtype the program had there (fp32). So are the inputs of ops that insist
-  on matching dtypes (index_put, scatter_add, lerp, ...), of ``call_module`` nodes, of
-  higher-order ops and of custom (non-aten) operators, whose bodies were traced for fp32.
-* **Graph outputs** (the loss, anything returned) are cast back to their original dtype: the
-  compiled function returns exactly the dtypes the user's code does.
-* **Parameters stay fp32 masters**: the pass never changes a parameter or input, it only
-  inserts casts; each source is cast at most once per dtype per graph (one cache, keyed by
-  (source node, dtype)), e.g. a weight used by several matmuls or tied weights. An in-place op
-  drops the cached casts of everything sharing storage with what it mutates (Dynamo's fake
-  example values share storage exactly when the real tensors do): those casts would be stale.
-
-**Tiny matmuls keep fp32.** A compute op with fewer than ``MIN_LOW_FLOPS = 2 * 16**3 = 8192``
-FLOPs keeps fp32, and the decision lists it with the reason. 16x16x16 is the smallest tile
-bf16/fp16 matrix units work on (tensor-core ``mma`` m16n8k16, AMX tiles of 16 rows); an op with
-less work than one such tile cannot use the unit, and its roofline time is a rounding error next
-to a kernel launch on every device in ``devices.py`` (8192 FLOPs at H200's fp32 67 TFLOP/s is
-0.1 ns, against a 2 us launch): lowering it buys nothing and costs cast kernels and precision.
-Larger matmuls are lowered even when memory-bound: then the win is half the bytes read and half
-the activation memory saved for the backward (under Inductor the casts fuse into their
-producers). The device spec only colours the reason (roofline time vs launch); the rule itself
-is the same on every device, so a plan made on a CPU for an H200 lowers the same ops.
-
-**fp16 needs loss scaling.** fp16 has 5 exponent bits (largest 65504, smallest normal 6.1e-5):
-activation gradients in the backward of the fp16 matmuls underflow to zero without it. Use the
-standard ``torch.amp.GradScaler`` (``"cuda"``, or ``"cpu"`` on CPU)::
-
-    scaler = torch.amp.GradScaler("cuda")
-    loss = compiled(x, y)                 # fp32: graph outputs are cast back
-    scaler.scale(loss).backward()         # parameter grads arrive in fp32 (cast backward)
-    scaler.step(opt); scaler.update(); opt.zero_grad()
-
-Parameter gradients are fp32 (the backward of the weight cast casts them up), so
-``scaler.unscale_`` accepts them; an inf from an fp16 overflow survives that cast, so the scaler
-still skips the step. bf16 has fp32's exponent range and needs no scaler.
-
-**Autocast.** A user's autocast region stays in the graph (``_enter_autocast``/``_exit_autocast``,
-or the whole graph when the compiled module is called under autocast) and autocast keeps the
-say there: the pass lowers no compute op inside an enabled region (autocast does, to its own
-dtype), and inside a region that disables autocast it keeps compute ops in the program's dtypes
-(cast back up, listed under ``kept_fp32``), as the user asked. Casts it does put there (an input
-it lowered upstream, cast back for a sensitive op) are harmless: autocast casts its ops' inputs
-again, and a ``.to(dtype)`` of a tensor already in that dtype traces to nothing. Lowering inside
-the region would not be wrong either, but with fp16 autocast and ``precision="bf16"`` it would
-round fp32 inputs to bf16 before autocast rounds them to fp16, losing fp16's extra precision.
-
-[NOTE] Dtypes after the rewrite are predicted, not re-traced: an op whose output dtype equals the
-promotion of its floating inputs' dtypes (Dynamo's example values) follows the promotion of the
-new dtypes (tensors with dimensions outrank 0-dim ones, as in torch); an op with an explicit
-``dtype`` argument (``.to(torch.float32)``, ``sum(dtype=...)``, factories) or any other output
-dtype keeps it; an in-place op keeps its ``self``'s dtype; ``.to(other)``/``type_as(other)``
-follow ``other``. Nodes whose dtype changed get their ``example_value`` updated to match.
+[NOTE] Dtypes after the rewrite are predicted, not re-traced: an op's output dtype follows the
+promotion of its new input dtypes where it followed the old ones, and keeps an explicit or other
+dtype (docs/design/casts.md#predicted-dtypes).
 """
 
 from __future__ import annotations
@@ -102,7 +45,7 @@ LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 CUSTOM_KEY = "apollo_cast"  # node.meta["custom"][CUSTOM_KEY] = "bf16": carried to the ATen nodes
 TILE = 16
-MIN_LOW_FLOPS = 2 * TILE**3  # one 16x16x16 multiply-add tile; see the module docstring
+MIN_LOW_FLOPS = 2 * TILE**3  # one 16x16x16 multiply-add tile (docs/design/casts.md#tiny-matmuls)
 
 _COMPUTE = (
     "linear", "matmul", "mm", "bmm", "mv", "addmm", "baddbmm", "addbmm", "addmv", "einsum",

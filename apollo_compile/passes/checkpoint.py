@@ -1,84 +1,28 @@
 """Checkpoint pass: which forward values the backward reads saved, and which it recomputes.
 
 Runs on the joint forward+backward graph (``JOINT_PASSES``), before the min-cut partitioner
-splits it, and only when ``options.memory_budget`` is set (default ``None``: the pass does
-nothing at all).
+splits it, and only when ``options.memory_budget`` is set (default ``None``: the pass does nothing).
 
 Reads  ``options.memory_budget``; ``node.meta["val"]`` and the module stacks (through the
        modality pass, for per-modality budgets); the roofline cost of each node
        (:func:`apollo_compile.passes.cost.node_cost` on ``ctx.device``).
 Writes ``node.meta["recompute"]`` (:class:`torch.utils.checkpoint.CheckpointPolicy`) on the joint
-       graph's nodes, which the partitioner honours (see the NOTE below). It leaves no
-       ``node.meta["apollo"]`` on the joint graph: the partitioner copies node meta shallowly,
-       so an annotation there would be one object shared by a forward node and its recomputed
-       copy in the backward.
-       :func:`mark_saved` (a graph pass on the forward graph) writes ``NodeInfo.saved`` on the
-       values the forward hands to the backward. ``NodeInfo.recomputed`` on the backward graph
-       is the modality pass's (``partitioner_tag == "is_forward"``).
+       graph's nodes, which the partitioner honours; no ``node.meta["apollo"]`` there (the
+       partitioner copies meta shallowly, so a forward node and its recomputed copy would share
+       one). :func:`mark_saved` (a pass on the forward graph) writes ``NodeInfo.saved``.
 
-The budget bounds the *peak* activation bytes of the backward, predicted by running the
-partitioned backward's order symbolically: what is saved for it and what it recomputes, each
-value from its creation to its last reader (see the planner's NOTE on the peak). It is a
-fraction of the plain partition's (min-cut, untagged) peak, a byte count, or a fraction per
-modality.
-Activation bytes count each saved storage once (a saved view costs its base) and leave out
-graph inputs (parameters, user inputs), which are alive anyway. The plain partition is
-measured, not guessed: the pass runs the min-cut partitioner on a copy of the joint graph.
+The budget bounds the backward's *peak* activation bytes, simulated over the partitioned
+backward's order, as a fraction of the plain min-cut partition's peak, a byte count, or a fraction
+per modality. The plan walks greedily from the plain partition (memory-bound moves first, most
+bytes freed per microsecond of recompute), stops at the first state within budget, and otherwise
+takes the lowest peak seen or per-block checkpointing, relaxed back toward the budget. Random ops
+are never recomputed, so the backward reuses the forward's mask. The rules and their reasons:
+docs/design/checkpointing.md (#plan, #budget); the search is :mod:`.recompute_planner`.
 
-The plan, greedy from the plain partition:
-1. Candidates are forward ops whose output is saved. Recomputing op ``o`` frees its saved
-   outputs and needs its inputs in the backward: each is saved unless it already is, is being
-   recomputed, or is a graph input. A move must strictly lower the saved bytes it is meant to
-   lower and, on the cheap *groups* estimate of the peak (NOTE on the peak), raise no budgeted
-   peak; when a single op does not lower the saved bytes, its newly needed inputs' ops join it
-   (up to three rounds), e.g. a GELU with its matmul.
-2. Order: memory-bound moves first, compute-bound ones (a matmul, attention, convolution in
-   the move) only when no memory-bound move is left; within a tier, most estimated peak bytes
-   freed per microsecond of recompute (roofline ``est_us``) first, then most saved bytes per
-   microsecond (moves that trade saved bytes for a larger group, which later moves then fill),
-   then graph order. ``MEMORY_BOUND_FIRST = False`` drops the tiers (bytes per microsecond
-   alone); unmeasured since the peak replaced saved bytes as the budget's measure, so the
-   issue's rule stays the default.
-3. Stop at the first state whose simulated peak is within budget; when the moves run out
-   first, take the state with the lowest simulated peak on the way, or per-block checkpointing
-   (:meth:`recompute_planner.Planner.block_plan`) where its peak is lower still; "not met" if that is still over.
-   The sequence of states does not depend on the budget, so a smaller budget never predicts a
-   larger peak (the first state at or under a smaller budget comes no earlier, and its peak is
-   under the larger budget's choice or it is that choice; the fallback is the lowest of all).
-   Along the walk every step saves less, so there a smaller budget never saves more.
-   Per-block checkpointing that meets the budget with room to spare is relaxed back toward it
-   (:meth:`recompute_planner.Planner.relax`: re-run matmuls and attention saved again, most recompute time per
-   byte first, each while the simulated peak stays within budget), and replaces the walk's
-   plan where it re-runs less (roofline time of the added recompute). On the base CLIP (CPU
-   prediction) that beats the walk from budget 0.4 down: 2.13 vs 2.59 ms of recompute at 0.4.
-   With relaxation the budget-independence argument no longer covers every case; the tests'
-   budget sweep checks the monotone peak on their model, and the CLIP sweep (0.5 .. 0.1) is
-   monotone too.
-4. Random ops (dropout, bernoulli, rand*, philox/rng ops: anything tagged
-   ``nondeterministic_seeded``, attention with dropout) are never recomputed: their outputs are
-   saved (MUST_SAVE), so the backward reuses the forward's mask instead of drawing a fresh one.
-   Attention without dropout draws nothing and is recomputable (:func:`deterministic_attention`),
-   ranked after every other move. (PyTorch's own
-   ``activation_memory_budget`` knapsack could pick banned random ops for recomputation,
-   which gave wrong gradients; here they are never candidates.)
-
-The planner (:mod:`apollo_compile.passes.recompute_planner`) holds the NOTEs on the predicted
-peak, on fused recompute and on the offloaded per-block start.
-
-[NOTE] How min_cut_rematerialization_partition reads the tags (torch 2.11 and 2.13 alike):
-
-    source --inf--> X_in   X is banned from recompute: MUST_SAVE (ignored on views/getitems)
-    X_in --inf--> sink      X must be recomputed: MUST_RECOMPUTE / PREFER_RECOMPUTE
-    X_in --size--> X_out    cutting this edge saves X
-
-A tag on some nodes only steers the cut; the untagged rest still follows min-cut's own
-weights (and it also recomputes cheap ops on its own). So once the budget needs any change,
-every forward op gets a tag, and the partition is the one planned here, byte for byte:
-planned recomputes MUST_RECOMPUTE; every other forward op MUST_SAVE; views that a recompute
-or the backward reads MUST_RECOMPUTE (free; their base is what is saved); nodes that only the
-backward uses (weight transposes, detaches) MUST_RECOMPUTE, so they are computed there and
-not saved. No ``ac_graph_id`` is set: ``cleanup_recompute_tags`` only rewrites tags between
-two user checkpoint regions, and nodes that already carry a user's tag keep it.
+[NOTE] Once the budget needs any change, every forward op gets a tag: a tag on some nodes only
+steers min-cut, whose untagged rest follows its own weights. Planned recomputes and views they
+read are MUST_RECOMPUTE, every other forward op MUST_SAVE, nodes only the backward uses
+MUST_RECOMPUTE; so the partition is the planned one, byte for byte (docs/design/checkpointing.md#tags).
 """
 
 from __future__ import annotations
@@ -103,7 +47,7 @@ from .recompute_planner import GLOBAL, Planner
 
 log = logging.getLogger("apollo_compile")
 
-__all__ = ["CheckpointDecision", "attention_recomputed_as_is", "mark_saved", "run"]
+__all__ = ["CheckpointDecision", "attention_recomputed_as_is", "mark_saved", "num_fwd_outputs", "run"]
 
 MEMORY_BOUND_FIRST = True  # order rule 2's tiers; False: bytes freed per microsecond alone
 
@@ -117,7 +61,7 @@ class CheckpointDecision:
     bytes_before: int  # activation bytes the plain partition saves
     bytes_after: int  # the same, with this pass's tags (what the forward hands the backward)
     peak_before: int = 0  # predicted peak activation bytes of the plain partition's backward
-    peak_after: int = 0  # the same, with this pass's tags (NOTE on the peak)
+    peak_after: int = 0  # the same, with this pass's tags (docs/design/checkpointing.md#peak)
     peak_before_by_modality: dict[str, int] = field(default_factory=dict)  # per target key
     peak_after_by_modality: dict[str, int] = field(default_factory=dict)
     recomputed: list[str] = field(default_factory=list)  # forward ops the backward re-runs (views left out)
@@ -154,7 +98,7 @@ def attention_recomputed_as_is():
     random op (a user's checkpoint around dropout) is wrapped as before. AOTAutograd asks the same
     question of a forward-loss-backward graph (a whole step's: ``compile_step``) before it
     rematerializes the user's checkpoints there, and refuses any random op outright: without this,
-    every attention layer under Hugging Face's ``gradient_checkpointing_enable()`` kept such a step
+    every attention layer under Hugging Face's ``gradient_checkpointing_enable()`` keeps such a step
     off one graph. The swap is process-wide: apollo's backend runs inside Dynamo's compile, under
     its ``compile_lock``, so no other Dynamo compile partitions meanwhile (an ``aot_function``
     called directly on another thread would)."""
@@ -191,7 +135,7 @@ def _remat_modules() -> list:
 # ---------------------------------------------------------------------------- graph facts
 
 
-def _num_fwd_outputs(gm: torch.fx.GraphModule) -> int | None:
+def num_fwd_outputs(gm: torch.fx.GraphModule) -> int | None:
     """Forward outputs of an AOTAutograd joint graph: (forward outputs..., one grad per primal)."""
     outputs = graph_outputs(gm)
     primals = [n for n in gm.graph.find_nodes(op="placeholder") if _is_primal(n)]
@@ -266,7 +210,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
     if budget is None:
         return None
     _cse(gm)
-    num_fwd = _num_fwd_outputs(gm)
+    num_fwd = num_fwd_outputs(gm)
     if num_fwd is None:
         log.warning("apollo: memory_budget ignored for %s: cannot tell its forward outputs apart", ctx.name)
         return None
@@ -355,8 +299,8 @@ def _offloaded_block_start(planner: Planner, start: set[torch.fx.Node], saved: s
                            rerun: set[torch.fx.Node], targets: dict[str, int], met: bool):
     """Per-block checkpointing (`rerun`, from min-cut's own re-runs `start`, saving `saved`) when
     saved values wait on the host: the same without min-cut's re-runs outside the blocks, if its
-    backward simulates lower on the GPU and it still meets `targets` where `rerun` did (NOTE:
-    Offloaded per-block start). Returns (saved, re-run, peaks per key, peak, met), or None to keep
+    backward simulates lower on the GPU and it still meets `targets` where `rerun` did
+    (docs/design/checkpointing.md#offloaded-block-start). Returns (saved, re-run, peaks per key, peak, met), or None to keep
     `rerun`."""
     trial_saved, trial_rerun = planner.close(rerun - (start - planner.block_plan()))
     if trial_rerun == rerun:
@@ -389,7 +333,7 @@ def _tangent_closure(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 
 def _tag(gm: torch.fx.GraphModule, planner: Planner, num_fwd: int, rerun: set) -> None:
-    """Write the state as CheckpointPolicy tags that force exactly this partition (NOTE above)."""
+    """Write the state as CheckpointPolicy tags that force exactly this partition (module docstring, [NOTE])."""
     fw = planner.fw
     # Views on a path from a saved or recomputed value to a reader in the backward.
     readers = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and (n not in fw or n in rerun)]

@@ -1,13 +1,16 @@
-"""Codegen pass: turn a :class:`LanePlan` into a readable Python runtime.
+"""Codegen pass: turn a :class:`~apollo_compile.lane_plan.LanePlan` into a readable Python runtime.
 
-Reads the lane plan and ``NodeInfo`` (modality, est_us); returns a :class:`RuntimeSource` whose
-``text`` is the program that runs (the runner ``exec``s exactly this text) and is dumped as
-``*.runtime.py``. When the plan has side lanes, ``one_lane`` holds the same subgraphs issued on
-one stream (``*.one_lane.runtime.py``): on CUDA both are captured and the faster one replayed.
+Reads the lane plan and ``NodeInfo`` (modality, est_us); returns a
+:class:`~apollo_compile.lane_plan.RuntimeSource` whose ``text`` is the program that runs (the
+runner ``exec``s exactly this text) and is dumped as ``*.runtime.py``. When the plan has side
+lanes, ``one_lane`` holds the same subgraphs issued on one stream (``*.one_lane.runtime.py``): on
+CUDA both are captured and the faster one replayed.
 
 Two phases, as in apex torchsched: :func:`schedule` emits symbolic ops (launch, wait, record,
-keep-alive); :func:`render` prints them. Records are only rendered for events some
-lane waits on, so an event nothing waits on never appears.
+keep-alive); :func:`render` prints them. Records are only rendered for events some lane waits on.
+How values are freed (at their last reader's launch; across lanes only after the join) and where a
+side lane's main-allocated buffers come from: docs/design/lanes.md#freeing,
+#freeing-across-lanes and #main-allocated.
 
 [NOTE] Waits are pruned with vector clocks::
 
@@ -16,28 +19,6 @@ lane waits on, so an event nothing waits on never appears.
 
 Each lane keeps, per other lane, the last launch it is known to be ordered after; waiting on an
 event inherits what the recording lane knew when it recorded.
-
-[NOTE] Freeing: a value is handed over at its last reader's launch. The runtime puts the inputs
-in a list, drops its own names for those read there for the last time, and calls the subgraph
-with the list, which (boxed, as Inductor's compiled code is) clears it and frees each input after
-its own last use inside. Deleting the names after the call instead kept every saved activation of
-a one-subgraph backward alive until its end, beside the gradients it makes.
-
-[NOTE] Main-allocated: a backward's side lane writes its last gradients into buffers that the
-main lane allocates (``rt.empty``) right after the main-lane subgraph named by the writer's
-``allocate_after`` (which frees the saved activations it read last), so that the caching
-allocator serves them from what the main stream freed (passes/main_allocated.py says why); the
-writer waits for that subgraph. It takes each buffer as an input after its own and returns it in
-the value's place. On one lane the buffers are allocated right before the writer.
-
-[NOTE] Freeing across lanes: a value produced on one stream and read on another is held by the
-lane runtime (``rt.keep_alive``) until the main lane has joined every side lane
-(``rt.release()``), so the caching allocator (and the CUDA-graph pool during capture) never hands
-its bytes to a new tensor while the reader may still run. Such values are few (a tower's inputs
-and outputs, parameters, which are never freed anyway); the memory plan gives them the same
-lifetime (``passes/memory.py``). Graph inputs count as the main lane's; a backward's capture may
-tell the runtime that a side lane's own stream made some (``input_lanes`` says who reads each;
-cudagraph.py, NOTE: Donation on side lanes), and that lane then frees them at their last reader.
 """
 
 from __future__ import annotations
@@ -45,12 +26,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import textwrap
-from dataclasses import dataclass, field
 
 import torch.fx
 
 from ..annotations import info
-from .lanes import LanePlan
+from ..lane_plan import LanePlan, Op, RuntimeSource
 
 HEADER = '''\
 # apollo_compile runtime for {name}
@@ -58,25 +38,6 @@ HEADER = '''\
 {lane_lines}
 # Names are the FX node names of the {name} graph; subgraph_<i> is subgraph i compiled.
 '''
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: str  # "launch" | "wait" | "record" | "keep" | "join" | "release"
-    lane: int
-    subgraph: int | None = None
-    names: tuple[str, ...] = ()  # launch: its outputs; keep: the values held
-    last_read: tuple[str, ...] = ()  # launch: inputs read for the last time, handed over (NOTE: Freeing)
-
-
-@dataclass
-class RuntimeSource:
-    text: str
-    ops: list[Op] = field(default_factory=list)
-    side_lanes: list[int] = field(default_factory=list)
-    waits: int = 0
-    one_lane: "RuntimeSource | None" = None  # the same subgraphs on one stream, when there are lanes
-    input_lanes: tuple[frozenset[int], ...] = ()  # per graph input: the lanes whose subgraphs read it
 
 
 def producer_lane(plan: LanePlan, node: torch.fx.Node) -> int:

@@ -8,34 +8,14 @@ Writes the cost fields of :class:`apollo_compile.annotations.NodeInfo` (``node.m
        it. :func:`node_cost` stands alone: the checkpoint pass costs joint-graph nodes, which this
        pass never sees.
 
-The model, deliberately simple and deterministic:
-
-* **Free nodes** (placeholders, outputs, get_attr, ``operator.getitem``, views and metadata ops:
-  ops whose OpOverload ``is_view``, ``_unsafe_view``, ``sym_size``, asserts, bare allocations
-  such as ``empty``, and Python arithmetic on SymInts): flops=0, bytes=0, bound="-", est_us=0.
-  ``reshape`` is free only when its input is contiguous (then it is a view); otherwise it copies.
-* **FLOPs**: ``torch.utils.flop_counter.flop_registry`` (mm, addmm, bmm, baddbmm, convolutions,
-  attention) keyed by ``node.target.overloadpacket``; plus a few formulas of our own for matmul-like
-  ops the registry lacks (``matmul``, ``linear``, ``mv``, ``dot``, ``addbmm`` and CPU flash attention).
-  Any other op: pure data movement (copies, cat, index, gather, fills, ...) counts 0 FLOPs; an
-  arithmetic op counts one FLOP per element touched = ``max(total output numel, largest input
-  numel)``, which is the output numel for pointwise ops and the input numel for reductions
-  (sum, amax, softmax, layer norm, ...). It ignores the true per-element cost (a GELU is more
-  than one FLOP) - good enough to rank ops, since such ops are memory-bound anyway.
-* **Bytes**: nbytes (numel * element_size) of every distinct tensor input node (read) plus of
-  every tensor output (written). An expanded/strided input counts the numel of the view it is,
-  not of its storage; an input used twice by the same node is read once.
-* **Symbolic sizes** use their hint (``int(s.node.hint)``), or 1 when there is none (unbacked).
-* ``intensity = flops / bytes`` (0 when bytes == 0). Library kernels
-  (:func:`apollo_compile.nodes.is_library_kernel_name`: matmuls such as mm, addmm, bmm, baddbmm,
-  linear, matmul, ``_scaled_mm``; convolutions; attention forward/backward) are rated against
-  ``spec.peak_flops(dtype, matmul=True)``, everything else against ``matmul=False``; dtype is that
-  of the first floating-point tensor input (else output).
-  ``bound = "compute"`` if intensity >= peak / bandwidth else ``"memory"``;
-  ``est_us = max(flops / peak, bytes / bandwidth) * 1e6 + spec.launch_us``.
-
-Unknown ops never raise: a failing FLOP formula falls back to the generic rule, and a node whose
-metadata cannot be read at all costs only its launch.
+The model is deliberately simple and deterministic (docs/design/cost.md#model): views, metadata
+ops and bare allocations are free; FLOPs come from torch's ``flop_registry`` and a few formulas of
+apollo's own for matmul-like ops, else one FLOP per element touched (0 for data movement); bytes
+are every distinct tensor input read plus every output written; symbolic sizes use their hint.
+Library kernels are rated against the device's matmul peak, other ops against its vector peak;
+``est_us = max(flops / peak, bytes / bandwidth) * 1e6 + spec.launch_us``, and ``bound`` says which
+term wins. Unknown ops never raise: a failing FLOP formula falls back to the generic rule, and a
+node whose metadata cannot be read at all costs only its launch.
 """
 
 from __future__ import annotations

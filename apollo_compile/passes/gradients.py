@@ -3,34 +3,22 @@
 Reads and rewrites the graph (no annotations); returns how many copies it removed (``stolen``) and,
 for a backward graph, how many gradients it widened.
 
-Dynamo traces ``loss.backward()`` into a whole-step graph as ``torch.autograd.grad`` plus
-``accumulate_grad_`` per parameter; functionalized, a parameter whose ``.grad`` is None gets
-``copy(empty_like(p), g)``: a fresh parameter-sized buffer and a copy kernel per parameter (about
-200 for a CLIP), where eager autograd's AccumulateGrad steals ``g`` when nothing else holds it and
-its layout is the parameter's. This pass does the same: where ``g`` is a computed tensor (not an
-input, not returned elsewhere, not a view) with the dtype, shape and strides ``empty_like(p)``
-would have, the output is ``g`` itself. A gradient in another layout keeps its copy, as eager clones it.
-Where ``.grad`` exists, ``p.grad + copy(empty_like(p), g)`` becomes ``p.grad + g``.
+Functionalized, a whole step gives a parameter whose ``.grad`` is None ``copy(empty_like(p), g)``:
+a parameter-sized buffer and a copy kernel per parameter, where eager autograd's AccumulateGrad
+steals ``g`` when nothing else holds it and its layout is the parameter's. This pass does the same
+(docs/design/step-passes.md#gradients):
 
-With the optimizer inside the step (``optimizer_step.py``), the copy's reader is the parameter's
-update; an ``apollo::adam_step`` of its own (a parameter the lists leave out) reads a gradient
-of any floating dtype in the parameter's layout: there ``copy(empty_like(p), _to_copy(g,
-float32))`` becomes ``g`` itself, the bf16 matmul output of a weight under autocast (NOTE: The
-update reads the gradient as it was computed).
-
-A gradient that is a *view* in the parameter's layout (a weight's ``t(t(mm(...)))``, a bias's
-``view(sum(...), [n])``: half of a two-tower model's gradients) is not handed out as that view:
-a ``.grad`` with a ``_base`` changed what Dynamo guards on and recompiled the step. Where the
-view chain's result is contiguous, starts at offset 0 and covers its whole base, which is
-contiguous and read by that chain alone, it reads the base's memory in the base's own order, so
-``_unsafe_view(base, shape)`` is the same values as a tensor of its own (what functionalization
-emits for a reshape that must not alias), and the copy goes.
-
-A list update (``apollo::adam_step_foreach``, torch's multi-tensor kernel) reads its gradients
-as a new ``.grad`` is read: a copy it alone reads goes by the same rules. Where what it reads (or
-a new ``.grad``, or a gradient a backward graph returns, on the module path) is the float32 cast of
-a bf16/fp16 matmul's output, the matmul writes float32 itself (NOTE: A weight's gradient leaves
-its matmul in float32).
+- where ``g`` is a computed tensor (not an input, not returned elsewhere) in the layout
+  ``empty_like(p)`` would have, the output is ``g`` itself; another layout keeps its copy, as eager
+  clones it; where ``.grad`` exists, ``p.grad + copy(empty_like(p), g)`` becomes ``p.grad + g``;
+- a gradient that is a contiguous view covering its whole contiguous base becomes
+  ``_unsafe_view(base, shape)``: a ``.grad`` with a ``_base`` changes what Dynamo guards on;
+- an ``apollo::adam_step`` of its own reads the gradient in any floating dtype, so its float32
+  copy goes too (NOTE: The update reads the gradient as it was computed);
+- a list update (``apollo::adam_step_foreach``) reads its gradients as a new ``.grad`` is read;
+  where what it reads (or a new ``.grad``, or a backward graph's returned gradient) is the float32
+  cast of a bf16/fp16 matmul's output, the matmul writes float32 itself (NOTE: A weight's gradient
+  leaves its matmul in float32).
 """
 
 from __future__ import annotations
@@ -100,20 +88,14 @@ def _widened(cast: torch.fx.Node, returned: dict[torch.fx.Node, int], *, output:
     through that chain alone: the same product as ``aten::mm.dtype`` writing float32, in the
     chain's shape; else None.
 
-    [NOTE] A weight's gradient leaves its matmul in float32. Under bf16 autocast a weight's
-    gradient is ``mm`` in bf16, read by its update (or kept as ``.grad``) as a float32 copy made
-    by a cast kernel of its own: Inductor cannot fuse a cast into an ATen matmul. On HF CLIP B/16
-    those were 147 kernels, 0.51 ms of a 9.77 ms step's GPU time (H200, session 36,
-    ``probes/step_kernels.py``), with a bf16 buffer per weight besides the float32 one. cuBLAS
-    writes the float32 result of a bf16 product itself (``aten::mm.dtype``, which Inductor lowers
-    to ``mm_dtype_out``: ``probes/wide_matmul.py``), so the cast and the bf16 buffer go. The
-    values are the product before its rounding to bf16: within bf16's rounding (2**-9 relative)
-    of eager autocast's gradient, and closer to the float32 one (under fp16 with a GradScaler, a
-    weight's scaled gradient that would overflow fp16 stays finite in float32; the scaler still
-    sees every other gradient overflow). Only the gradients the cast
-    copies whole (a new ``.grad``, a list update's read, or with `output` a backward graph's
-    output, which AOTAutograd hands to ``.grad``): a cast read by the backward's other ops fuses
-    into them."""
+    [NOTE] A weight's gradient leaves its matmul in float32. Under bf16 autocast the float32 copy
+    of a weight's bf16 gradient is a cast kernel of its own (Inductor cannot fuse a cast into an
+    ATen matmul) and a bf16 buffer besides the float32 one. cuBLAS writes the float32 result of a
+    bf16 product itself (``aten::mm.dtype``), so the cast and the bf16 buffer go; the values are
+    the product before its rounding to bf16, within bf16's rounding of eager autocast's gradient.
+    Only gradients the cast copies whole (a new ``.grad``, a list update's read, or with `output`
+    a backward graph's output): a cast the backward's other ops read fuses into them
+    (docs/design/step-passes.md#float32-matmul)."""
     if _WIDE_MM is None or cast.target not in _CASTS or len(cast.users) != 1:
         return None
     if returned.get(cast, 0) != (1 if output else 0):
@@ -198,14 +180,11 @@ def _update_reads_as_computed(copy: torch.fx.Node, returned: dict[torch.fx.Node,
     dtype; else None.
 
     [NOTE] The update reads the gradient as it was computed. Under bf16 autocast a weight's
-    gradient leaves its matmul in bf16 (as ``t(t(mm))``, the parameter's own layout), and the
-    update read a float32 copy of it: on HF CLIP B/16 the copies were 146 kernels of their own,
-    0.52 ms of GPU time per step, and a float32 buffer per weight (H200, session 35,
-    ``probes/step_kernels.py``). The update's kernels cast as they load (``fused_update.py``), so
-    the copy goes; the values are the same (a bf16 value is exact in float32). A list update
-    (``apollo::adam_step_foreach``, the default layout since session 37) keeps its copies:
-    torch's multi-tensor kernel takes one dtype per list (``fused_update.py``, NOTE: Small
-    parameters share a launch, says what that costs)."""
+    gradient leaves its matmul in bf16, in the parameter's own layout; a float32 copy of it for the
+    update is a kernel and a float32 buffer per weight. The update's kernels cast as they load
+    (``fused_update.py``), so the copy goes; the values are the same (a bf16 value is exact in
+    float32). A list update (``apollo::adam_step_foreach``) keeps its copies: torch's multi-tensor
+    kernel takes one dtype per list (docs/design/step-passes.md#update-reads-as-computed)."""
     if copy.target is not aten.copy.default or len(copy.users) != 1 or returned.get(copy, 0):
         return None
     (update,) = copy.users

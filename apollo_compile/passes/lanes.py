@@ -1,88 +1,31 @@
 """Lanes pass: split a labelled graph into concurrent subgraphs, one lane per independent branch.
 
 Reads ``NodeInfo.modality`` and ``NodeInfo.est_us``; writes ``NodeInfo.lane`` and
-``NodeInfo.subgraph``; returns a :class:`LanePlan` (the subgraphs and their dependency DAG).
-Between cutting the graph (:func:`segment`) and wiring the subgraphs' inputs and outputs
-(:func:`wire`), ``boundary.py`` recomputes a cheap elementwise value where it is read rather than
-hand it across a cut (NOTE: A cut materializes what crosses it).
+``NodeInfo.subgraph``; returns a :class:`~apollo_compile.lane_plan.LanePlan` (the subgraphs and
+their dependency DAG). Between cutting the graph (:func:`segment`) and wiring the subgraphs'
+inputs and outputs (:func:`wire`), ``boundary.py`` recomputes a cheap elementwise value where it
+is read rather than hand it across a cut.
 
-Lane 0 is the main lane (the caller's stream): joins (``fusion``) run there. Every other
-modality gets a lane of its own, except that a modality fed by exactly one other modality (a
-projection after its tower, a tower's gradients after its projection's) continues on that
+Lane 0 is the main lane (the caller's stream): joins (``fusion``) run there. Every other modality
+gets a lane of its own, except that a modality fed by exactly one other modality continues on that
 modality's lane, so a chain never pays a cross-lane synchronisation. Once the graph is cut, the
-costliest side lane's subgraphs move to the main lane (:func:`costliest_on_main`).
+costliest side lane's subgraphs move to the main lane (:func:`costliest_on_main`): the caching
+allocator reuses a freed block only on the stream that made it, and the capture stream is the one
+whose blocks a CUDA graph reuses.
 
-[NOTE] The costliest branch runs on the caller's stream: the concurrency is the same (its
-subgraphs stay cut apart from the joins', so another lane waits only for what it reads), but
-PyTorch's caching allocator reuses a freed block only for the stream that allocated it, and a CUDA
-graph is captured on one capture stream. With every tower on a side stream, the backward's capture
-could reuse nothing of the saved activations the forward's towers had made (H200, CLIP at batch
-128: the two-lane graphs' pool 13.1 GB against one lane's 11.6 GB; RESULTS.md, session 7). With the
-costliest tower on the capture stream in both graphs, the backward reuses that tower's, the larger
-part (batch 128: 12.2 GB against one lane's 11.6; RESULTS.md, session 8; the other towers' own
-lanes reuse theirs too: cudagraph.py, NOTE: Donation on side lanes). The SM-quota candidates then
-limit the other lanes only (lane 0 runs on the whole device). A forward picks its costliest lane
-by its own estimates; its backward puts the same tower on the main lane, whatever the backward's
-estimates say. When they picked by their own (to session 28), a tower whose forward is the dearer
-and whose backward is the cheaper swapped streams between the two graphs, and none of its saved
-activations could be donated (made on a side stream, read on the capture stream): timm ViT-B +
-BERT at batch 8 on the H200, text on the forward's main lane and vision on the backward's, 0.65 GiB
-withheld and held between steps, peak 1.24x reduce-overhead's against 1.01x at batch 32, where
-both graphs picked the same (RESULTS.md, session 29).
+The rules the cut keeps, each with its reason in docs/design/lanes.md:
 
-[NOTE] Segmentation keeps the subgraph DAG acyclic::
-
-    lane 1:  A ──────────► C        C may join A's subgraph only if A does not reach B:
-                           ▲        if A ──► B, putting C in A would make A wait for B
-    lane 2:        B ──────┘        while B waits for A — so C opens a new subgraph.
-
-Nodes are visited in graph order (a topological order); a node joins its lane's open subgraph
-unless one of its inputs lives in a subgraph that the open one reaches, in which case the lane
-opens a new subgraph after the old one (program order on one stream).
-
-[NOTE] A lane waits for another where it reads it. The graph's order is one topological order,
-not the lanes': in a whole step the transposed image features that the text tower's gradient
-reads (``t(t(image_embeds))`` for ``logits_per_text``'s matmul) come before any of the text
-tower's backward, while the text lane's open subgraph was still its forward. Joined there, the
-node made the text tower's forward wait for the vision tower's, and the two forwards ran one
-after the other (found in HF CLIP's plan on the CPU, session 40; once they overlapped, the H200 ran
-the lanes 1.22x faster than one lane at batch 8, against 1.14x before). :func:`segment` holds back a
-pure node that reads another lane's value and is read only on its own lane, and places it where
-its first reader is placed: the wait moves to where the value is needed (the backward, which
-waits for the joins anyway). A held node is placed before any write or side effect that follows
-it in the graph, so readers still precede writes.
-
-[NOTE] A write into an input comes after its readers. A graph that keeps its input mutations (a
-whole step with the optimizer inside: ``compile_step(..., optimizer=)``) ends with ``copy_`` into
-each parameter and optimizer state. Data edges order the copy after the value it writes, not after
-the other reads of the old value: a tower's parameter read by a join on the main lane (a logit
-scale) would be overwritten on its tower's lane while the join might still read it. Each write
-therefore depends on the subgraphs of every reader that precedes it in the graph. No reader follows
-one: AOTAutograd puts the writes at the graph's end, and ``passes/updates.py`` moves a write earlier
-only as far as its last reader.
-
-[NOTE] An item stays with its tuple: a node that takes an item of a multi-output op's result
-(``getitem``) goes in that op's subgraph, whatever its own tower. A subgraph hands on tensors, not
-the op's tuple or list: cut apart, the tuple itself became the subgraph's output, and Inductor
-asserted on it (the optimizer's step counters, when they advanced by one ``_foreach_add`` on the
-main lane, each counter read by its own tower's update; a foreach op in a user's step, such as
-gradient clipping's, meets the same). The items then leave the subgraph as tensors.
-
-[NOTE] Every symbol a subgraph's sizes name must be bound by one of its inputs. Inductor reads a
-symbol off an input only where it stands alone: a SymInt input ``s40`` or a tensor input's size or
-stride ``s40``; it cannot solve ``s40*(512//s40)`` for ``s40``. With dynamic shapes a subgraph may
-take a tensor of size ``s40*(512//s40)`` and no input that is ``s40`` itself (FSDP2 on a GPU: the
-vision and text Blocks share code, so their ``heads`` became symbolic on the recompile, and the
-backward's compile failed with "For s40*((512//s40)), expected [s40] to have been codegen-ed"):
-the whole graph has the SymInt placeholder, but none of the subgraph's nodes reads it.
-:func:`bind_symbols` gives such a subgraph that placeholder (or another node that binds the symbol)
-as an extra input, after the ones its nodes read.
+- the subgraph DAG stays acyclic (#acyclic);
+- a lane waits for another where it reads it, not where the graph lists the read (#wait-where-read);
+- a write into an input comes after every earlier reader of it (#writes-after-readers);
+- an item of a multi-output op stays in that op's subgraph (#items-with-tuple);
+- every symbol a subgraph's sizes name is bound by one of its inputs (#symbols);
+- a backward keeps its forward's tower on the main lane (#costliest-on-main).
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 
 import networkx as nx
 import sympy
@@ -91,65 +34,13 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbol_binding_fx_node
 
 from ..annotations import FUSION, info
+from ..lane_plan import COMPUTE_OPS, LanePlan, Subgraph
 from ..nodes import is_random, readers_of, written_inputs
 from . import boundary
 
-COMPUTE_OPS = ("call_function", "call_method", "call_module")
-
-
-@dataclass
-class Subgraph:
-    id: int
-    lane: int
-    nodes: list[torch.fx.Node] = field(default_factory=list)
-    # values from outside, first-use order, then the binders of symbols they leave unbound ([NOTE] Every symbol)
-    inputs: list[torch.fx.Node] = field(default_factory=list)
-    outputs: list[torch.fx.Node] = field(default_factory=list)  # values used outside, graph order
-    # outputs written in place into buffers the main lane allocated (main_allocated.py), in this order
-    main_allocated: list[torch.fx.Node] = field(default_factory=list)
-    allocate_after: int | None = None  # ... allocated right after this main-lane subgraph
-
-    @property
-    def est_us(self) -> float:
-        return sum(info(n).est_us for n in self.nodes)
-
-
-@dataclass
-class LanePlan:
-    lanes: dict[int, list[str]]  # lane -> modalities on it
-    subgraphs: list[Subgraph]
-    dag: nx.DiGraph  # subgraph id -> subgraph id: happens-before
-    order: list[int]  # launch order: a topological order of `dag`
-    reason: str = ""  # why this many lanes
-    recomputed: dict = field(default_factory=dict)  # values recomputed where read, not handed across (boundary.py)
-
-    def lane_of(self, sg_id: int) -> int:
-        return self.subgraphs[sg_id].lane
-
-    def predicted_us(self) -> tuple[float, float]:
-        """(serial sum, critical path through the DAG) from the cost labels."""
-        serial = sum(sg.est_us for sg in self.subgraphs)
-        finish: dict[int, float] = {}
-        for sg_id in self.order:
-            start = max((finish[p] for p in self.dag.predecessors(sg_id)), default=0.0)
-            finish[sg_id] = start + self.subgraphs[sg_id].est_us
-        return serial, max(finish.values(), default=0.0)
-
-    def summary(self) -> dict:
-        serial, critical = self.predicted_us()
-        return {
-            "lanes": {str(k): v for k, v in sorted(self.lanes.items())},
-            "subgraphs": len(self.subgraphs),
-            "cross_lane_edges": sum(self.lane_of(a) != self.lane_of(b) for a, b in self.dag.edges),
-            "predicted_serial_us": round(serial, 1),
-            "predicted_concurrent_us": round(critical, 1),
-            "reason": self.reason,
-            "recomputed_at_cuts": self.recomputed,
-        }
-
 
 def assign_lanes(nodes: list[torch.fx.Node], max_lanes: int | None) -> tuple[dict[str, int], str]:
-    """modality -> lane (see the module docstring)."""
+    """modality -> lane (the module docstring says how), and why this many lanes."""
     compute = [n for n in nodes if n.op in COMPUTE_OPS]
     order: list[str] = []
     feeders: dict[str, set[str]] = {}
@@ -205,9 +96,10 @@ def assign_lanes(nodes: list[torch.fx.Node], max_lanes: int | None) -> tuple[dic
 
 
 def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[Subgraph], nx.DiGraph]:
-    """Cut the graph into per-lane subgraphs with an acyclic dependency DAG (see [NOTE]); `wire`
-    then gives them their inputs and outputs. A node that reads another lane's value only for its
-    own lane's later use is placed with that use ([NOTE] A lane waits for another where it reads it)."""
+    """Cut the graph into per-lane subgraphs with an acyclic dependency DAG
+    (docs/design/lanes.md#acyclic); `wire` then gives them their inputs and outputs. A node that
+    reads another lane's value only for its own lane's later use is placed with that use
+    (docs/design/lanes.md#wait-where-read)."""
     subgraphs: list[Subgraph] = []
     dag = nx.DiGraph()
     open_sg: dict[int, Subgraph] = {}
@@ -222,7 +114,7 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
                 chain.append(a)
 
     def place(n: torch.fx.Node) -> None:
-        if (producer := multi_output_producer(n)) is not None:  # [NOTE] An item stays with its tuple
+        if (producer := multi_output_producer(n)) is not None:  # docs/design/lanes.md#items-with-tuple
             home = subgraphs[info(producer).subgraph]
             home.nodes.append(n)
             info(n).lane, info(n).subgraph = home.lane, home.id
@@ -232,8 +124,8 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
         lane = lane_of.get(info(n).modality, 0)
         deps = {info(a).subgraph for a in n.all_input_nodes if info(a).subgraph is not None}
         through_held = {info(a).subgraph for h in chain for a in h.all_input_nodes if info(a).subgraph is not None}
-        # a write into a graph input waits for every earlier reader of that input ([NOTE] A write
-        # into an input comes after its readers)
+        # a write into a graph input waits for every earlier reader of that input
+        # (docs/design/lanes.md#writes-after-readers)
         deps |= {info(r).subgraph for x in written_inputs(n) for r in readers_of(x)
                  if r is not n and info(r).subgraph is not None}
         deps |= through_held
@@ -275,8 +167,7 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
 
 
 def waits_across_lanes(n: torch.fx.Node, lane_of: dict[str, int]) -> bool:
-    """Whether `n` reads a value another lane makes and only its own lane reads `n` (see [NOTE] A
-    lane waits for another where it reads it): a pure op with one tensor value, not a join (which
+    """Whether `n` reads a value another lane makes and only its own lane reads `n` (docs/design/lanes.md#wait-where-read): a pure op with one tensor value, not a join (which
     waits for its towers whatever it reads)."""
     lane = lane_of.get(info(n).modality, 0)
     if (info(n).modality == FUSION or n.op != "call_function" or n.target is operator.getitem
@@ -372,7 +263,7 @@ def unbound_symbols(sg: Subgraph) -> set[sympy.Symbol]:
 
 def bind_symbols(subgraphs: list[Subgraph], nodes: list[torch.fx.Node], dag: nx.DiGraph) -> None:
     """Append to each subgraph's inputs, in graph order, the binders of the symbols it needs but
-    cannot bind (see [NOTE] Every symbol); a binder another subgraph makes is ordered before it. A
+    cannot bind (docs/design/lanes.md#symbols); a binder another subgraph makes is ordered before it. A
     binder that would close a cycle is left out: Inductor then fails and the graph falls back."""
     binders: dict[sympy.Symbol, torch.fx.Node] | None = None
     pos = {n: i for i, n in enumerate(nodes)}
@@ -394,7 +285,7 @@ def bind_symbols(subgraphs: list[Subgraph], nodes: list[torch.fx.Node], dag: nx.
 def costliest_on_main(subgraphs: list[Subgraph], lane_of: dict[str, int],
                       forward_main: frozenset[str] = frozenset()) -> tuple[dict[str, int], set[int], str]:
     """Move the costliest side lane's subgraphs (in place) and modalities to lane 0, when there are
-    two or more side lanes (see [NOTE] The costliest branch runs on the caller's stream); the
+    two or more side lanes (docs/design/lanes.md#costliest-on-main); the
     remaining side lanes are renumbered from 1 in order. A backward passes `forward_main`, the
     modalities on its forward's main lane: the side lane holding one of them moves instead (the
     costliest such), so each tower stays on one stream across the two graphs. Returns (lane_of,
@@ -425,7 +316,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
         info(n).lane = info(n).subgraph = None
     lane_of, reason = assign_lanes(nodes, ctx.options.max_lanes)
     subgraphs, dag = segment(nodes, lane_of)
-    recomputed = boundary.recompute_crossings(subgraphs, gm.graph)  # NOTE: A cut materializes what crosses it
+    recomputed = boundary.recompute_crossings(subgraphs, gm.graph)  # docs/design/lanes.md#boundary-recompute
     if recomputed["recomputed"]:
         gm.graph.lint()
         gm.recompile()

@@ -1,73 +1,34 @@
-"""Main-allocated gradients pass: a backward's side lane writes its last gradients into memory
-the main lane has freed.
+"""Main-allocated gradients pass: a backward's side lane writes its last gradients into memory the
+main lane has freed.
 
-Reads the :class:`~apollo_compile.passes.lanes.LanePlan`, ``NodeInfo.est_us`` and ``meta["val"]``;
+Reads the :class:`~apollo_compile.lane_plan.LanePlan`, ``NodeInfo.est_us`` and ``meta["val"]``;
 cuts the costliest side subgraph and the costliest main subgraph of a backward in two (each head
-keeps its id), makes the side tail wait for the main head, and sets the tail's
-``main_allocated`` (the gradients it writes into buffers) and ``allocate_after`` (the main head);
-returns a :class:`MainAllocated` (what moved, for the dumps and the log). ``runtime/subgraphs.py``
-compiles the tail with one more input per such value, which the value's matmul writes itself
-(:data:`mm_into`), and the codegen pass allocates the buffers on the main lane right after the
-main head (codegen, NOTE: Main-allocated). On by default (:data:`ENABLED`) since session 53's
-H100 measurement.
+keeps its id), makes the side tail wait for the main head, and sets the tail's ``main_allocated``
+(the gradients it writes into buffers) and ``allocate_after`` (the main head); returns a
+:class:`MainAllocated` (what moved, for the dumps and the log). ``runtime/subgraphs.py`` compiles
+the tail with one more input per such value, which the value's matmul writes itself
+(``apollo::mm_into``, ``apollo_compile/ops/mm_into.py``), and the codegen pass allocates the
+buffers on the main lane right after the main head.
 
-[NOTE] Why the main lane allocates a side lane's gradients. PyTorch's caching allocator hands a
-freed block only to an allocation on the stream that made it, inside a CUDA graph's pool too, so a
-pool captured on lanes holds one high-water mark per stream. A backward's side lane frees its
-tower's saved activations and makes that tower's fp32 gradients; where the gradients are the
-larger (a text tower at batch 8: small bf16 activations, many in the small pool's blocks, which no
-gradient-sized request can use), the side stream grows the pool past its forward's mark, while
-the main stream frees its tower's activations and cannot lend them. Measured on an H100 (HF
-SigLIP base, batch 8, bf16, fused AdamW; RESULTS.md, session 52), graph pool on lanes 1.45 GiB:
-0.76 made on the main stream (0.36 of it gradients, 0.40 free between steps), 0.70 on the side
-stream (0.42 gradients, 0.14 in small-pool segments); on one lane 1.20.
+[NOTE] The caching allocator hands a freed block only to the stream that made it, so a pool
+captured on lanes holds one high-water mark per stream: a side lane whose gradients outgrow the
+saved activations it frees grows the pool, while the main lane frees its own tower's activations
+and cannot lend them. Allocated by the main lane once it has freed them, the side lane's last
+gradients take those blocks. The buffers must come after the main head (allocated earlier, they
+raise the main stream's mark), and only matmuls move, each writing its buffer itself (a copy into
+the buffer goes through a temporary of its own). The cut, and where the pass applies (a backward,
+not memory-first, matmul outputs of at least :data:`MIN_BYTES`, the costliest side subgraph):
+docs/design/main-allocated-gradients.md.
 
-The buffers must come from memory the main lane has already freed. Allocated at the backward's
-top, before the fork, they did not: the main stream's mark is set early in the backward, when all
-of its tower's saved activations are alive, so the main stream grew by all 0.42 GiB while the side
-stream shrank by 0.18 (pool 1.71 GiB, reserved 1.12x reduce-overhead's against 1.06x; session 52).
-Nor did a main-lane head that had freed as many bytes of saved activations as the buffers took
-(pool 1.49 GiB against 1.45; 1.50 counting the head's bytes net of its own gradients, which take
-what it frees first). Those forms copied each value into its buffer (``copy_``), and Inductor
-computes a value it does not write in place into a temporary of its full size on the side stream:
-the token embedding's 94 MiB gradient (``index_put`` into zeros, the side lane's last) cost the
-main stream a segment and saved the side stream nothing. So only matmuls move, and each writes its
-buffer itself: Inductor rejects ``out=`` ops but runs a mutating op on the input it mutates, with
-no temporary and no copy. The cut: the side tail takes the
-side subgraph's last gradients (a side stream's mark is set at its backward's end, with every
-gradient alive, so the last ones are those that raise it); the main head is the shortest prefix
-whose saved activations read last, less the gradients it made (`_net_freed_by_prefix`), cover the
-tail's; and the tail, which waits for the head, must still end before the main subgraph by the
-cost model, so the cut adds nothing to the critical path by estimate. Among such cuts, the one
-that moves the fewest bytes that still cover the side subgraph's excess (its gradients less the
-large saved activations it frees, `_side_excess`), else the one that moves the most.
-
-Safe both ways: the tail waits for the main head, which orders its writes after the freed blocks'
-last readers; and a buffer is a graph output, alive until after the graph, so no later allocation
-on either stream takes it. The cost: the cuts' lost fusions, and a matmul run through a custom
-op's Python kernel where the graph is not replayed (CPU, or CUDA without CUDA graphs).
-
-Only where it can pay and cannot change results:
-- a backward (its outputs are gradients, each handed to the caller); not a forward, whose side
-  lane's outputs are saved activations that lane itself must free and reuse (cudagraph.py, NOTE:
-  Donation on side lanes);
-- not when the user put memory first (a memory budget or offloading): those graphs replay one
-  lane;
-- a value a matmul makes (``mm``, ``mm.dtype``, or transposes of one that nothing else reads:
-  a linear layer's weight gradient), of at least :data:`MIN_BYTES` (smaller requests come from the
-  small pool, which a gradient-sized block could not serve anyway), with static sizes, dense and
-  not overlapping, that aliases no graph input and no other graph output;
-- one side lane, the costliest side subgraph's (a model with three towers cuts only that one).
-
-On one lane (the one-lane candidate, and CPU runs) the same subgraphs run, and each buffer is
-allocated right before the tail, so the program and its results are the same as on lanes.
+On one lane the same subgraphs run and each buffer is allocated right before the tail, so the
+program and its results are the same as on lanes.
 """
 
 from __future__ import annotations
 
 import operator
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import networkx as nx
 import torch
@@ -75,63 +36,19 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..annotations import info
+from ..lane_plan import LanePlan, Subgraph
 from ..nodes import graph_outputs
+from ..ops.mm_into import matmul_of
 from ..shapes import concrete_numel
 from ..tracing import fw_metadata
-from .lanes import LanePlan, Subgraph, wire
+from .lanes import wire
 
 MIN_BYTES = 1 << 20  # the caching allocator's small-pool limit (kSmallSize)
-# The side stream's excess as measured over `_side_excess`'s estimate: freed blocks do not fit new
-# requests exactly (HF SigLIP base at batch 8 on an H100: 0.18 GiB measured, 0.144 estimated).
+# The side stream's measured excess over `_side_excess`'s estimate: freed blocks do not fit new
+# requests exactly (docs/design/main-allocated-gradients.md#the-cut).
 FRAGMENTATION = 1.25
 
-MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.mm.dtype)  # what `mm_into` writes in place
-
-TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.permute.default)
-
-
-def matmul_of(n: torch.fx.Node) -> tuple[torch.fx.Node, bool, list[torch.fx.Node]] | None:
-    """(the matmul that makes `n`, whether `n` is its transpose, the nodes from the matmul up to
-    `n`'s input), or None: `n` is a matmul, or transposes of one that nothing else reads (a linear
-    layer's weight gradient, as AOTAutograd traces it: ``t(mm(t(dY), X))``, at times ``t(t(mm))``);
-    ``(A @ B).T`` is written as ``B.T @ A.T``."""
-    chain, x = [], n
-    while (x.op == "call_function" and x.target in TRANSPOSES
-           and (x.target is torch.ops.aten.t.default or list(x.args[1]) in ([1, 0], [-1, -2]))):
-        x = x.args[0]
-        if not isinstance(x, torch.fx.Node) or len(x.users) != 1:
-            return None
-        chain.append(x)
-    if x.op != "call_function" or x.target not in MATMULS:
-        return None
-    return x, len(chain) % 2 == 1, chain
-
-
-_LIBRARY = torch.library.Library("apollo", "FRAGMENT")
-_LIBRARY.define("mm_into(Tensor(a!) out, Tensor self, Tensor mat2, ScalarType? out_dtype=None) -> ()")
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> None:
-    """``a @ b`` written into `out` (a buffer the main lane allocated). Inductor runs a mutating op
-    on the input it mutates, where its ``out=`` ops are unsupported and a functional matmul copied
-    into the input goes through a temporary of its own (module docstring)."""
-    if out_dtype is None:
-        torch.mm(a, b, out=out)
-    elif out.device.type == "cuda":
-        torch.ops.aten.mm.dtype_out(a, b, out_dtype, out=out)
-    else:  # mm.dtype has CUDA kernels only: the same products, accumulated in out_dtype
-        torch.mm(a.to(out_dtype), b.to(out_dtype), out=out)
-
-
-_LIBRARY.impl("mm_into", _mm_into, "CompositeExplicitAutograd")
-torch.library.register_fake("apollo::mm_into", lambda *args, **kwargs: None, lib=_LIBRARY)
-mm_into = torch.ops.apollo.mm_into.default
-
-# Measured on an H100 (RESULTS.md, session 53; bf16, fused AdamW, batch 8, one process each), graph
-# pool / reserved against reduce-overhead's, off -> on: HF SigLIP base 1.45 -> 1.39 GiB, 1.06x ->
-# 1.04x (twice); timm ViT-B + BERT 1.47 -> 1.31 GiB, 1.07x -> 1.03x; step times within the runs'
-# spread. The benchmarks' A/B variants turn it off (`apollo-side-grads-own`) or on
-# (`apollo-main-allocated`).
+# On by default: it lowers the pool and moves no step time (docs/design/main-allocated-gradients.md#default).
 ENABLED = True
 
 
@@ -166,7 +83,7 @@ def _storage(val) -> StorageWeakRef | None:
 
 
 def eligible(gm: torch.fx.GraphModule, sg) -> list[torch.fx.Node]:
-    """`sg`'s outputs a buffer may take (module docstring): graph outputs a matmul makes, of at
+    """`sg`'s outputs a buffer may take (docs/design/main-allocated-gradients.md#where): graph outputs a matmul makes, of at
     least MIN_BYTES, static, dense, aliasing no graph input and no other graph output."""
     outputs = _output_nodes(gm)
     holders: dict[StorageWeakRef | None, int] = {}  # storage -> graph inputs and distinct outputs on it
@@ -199,7 +116,7 @@ def _nbytes(n: torch.fx.Node) -> int:
 
 def _donated(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """The backward's inputs whose memory its capture frees at their last reader: AOTAutograd's
-    donated saved activations (cudagraph.py, NOTE: Donation)."""
+    donated saved activations."""
     meta = fw_metadata()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if meta is not None and getattr(meta, "bw_donated_idxs", None) is not None:
@@ -257,7 +174,7 @@ def _side_excess(gm: torch.fx.GraphModule, plan: LanePlan, side: Subgraph) -> in
 
 def _cuts(nodes: list[torch.fx.Node]) -> list[bool]:
     """ok[k]: a subgraph may be cut before nodes[k], unless that takes an item of an op before the
-    cut (lanes.py, NOTE: An item stays with its tuple)."""
+    cut (docs/design/lanes.md#items-with-tuple)."""
     pos = {n: i for i, n in enumerate(nodes)}
     return [not (n.target is operator.getitem and n.args and pos.get(n.args[0], k) < k) for k, n in enumerate(nodes)]
 

@@ -1,6 +1,6 @@
 """Memory pass: place every buffer that crosses a subgraph boundary in one arena.
 
-Reads the :class:`~apollo_compile.passes.lanes.LanePlan` and ``meta["val"]``; returns a
+Reads the :class:`~apollo_compile.lane_plan.LanePlan` and ``meta["val"]``; returns a
 :class:`~apollo_compile.passes.memory_plan.MemoryPlan`. A buffer's lifetime runs from its
 producing subgraph to the last of its consumers in happens-before order over the concurrent
 schedule (``memory_plan`` explains why program order is not enough). Graph outputs are consumed
@@ -16,8 +16,8 @@ import torch
 import torch.fx
 
 from ..annotations import info
+from ..lane_plan import LanePlan
 from ..shapes import concrete_numel
-from .lanes import LanePlan
 from .memory_plan import Buffer, MemoryPlan, plan_memory
 
 OUTPUT = "output"

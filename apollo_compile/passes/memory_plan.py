@@ -1,36 +1,22 @@
 """Static memory plan for the buffers that cross subgraph boundaries.
 
 Subgraphs on different lanes (CUDA streams) run concurrently, so the caching allocator's
-stream-ordered reuse is not enough to share memory safely between them: we plan one arena up
-front and give every boundary buffer a fixed byte offset. Two buffers may share bytes only if one
-is *certainly* dead before the other is born in every interleaving the DAG allows.
+stream-ordered reuse is not enough to share memory safely between them: the plan places one arena
+up front and gives every boundary buffer a fixed byte offset. Two buffers may share bytes only if
+one is *certainly* dead before the other is born in every interleaving the DAG allows.
 
 Pure algorithm (networkx only, no torch) so that it can be property-tested on random DAGs.
 
-[NOTE] Why "strict ancestor", and why happens-before rather than program order
-------------------------------------------------------------------------------
-Buffer A is dead before buffer B iff A's producer and every consumer of A are *strict*
-ancestors of B's producer in the happens-before DAG.
+[NOTE] Dead-before means strict ancestors in the happens-before DAG. Buffer A is dead before
+buffer B iff A's producer and every consumer of A are *strict* ancestors of B's producer::
 
-Equal is not enough.  A subgraph that reads A while writing B holds both at once::
+    s1 --A--> s2 --B--> s3        s2 reads A and writes B: sharing bytes, its first store
+                                  into B could clobber A before its last load.
 
-    s1 --A--> s2 --B--> s3        s2 reads A and writes B: if A and B shared bytes,
-                                  s2's first store into B could clobber A before its last load.
-
-    A live: [start s1, end s2]    B live: [start s2, end s3]   -> they overlap during s2.
-
-Program order is not enough across lanes.  The FX graph lists every node in one order, but two
-lanes only order each other where an event wait (a DAG edge) says so::
-
-    lane 0:  s1 --A--> s2              (s2 listed before s4 in the graph...)
-    lane 1:            s4 --B--> s5    (...but nothing makes s4 wait for s2)
-
-    s2 precedes s4 in program order, yet on the GPU s4 may start while s2 still reads A.
-    Only a path s2 ~> s4 in the DAG (same-lane order or a cross-lane wait) makes A dead before B.
-
-Within one lane, program order *is* happens-before, and the caller encodes it as chain edges in
-the DAG; across lanes only data/event edges count.  The planner therefore looks at ancestors in
-the DAG and never at lane ids or list positions.
+Program order is not enough across lanes: two lanes order each other only where an event wait (a
+DAG edge) says so; within one lane the caller encodes program order as chain edges. So the planner
+looks at ancestors in the DAG, never at lane ids or list positions
+(docs/design/lanes.md#memory-plan).
 """
 
 from __future__ import annotations

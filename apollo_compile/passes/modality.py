@@ -6,40 +6,22 @@ the ``modalities`` option only, the module paths in ``nn_module_stack`` / ``fwd_
 Writes ``NodeInfo.modality``, ``NodeInfo.backward``, ``NodeInfo.recomputed`` and ``NodeInfo.cast``.
 
 A tower is what the graph says it is, so the same plan comes out whether the user compiles the
-module, a wrapper around it, a function that calls a global model, or the whole training step:
+module, a wrapper, a function that calls a global model, or the whole training step
+(docs/design/modality.md#rules):
 
-1. **Forward** (forward graphs, inference graphs, the forward part of a whole-step or joint graph):
-   a node belongs to the towers whose *data inputs* (non-parameter tensor inputs: pixels, tokens)
-   reach it. One input: that input's tower; several: a join, ``fusion`` (the contrastive loss,
-   a cross-attention layer). A serial chain (embeddings -> encoder -> projection) is one tower.
-   An input whose own region holds no library kernel (matmul, convolution, attention: an
-   attention mask, position or token-type ids) is not a tower of its own: it is absorbed into the
-   towers it meets, else two lanes would join at the first attention layer. Nor is an input whose
-   own kernels are small beside the region it feeds with one other input (SigLIP 2's patch grid,
-   which resizes the position embeddings: NOTE: A tower is more than a feeder of one).
-2. **Backward** (backward graphs, the backward part of a whole-step or joint graph): a node
-   belongs to the towers whose *parameter gradients* it reaches (reverse reachability from the
-   gradient outputs); several: a join (the loss's gradient, the logits' gradient). A gradient
-   output's tower is its parameter's: by position in a backward or joint graph (output i is the
-   gradient of forward input i), else the input it is allocated like (``copy(empty_like(p), g)``,
-   a whole step's new ``.grad``) or the input it updates (``.grad`` accumulated into, or the
-   parameter an optimizer inside the step writes), else the forward activation its last
-   library kernel reads. Where nothing names them (compiled autograd's graph has no forward),
-   the gradients are grouped by the backward nodes that reach them (:func:`_grouped_gradients`).
-3. In a backward, a value the forward computed (a saved activation, an op recomputed under a
-   memory budget) keeps the label the forward gave it, found by node name (the partitioner keeps
-   the joint graph's names). Labelling it afresh would see only backward users: with the
-   contrastive loss recomputed from the saved logits, the whole loss region took one tower's label
-   and the other tower's gradients waited for that tower's lane (H200: lanes no faster than one
-   stream).
-4. Whatever is still unlabelled takes the label of its inputs, then of its users (parameters,
-   constants, a mask's preprocessing), ``fusion`` where they disagree.
+1. **Forward**: a node belongs to the towers whose *data inputs* (pixels, tokens; not parameters)
+   reach it; several make a join, ``fusion``. An input with no library kernel of its own (a mask,
+   position ids), or with few beside the region it feeds with one other input, is absorbed.
+2. **Backward**: a node belongs to the towers whose *parameter gradients* it reaches; a gradient
+   output's tower is its parameter's (:func:`_grouped_gradients` where nothing names it).
+3. In a backward, a value the forward computed keeps the forward's label, found by node name:
+   labelled afresh from its backward users, a recomputed loss would take one tower's label.
+4. Whatever is still unlabelled takes the label of its inputs, then of its users, ``fusion`` where
+   they disagree.
 
-A tower's name is for people: the longest module path its forward nodes share (less the prefix
-every tower shares, ``model.`` under a wrapper), e.g. ``vision`` or ``vision_model``; else the
-module most of its nodes ran in; else its input's name. With the ``modalities`` option
-(module-path prefix -> name) the module paths decide instead, as the user asked: a node that ran
-in a named module takes that name, the others follow rule 4.
+A tower's name is for people: the longest module path its forward nodes share, else the module most
+of its nodes ran in, else its input's name; the ``modalities`` option (module-path prefix -> name)
+decides instead where the user gives it (docs/design/modality.md#names).
 """
 
 from __future__ import annotations
@@ -59,17 +41,10 @@ from ..tracing import compiling_autograd_graph, fw_metadata
 from . import casts
 from .cost import node_flops
 
-# [NOTE] A tower is more than a feeder of one. An input's own region (the nodes it alone reaches)
-# ends where it meets another input. SigLIP 2's `spatial_shapes` (each image's patch grid) alone
-# reaches the matmuls that resize the position embeddings (antialiased interpolation,
-# decomposed), which are added to the patch embeddings right away: as a tower of its own it made
-# the whole vision encoder a join of it and the pixels, run on the text tower's lane, and left the
-# pixels a tower of one patch embedding. So an input whose own kernels do less than this share of
-# the FLOPs of the largest region it reaches together with exactly one other input is absorbed
-# (the smallest such first, then the regions are found again: the pixels' region is then the
-# whole vision tower). Two real towers meet only at their join, the loss or a fusion head, far
-# smaller than either tower; where a small encoder feeds a much larger cross-attention stack, it
-# runs on that stack's lane (a branch under a tenth of the stack: little to overlap).
+# An input whose own kernels do less than this share of the FLOPs of the largest region it reaches
+# together with exactly one other input is absorbed into the towers it meets: a real tower meets
+# another only at their join, far smaller than either (SigLIP 2's patch grid resizes the position
+# embeddings and is no tower; docs/design/modality.md#feeder-of-one).
 MIN_TOWER_SHARE = 0.1
 
 _SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
@@ -129,8 +104,8 @@ _AUTOGRAD_CALLS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.ba
 
 def traced_from_autograd(node: torch.fx.Node) -> bool:
     """Whether AOTAutograd traced `node` while running the autograd engine inside a whole step.
-    torch 2.13 marks such nodes ``autograd_backward``; torch 2.11 does not (its whole-step graph
-    on the H200 got no backward nodes, so its gradients were copied out at every replay), but
+    torch 2.13 marks such nodes ``autograd_backward``; torch 2.11 does not (a whole-step graph
+    would have no backward nodes, and its gradients would be copied out at every replay), but
     both record the Dynamo call they came from, ``torch.autograd.grad``, in ``source_fn_stack``."""
     if node.meta.get("autograd_backward"):
         return True
@@ -206,7 +181,7 @@ def forward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.N
     """Rule 1: for each forward node, the towers (bitmask over the returned tower inputs) whose
     data inputs reach it. Inputs whose own region runs no library kernel are absorbed, then, one at
     a time, an input whose own region is small beside what it feeds together with one other input
-    (NOTE: A tower is more than a feeder of one); where no input's region runs a library kernel (a
+    (docs/design/modality.md#feeder-of-one); where no input's region runs a library kernel (a
     compiled optimizer step: one elementwise update per parameter, each from its own gradient and
     state), there are no towers, and the graph is one join (one lane), not a lane per parameter."""
     nodes = list(gm.graph.nodes)
@@ -227,8 +202,8 @@ def forward_towers(gm: torch.fx.GraphModule, kind: str, backward: set[torch.fx.N
 
 def _feeder(work: Counter[int], inputs: int) -> list[int]:
     """[the input whose own kernels are the smallest share, under MIN_TOWER_SHARE, of the kernels
-    it reaches together with exactly one other input], or [] (NOTE: A tower is more than a feeder
-    of one). `work`: reach bitmask -> the FLOPs of the library kernels with that reach."""
+    it reaches together with exactly one other input], or []
+    (docs/design/modality.md#feeder-of-one). `work`: reach bitmask -> the FLOPs of the library kernels with that reach."""
     shares = {}
     for i in range(inputs):
         joined = max((w for m, w in work.items() if m & (1 << i) and bin(m).count("1") == 2), default=0)
@@ -261,7 +236,7 @@ def _gradient_outputs(gm: torch.fx.GraphModule, kind: str, backward: set[torch.f
 
 def _tower_of_gradient(out: torch.fx.Node, backward: set[torch.fx.Node],
                        memo: dict[tuple[torch.fx.Node, int], str | None]) -> str | None:
-    """A gradient output's tower from the nodes around it (see the module docstring, rule 2).
+    """A gradient output's tower from the nodes around it (docs/design/modality.md#rules, rule 2).
     `memo` keeps what the search found from a lone node at a depth, for the other outputs whose
     search passes there (the three writes of a parameter's update, and every parameter of a list
     update, meet at that update: a whole step's 1200 writes walked its gradients again each)."""

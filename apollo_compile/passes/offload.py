@@ -3,16 +3,16 @@
 With ``options={"offload_activations": True}`` the forward copies each large value it saves for
 the backward to host memory right after its last forward use, so its GPU memory is free for the
 rest of the forward; the backward copies it back just before its first use. Per-block
-checkpointing (a small ``memory_budget``) still saves every block's input, fp32 under autocast:
-on the CLIP benchmark that is most of the GPU memory a large batch needs (benchmarks/RESULTS.md,
-sessions 10-11), and the only way below it without changing the model is to keep those inputs
-off the GPU. The price is PCIe traffic: each offloaded byte crosses twice per step.
+checkpointing still saves every block's input, most of the GPU memory a large batch needs, and
+keeping those inputs off the GPU is the only way below it without changing the model
+(docs/design/checkpointing.md#offload). The price is PCIe traffic: each offloaded byte crosses
+twice per step.
 
-PyTorch already implements the graph rewrite (``torch._functorch._activation_offloading``): the
-min-cut partitioner applies it to forward values marked ``should_offload`` that it ends up
-saving, when ``torch._functorch.config.enable_activation_offloading`` is on. This pass marks the
-values (joint graph), turns the switch on around the partition, and labels the copies it
-inserted in the forward and backward graphs for dumps. Inductor allocates the host buffers afresh
+PyTorch implements the graph rewrite (``torch._functorch._activation_offloading``): the min-cut
+partitioner applies it to forward values marked ``should_offload`` that it ends up saving, when
+``torch._functorch.config.enable_activation_offloading`` is on. This pass marks the values (joint
+graph), turns the switch on around the partition, and labels the copies it inserted in the forward
+and backward graphs (``NodeInfo.transfer``) for dumps. Inductor allocates the host buffers afresh
 on every call, and a CUDA graph would replay its copies into the buffers of the call it captured,
 so an offloading model runs un-graphed.
 """
@@ -75,8 +75,9 @@ def partitioner_offloads(options: ApolloOptions) -> Iterator[None]:
         yield
 
 
-def _transfer(node: torch.fx.Node) -> str | None:
-    """Which copy `node` is, by the names PyTorch's offloading gives its copies."""
+def transfer_of(node: torch.fx.Node) -> str | None:
+    """"to host" or "to device": which copy of PyTorch's offloading `node` is, by the names it
+    gives its copies; None for any other node."""
     if node.op != "call_function" or node.target is not torch.ops.prims.device_put.default:
         return None
     from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX, GPU_RELOAD_PREFIX
@@ -95,7 +96,7 @@ def label(gm: torch.fx.GraphModule, ctx) -> dict[str, Any] | None:
         return None
     count, total = 0, 0
     for n in gm.graph.nodes:
-        if (direction := _transfer(n)) is not None:
+        if (direction := transfer_of(n)) is not None:
             info(n).transfer = direction
             count += 1
             total += nbytes(n)

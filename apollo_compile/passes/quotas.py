@@ -35,10 +35,10 @@ import torch.fx
 
 from ..calibration import defaults
 from ..devices import DeviceSpec
+from ..lane_plan import LanePlan
 from ..perf_model import PerfModel, Schedule, quota_name
-from .lanes import LanePlan
 
-__all__ = ["MIN_GAIN", "Candidate", "QuotaDecision", "concurrent_lanes", "plan_quotas", "run"]
+__all__ = ["MIN_GAIN", "Candidate", "QuotaDecision", "concurrent_lanes", "plan_candidates", "plan_quotas", "run"]
 
 MIN_GAIN = 1e-3  # refinement keeps a move only if the predicted makespan drops by 0.1% or more
 
@@ -97,11 +97,13 @@ def plan_quotas(plan: LanePlan, spec: DeviceSpec, model: PerfModel | None = None
     model = model or PerfModel(spec)
     if model.sms != spec.sms:
         raise ValueError(f"the model is for {model.sms} SMs, the device has {spec.sms}")
-    return _plan(plan, model, max_candidates)[0]
+    return plan_candidates(plan, model, max_candidates)[0]
 
 
-def _plan(plan: LanePlan, model: PerfModel, max_candidates: int = 4
-          ) -> tuple[list[Candidate], str, Candidate | None]:
+def plan_candidates(plan: LanePlan, model: PerfModel, max_candidates: int = 4
+                    ) -> tuple[list[Candidate], str, Candidate | None]:
+    """:func:`plan_quotas` with its workings: (the candidates, why, the greedy quota split before
+    refinement, or None where no quota was tried). Tests and the decision's log read the last two."""
     stats = [model.stats(sg) for sg in plan.subgraphs]
     serial = model.serial_us(plan, stats)
     one = Candidate("one_lane", None, serial)
@@ -199,5 +201,5 @@ def run(gm: torch.fx.GraphModule, ctx, model: PerfModel | None = None) -> QuotaD
         model = PerfModel(ctx.device, **defaults(ctx.device))
     if plan is None:
         return QuotaDecision([], "no lane plan", None, model)
-    cands, reason, greedy = _plan(plan, model)
+    cands, reason, greedy = plan_candidates(plan, model)
     return QuotaDecision(cands, reason, greedy, model)

@@ -1,69 +1,26 @@
 """Recompute planner: the checkpoint pass's search for the forward ops the backward re-runs.
 
-:mod:`apollo_compile.passes.checkpoint` runs it on the joint graph (the plan's rules are in that
-module's docstring) and writes the state it picks as the partitioner's tags. A *state* is the set
-of forward ops the backward re-runs; :class:`Planner` derives the values it saves, predicts the
-backward's peak activation bytes by simulating the partitioned backward (:meth:`Planner.peaks`,
-NOTE on the peak), walks greedily from the plain partition toward a budget (:meth:`Planner.walk`)
-and builds per-block checkpointing (:meth:`Planner.block_plan`, :meth:`Planner.relax`; with
-offloading, ``peaks(on_gpu=True)``). Op costs are roofline times
-(:func:`apollo_compile.passes.cost.node_cost`) computed here on the joint graph, which the cost
-pass never sees.
+:mod:`apollo_compile.passes.checkpoint` runs it on the joint graph and writes the state it picks
+as the partitioner's tags. A *state* is the set of forward ops the backward re-runs;
+:class:`Planner` derives the values it saves, predicts the backward's peak activation bytes by
+simulating the partitioned backward (:meth:`Planner.peaks`), walks greedily from the plain
+partition toward a budget (:meth:`Planner.walk`) and builds per-block checkpointing
+(:meth:`Planner.block_plan`, :meth:`Planner.relax`; with offloading, ``peaks(on_gpu=True)``). Op
+costs are roofline times (:func:`apollo_compile.passes.cost.node_cost`) computed here on the joint
+graph, which the cost pass never sees.
 
-[NOTE] The peak: why saved bytes alone are not the memory a budget buys
+[NOTE] The peak is simulated, not summed: the partitioner's backward re-runs a recomputed value
+just before its first reader, with every recomputed ancestor it needs, and each stays until its
+last reader, so a plan that counts only saved bytes can recompute a whole residual stream at once
+and hold what it saved. :meth:`Planner.peaks` runs that order; under Inductor only values a
+library kernel writes or reads hold memory, and a fused chain of recomputed pointwise ops is
+re-run whole at its first use (:meth:`Planner.fused`). The moves are ranked by a cheaper estimate,
+saved bytes plus the largest connected group of recomputes (docs/design/checkpointing.md#peak,
+#fused-recompute).
 
-The partitioner's backward re-runs a recomputed value just before its first reader
-(``reordering_to_mimic_autograd_engine``), together with every recomputed value it needs that is
-not there yet, and each stays until its last reader. A plan that only counts saved bytes happily
-recomputes a tower's residual stream: its last block's gradient then pulls every block's
-recompute, each of which waits for its own block's gradient, and the backward holds about what
-the plain partition saved. Measured: on the base CLIP at batch 8 (CPU, eager subgraphs) such a
-plan at budget 0.05 saved 43 of 879 MiB and recomputed one 819 MiB connected chain; on the H200
-at batch 64 its whole-run peak (4.34 GiB) was above the same planner's at budget 0.2 (3.61).
-
-So the predicted peak is a simulation of that order (:meth:`Planner.peaks`, one pass over the
-graph per state): the backward's own nodes in joint order, each pulling its missing recomputed
-ancestors; saved values live from the start, recomputed ones from their re-run, each until its
-last reader. Under Inductor (``subgraph_compiler="inductor"``) a recomputed op holds memory only
-if a library kernel (matmul, convolution, attention) writes or reads it: pointwise and reduction
-recompute is fused into the kernels that read it (:func:`_materialized`). Towers whose backwards
-run on two lanes at once can interleave their peaks, which a one-order simulation does not see.
-
-[NOTE] Fused recompute: Inductor fuses a chain of recomputed pointwise ops into one kernel and
-schedules it before the chain's *first* reader, writing every value of it that is read later. A
-plan that saves the matmul outputs and recomputes a tower's residual stream therefore
-materializes all of the tower's block inputs at the start of its backward. On the H200 (base
-CLIP, batch 64, budget 0.05; benchmarks/probes/diag_memory.py) the vision backward's generated code
-allocated the (64, 197, 768) fp32 residuals one after another at its top, and the first step
-peaked at 2.77 GiB allocated (parameters 0.60; the one-by-one simulation's activations ~0.6).
-So under a fusing compiler the simulation re-runs such a group (:meth:`Planner.fused`) whole at
-its first use, holding every member something outside the group reads. Per-block checkpointing,
-whose groups end at the saved block inputs, then predicts lower and is chosen below the walk's
-reach: the same run's whole-run peak fell from 3.11 to 2.92 GiB, and the largest batch in 20 GiB
-from [256, 512) to [512, 1024) (benchmarks/RESULTS.md, session 5).
-
-The simulation decides when to stop; ranking the moves needs something cheaper: *groups*,
-recomputed ops connected through what they read of each other (and both holding memory), pulled
-together. Estimated peak = saved + the largest group; a move whose merged group grows by more
-than the saved bytes it frees is not admitted. Transformers end up with about one group per
-block and saved block inputs, what per-block checkpointing does by hand. The CPU tests check
-that the simulated peak bounds the real partition's backward, run in its own order.
-
-[NOTE] Offloaded per-block start: with ``offload_activations`` a saved value waits on the host
-and the backward copies it back just before its first reader; from there it holds the GPU until
-its last reader. Per-block checkpointing starts from what min-cut itself re-runs (cheap ops, to
-save GPU bytes), and one such re-run can bring a saved value back early: on the base CLIP min-cut
-re-runs the vision stem's norm from its fp32 input, so that input came back for the first block's
-re-run and stayed until the stem's own backward, over the whole first block. At batch 512 the
-H200's backward peaked 0.144 GiB over eager per-block checkpointing with ``save_on_cpu``
-(session 14, benchmarks/probes/offload_memory.py --snapshot: one more block-input-sized buffer live at
-the peak). So once per-block checkpointing is chosen under offloading, the plan also tries it
-without min-cut's re-runs outside the blocks (everything there saved, as the by-hand variant
-does) and takes that where the backward simulates lower on the GPU (:meth:`Planner.peaks` with
-``on_gpu``: each offloaded value from its first reader on) and still meets what was met. The
-price is host traffic for what min-cut re-ran. Only this choice uses the on-GPU simulation: the
-walk, the choice of per-block checkpointing and the budget's targets count every saved byte, or
-the walk would stop at plans that move most activations over PCIe every step.
+[NOTE] Under offloading, per-block checkpointing is also tried without min-cut's own re-runs
+outside the blocks, which can bring an offloaded value back to the GPU early; it is taken where the
+on-GPU simulation is lower (docs/design/checkpointing.md#offloaded-block-start).
 """
 
 from __future__ import annotations
@@ -79,7 +36,7 @@ from ..nodes import (deterministic_attention, graph_outputs, is_library_kernel, 
 from . import modality
 from .cost import node_cost
 
-__all__ = ["GLOBAL", "Planner"]
+__all__ = ["GLOBAL", "Planner", "block_of", "materialized", "recomputable"]
 
 GLOBAL = "*"  # the constraint key of a budget over all modalities
 _EXPAND_ROUNDS = 3
@@ -89,7 +46,7 @@ _RELAX_MISSES = 8  # relax(): refusals in a row before it stops trying (each try
 # ---------------------------------------------------------------------------- node kinds
 
 
-def _recomputable(node: torch.fx.Node) -> bool:
+def recomputable(node: torch.fx.Node) -> bool:
     """A forward op the planner may move to the backward."""
     if node.op != "call_function" or is_random(node) or "recompute" in node.meta:
         return False
@@ -104,7 +61,7 @@ def _heavy(node: torch.fx.Node, bound: str) -> bool:
     return bound == "compute" or is_library_kernel(node)
 
 
-def _materialized(op: torch.fx.Node) -> bool:
+def materialized(op: torch.fx.Node) -> bool:
     """Whether a compiler that fuses pointwise work (Inductor) still writes `op`'s output to memory
     when it is re-run: a library kernel's output, or an input of one (directly or through views
     and getitems). Pointwise and reduction work that only feeds fused kernels is recomputed inside
@@ -126,7 +83,7 @@ def _materialized(op: torch.fx.Node) -> bool:
     return False
 
 
-def _block_of(node: torch.fx.Node) -> str | None:
+def block_of(node: torch.fx.Node) -> str | None:
     """``vision.blocks.3`` for a node of ``vision.blocks.3.mlp.0``: the outermost repeated block
     (module list or sequential entry) it is in, if any."""
     path = modality.innermost_path(node)
@@ -210,9 +167,9 @@ class Planner:
         for n, v in self.storage.items():
             if v is n and n.op != "placeholder":
                 self.values.setdefault(self.op(n), []).append(n)
-        # what a re-run op holds in the backward (NOTE on the peak): all of its outputs, or, when the
+        # what a re-run op holds in the backward (docs/design/checkpointing.md#peak): all of its outputs, or, when the
         # subgraph compiler fuses pointwise work into its readers, only what a kernel must write
-        self.held = {o: self.nb(o) if not fuses_pointwise or _materialized(o) else 0 for o in self.cost}
+        self.held = {o: self.nb(o) if not fuses_pointwise or materialized(o) else 0 for o in self.cost}
         self.fuses_pointwise = fuses_pointwise
         self.read_by_backward = {self.op(v) for v in self.direct}
 
@@ -273,7 +230,7 @@ class Planner:
         return {o: find(o) for o in parent}
 
     def groups(self, rerun: set[torch.fx.Node]) -> "_Groups":
-        """The re-run ops, grouped by what they read of each other (NOTE on the peak)."""
+        """The re-run ops, grouped by what they read of each other (docs/design/checkpointing.md#peak)."""
         # fused pointwise work (holding nothing) does not chain groups together
         root = self._components(rerun, lambda p, o: self.held[p] and self.held[o])
         size: dict[torch.fx.Node, dict[str, int]] = {}
@@ -286,7 +243,7 @@ class Planner:
         """Re-run ops that a fusing compiler computes in one kernel: pointwise and reduction ops
         (no library kernel) connected through what they read of each other, each op -> its group
         (groups of two or more only). Inductor fuses such a chain whole and schedules it before
-        its first reader, so the group is re-run at once (NOTE: Fused recompute)."""
+        its first reader, so the group is re-run at once (docs/design/checkpointing.md#fused-recompute)."""
         members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         for o, r in self._components([o for o in rerun if not is_library_kernel(o)], lambda p, o: True).items():
             members.setdefault(r, []).append(o)
@@ -302,7 +259,7 @@ class Planner:
         Under a fusing compiler a fused group (:meth:`fused`) is re-run whole when one of its
         ops is first needed, and holds every value something outside the group reads later.
         With `on_gpu`, saved values that wait on the host (``self.on_host``) live from their first
-        reader on, where the backward copies them back (NOTE: Offloaded per-block start)."""
+        reader on, where the backward copies them back (docs/design/checkpointing.md#offloaded-block-start)."""
         order: list[torch.fx.Node] = []
         done: set[torch.fx.Node] = set()
         group = self.fused(rerun) if self.fuses_pointwise else {}
@@ -440,7 +397,7 @@ class Planner:
             largest = groups.largest()
             moves = []
             for o in sorted({self.op(v) for v in saved}, key=self.order.__getitem__):
-                if o not in self.cost or not _recomputable(o) or self.key[o] not in over:
+                if o not in self.cost or not recomputable(o) or self.key[o] not in over:
                     continue
                 move = self._best_move(o, saved, rerun, groups, largest, targets)
                 if move is not None:
@@ -457,10 +414,10 @@ class Planner:
         another block or the rest of the forward reads, so only what flows between blocks stays
         saved. A greedy walk never gets there (each step alone must look good); it is the plan of
         lowest peak for a stack of blocks, at the cost of re-running the blocks' forward."""
-        block = {o: _block_of(o) for o in self.cost}
+        block = {o: block_of(o) for o in self.cost}
         rerun = set()
         for o, b in block.items():
-            if b is not None and _recomputable(o) and all(block.get(r) == b for r in self.readers.get(o, ())):
+            if b is not None and recomputable(o) and all(block.get(r) == b for r in self.readers.get(o, ())):
                 rerun.add(o)
         return rerun
 
@@ -504,7 +461,7 @@ class Planner:
             if delta.get(key, 0) < 0:
                 break
             grow = {self.op(u) for u in new if self.op(u) in self.cost and self.key[self.op(u)] == key
-                    and _recomputable(self.op(u)) and not deterministic_attention(self.op(u))}
+                    and recomputable(self.op(u)) and not deterministic_attention(self.op(u))}
             if not grow:
                 return None
             ops |= grow

@@ -2,16 +2,14 @@
 
 Reads and rewrites the graph (no annotations); returns how many ops it rewrote.
 
-A CUDA graph cannot capture an op that waits for the GPU to tell the host how large its output
-is: ``masked_select`` counts the mask's true elements first. ``masked_scatter``'s backward
-(``aten.masked_scatter_backward``) is one, and HF LLaVA runs ``masked_scatter`` to put the image
-features into the text embeddings: one of its backward graphs failed to capture on the H200
-(``cudaErrorStreamCaptureUnsupported``, issue 24); with this pass all 13 of its graphs capture and
-replay there (benchmarks/RESULTS.md, HF LLaVA, session 28). Its output size
-is static, the ``sizes`` argument: the gradient of the scattered source. So it is computed from
-indices of a known count instead: ``nonzero_static(mask, size=numel(sizes))`` lists the true
-elements in order (as ``masked_select`` reads them), padded with -1, and the padded slots are
-zero, as the op pads a source larger than the mask's true count. The values are the op's own.
+A CUDA graph cannot capture an op that waits for the GPU to tell the host how large its output is:
+``masked_select`` counts the mask's true elements first. ``masked_scatter``'s backward
+(``aten.masked_scatter_backward``, which HF LLaVA's image features meet) is one; its output size
+is static, the ``sizes`` argument: the gradient of the scattered source
+(docs/design/graph-rewrites.md#sync-free). So it is computed from indices of a known count instead:
+``nonzero_static(mask, size=numel(sizes))`` lists the true elements in order (as ``masked_select``
+reads them), padded with -1, and the padded slots are zero, as the op pads a source larger than
+the mask's true count. The values are the op's own.
 """
 
 from __future__ import annotations

@@ -9,39 +9,20 @@ rewrites the graph, then places the new updates (``passes/updates.py``) and labe
 again (``passes/modality.py``). Returns how many lists it split, and for each its parameters by
 tower and its number of parts.
 
-``compile_step(..., optimizer=)`` traces the parameters' updates as one list op per parameter
-group (``fused_update.py``, NOTE: Small parameters share a launch): at trace time nothing says
-which tower a parameter belongs to. That op reads a gradient of every tower, so the modality
-pass labels it a join (``fusion``), the updates pass places it after the last of its gradients,
-and the lanes pass puts it on the main lane after both towers' backwards: on the tiny test model
-the backward of both towers then ran as one subgraph on one lane, and on HF CLIP B/16 the graph
-took 8.01 ms with lanes against 7.80 with an update op per parameter (H200, session 35, one
-process). Split by its parameters' towers, each list is its tower's and runs right after that
-tower's last gradient, on its lane.
+``compile_step(..., optimizer=)`` traces one list op per parameter group: at trace time nothing
+says which tower a parameter belongs to. Read by every tower's gradients, the op is a join, and
+runs on the main lane after every tower's backward; split by tower, each list runs right after its
+tower's last gradient, on its lane (docs/design/step-passes.md#lists-by-tower).
 
-[NOTE] A list is cut where one launch ends. With every parameter in its tower's list (the default
-since session 37: ``fused_update.py``, NOTE: Small parameters share a launch), one list per tower
-ran after that tower's whole backward, and it read float32 copies of the tower's bf16 gradients
-(torch's fused kernel takes one dtype per list), all alive at once. Cut in the order the backward
-makes the gradients, a part runs after the last gradient it reads, interleaved with the rest of
-its tower's backward as an update op per parameter was, and only its own copies are alive: on HF
-CLIP B/16 at batch 8 the graph took 6.99 ms with lanes against 7.29 uncut (one lane 7.97 / 8.42),
-at a peak of 2.74 GiB against 2.76 (H200, session 37, one process). A part is what one launch of
-torch's multi-tensor kernel takes (ATen's ``MultiTensorApply.cuh``): a thread block per chunk of
-:data:`CHUNK` elements of a tensor, at most :data:`LAUNCH_CHUNKS` blocks and
-:data:`LAUNCH_TENSORS` tensors for the number of lists it walks (Adam's four, five with amsgrad),
-so the cut adds no launches; a parameter of more chunks is a part alone. Until session 42 a part
-was bounded by elements only (320 x 65536): parts of ~46 tensors took two launches each, the
-second small, and HF SigLIP's step ran 21 launches where eager's fused AdamW runs 13 over the same
-parameters (``benchmarks/probes/step_kernels.py``, session 41; ATen's rule applied to the
-parameters' sizes gives the same counts, and 15 with this cut: ``tests/test_update_lists.py``).
+[NOTE] A list is cut where one launch ends: a part runs after the last gradient it reads, and only
+its own float32 copies are alive. A part is what one launch of the multi-tensor kernel takes
+(ATen's ``MultiTensorApply.cuh``): a block per :data:`CHUNK` elements of a tensor, at most
+:data:`LAUNCH_CHUNKS` blocks and :data:`LAUNCH_TENSORS` tensors for the number of lists it walks,
+so the cut adds no launches (docs/design/step-passes.md#launch-parts).
 
-AOTAutograd hands the op over functionalized: ``auto_functionalized_v2(op, grads=[...], ...,
-_params_length=n, _params_0_base_index=i, ..., _all_bases=[...])``, whose result's item 1 + j is
-the new value of ``_all_bases[j]`` (``torch/_higher_order_ops/auto_functionalize.py``). A split
-keeps that form: each part takes its elements of every list, the bases they name, and the items
-of those bases. A list element that is a view of its base (more keys than ``_base_index``) is
-left alone, as is any op but the list update.
+The op arrives functionalized (``auto_functionalized_v2``, item 1 + j the new ``_all_bases[j]``);
+each part keeps that form with its elements, bases and items. A list element that is a view of its
+base is left alone, as is any op but the list update (docs/design/step-passes.md#functionalized-lists).
 """
 
 from __future__ import annotations
@@ -57,7 +38,7 @@ from ..annotations import KEY, info
 from ..fused_update import adam_step_foreach, kernel_lists
 from . import modality, updates
 
-# one launch of torch's multi-tensor kernel (NOTE: A list is cut where one launch ends), as ATen's
+# one launch of torch's multi-tensor kernel (module docstring, [NOTE]), as ATen's
 # MultiTensorApply.cuh sets it: kChunkSize, depth_to_max_blocks, depth_to_max_tensors by the lists walked
 CHUNK = 65536
 LAUNCH_CHUNKS = 320

@@ -3,29 +3,24 @@ its gradient is complete, not after the whole backward.
 
 Reads and reorders the graph (no annotations); returns how many nodes moved.
 
-AOTAutograd traces the step in program order: the forward, the whole backward (every gradient),
-then the optimizer (``compile_step(..., optimizer=)``: ``optimizer_step.py``). Run in that order,
-every gradient is alive at once at the end of the backward, although each is dead as soon as its
-parameter is updated. This pass moves the update region, the ops that only feed writes into the
-parameters and the optimizer's state, next to the gradients they read:
+AOTAutograd traces the step in program order: the forward, the whole backward, then the optimizer
+(``compile_step(..., optimizer=)``), so every gradient is alive at once at the backward's end,
+although each is dead once its parameter is updated. This pass moves the update region, the ops
+that only feed writes into the parameters and the optimizer's state, next to the gradients they
+read (docs/design/step-passes.md#updates):
 
 - an update op that reads a gradient (or another such op) goes right after the last of those it
-  reads (as soon as possible: the gradient dies there);
-- an update op that reads only graph inputs (the weight decay ``p * (1 - lr * wd)``, the step
-  counter's bias corrections) goes right before its first user (as late as possible: a
-  parameter-sized temporary made at the start of the graph would live through all of it);
-- a write into an input comes after every reader of that input (the backward's matmuls read the
-  weights it overwrites: ``lanes.py``, NOTE: A write into an input comes after its readers), and
-  a write of a value placed late (a parameter group's new step counters, made by one ``add_``
-  before the first update), and each item taken of a multi-output op's result, come right after
-  it, not at the graph's end and not each before its first user: there Inductor can write the new
-  counters in place in the kernel that computes them, where a copy-back at the end was one more
-  kernel (one per counter, when each parameter had its own).
+  reads: the gradient dies there;
+- an update op that reads only graph inputs (weight decay, the bias corrections) goes right
+  before its first user: a parameter-sized temporary made early would live through the graph;
+- a write into an input comes after every reader of that input (docs/design/lanes.md#writes-after-readers);
+  a write of a value placed late (the new step counters) and each item taken of a multi-output
+  op's result come right after it, so Inductor writes the counters in place in the kernel that
+  computes them.
 
 The other nodes keep their order. The update region is found from the dataflow: each write into
-an input, and every op the autograd engine did not trace whose users are all in the region (so
-not the forward, the gradients themselves, or anything an output reads). A graph that writes no
-input is left as it is.
+an input, and every op the autograd engine did not trace whose users are all in the region. A
+graph that writes no input is left as it is.
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ import torch
 import torch.fx
 
 from ..fallback import ApolloFallbackWarning
-from ..passes.codegen import RuntimeSource
-from ..passes.lanes import LanePlan
+from ..lane_plan import LanePlan, RuntimeSource
 from .streams import LaneRuntime
 from .subgraphs import compile_subgraph, example_inputs, extract
 

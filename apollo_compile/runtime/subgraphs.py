@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 import torch.fx
 
-from ..passes.lanes import Subgraph
-from ..passes.main_allocated import matmul_of, mm_into
+from ..lane_plan import Subgraph
+from ..ops.mm_into import matmul_of, mm_into
 from ..tracing import fw_metadata
 
 
