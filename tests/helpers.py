@@ -153,3 +153,16 @@ def fake_cuda_graphs(monkeypatch) -> None:
         return FakeGraph(fn, self.static_inputs, outputs), outputs
 
     monkeypatch.setattr(CudaGraphRunner, "_capture_one", capture_one)
+
+
+def dynamo_graph(model, *inputs):
+    """The Dynamo FX graph of `model` and its example inputs (no AOTAutograd, no apollo)."""
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch.compile(model, backend=capture)(*inputs)
+    assert len(captured) == 1
+    return captured[0]

@@ -13,8 +13,7 @@ from torch import nn
 
 import apollo_compile
 from apollo_compile.passes import attention_masks
-from helpers import TOLERANCE, assert_trains_like_eager
-from test_casts import _dynamo_graph as dynamo_graph_of
+from helpers import TOLERANCE, assert_trains_like_eager, dynamo_graph
 from test_optimizer_step import PARAMS  # its module docstring says why (Adam's eps=1e-4 too)
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -66,10 +65,10 @@ def inputs(step: int, batch: int = 4):
 
 
 def _dynamo_graph(model, *args):
-    """test_casts' Dynamo graph of `model`, traced afresh (another instance's compiled code is reused
+    """The Dynamo graph of `model` (helpers.dynamo_graph), traced afresh (another instance's compiled code is reused
     without calling the backend)."""
     torch._dynamo.reset()
-    return dynamo_graph_of(model, *args)
+    return dynamo_graph(model, *args)
 
 
 def _sdpa_masks(gm):
@@ -184,7 +183,7 @@ def test_hugging_face_siglip_with_the_mask_older_transformers_trace():
     masking = pytest.importorskip("transformers.masking_utils")
     if not hasattr(masking, "_ignore_bidirectional_mask_sdpa"):
         pytest.skip("this transformers decides its masks elsewhere")
-    from test_whole_step import _tiny_hf
+    from models import tiny_hf
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(masking, "_ignore_bidirectional_mask_sdpa", lambda *args, **kwargs: False)
@@ -195,6 +194,6 @@ def test_hugging_face_siglip_with_the_mask_older_transformers_trace():
             g = torch.Generator().manual_seed(i)
             return torch.randint(1, 99, (4, 16), generator=g), torch.randn(4, 3, 16, 16, generator=g)
 
-        assert_trains_like_eager(_HFLoss(_tiny_hf("siglip")), make_inputs, options=EAGER, steps=2)
+        assert_trains_like_eager(_HFLoss(tiny_hf("siglip")), make_inputs, options=EAGER, steps=2)
     decision = apollo_compile.last_plan().pre_grad["attention_masks"]
     assert decision["changed"] and {tuple(m["stride"]) for m in decision["masks"]} == {(0, 16, 1, 0)}

@@ -19,6 +19,7 @@ from apollo_compile.options import ApolloOptions
 from apollo_compile.passes import casts
 from apollo_compile.pipeline import GraphContext
 from models import MLP, TwoTower, two_tower_inputs
+from helpers import dynamo_graph
 
 # bf16 keeps 8 significant bits: unit roundoff u = 2**-8 ~ 3.9e-3. A lowered matmul rounds both
 # operands (<= 2u relative per product) and accumulates in fp32, and everything the loss is made
@@ -44,19 +45,6 @@ def _train(model, fn, steps=STEPS, lr=0.1, on_step=None):
         opt.zero_grad()
         losses.append(loss.item())
     return torch.tensor(losses)
-
-
-def _dynamo_graph(model, *inputs):
-    """The Dynamo FX graph of `model` and its example inputs (no AOTAutograd, no apollo)."""
-    captured = []
-
-    def capture(gm, example_inputs):
-        captured.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch.compile(model, backend=capture)(*inputs)
-    assert len(captured) == 1
-    return captured[0]
 
 
 def _ctx(precision):
@@ -215,7 +203,7 @@ def test_low_values_are_cast_up_for_sensitive_ops_and_outputs():
 
 def test_precision_none_and_fp32_leave_the_graph_untouched():
     torch.manual_seed(0)
-    gm, _ = _dynamo_graph(TwoTower(), *two_tower_inputs())
+    gm, _ = dynamo_graph(TwoTower(), *two_tower_inputs())
     code = gm.code
     for precision in (None, "fp32"):
         decision = casts.run(gm, _ctx(precision))
@@ -242,7 +230,7 @@ def test_dynamo_graph_rewrite_casts_each_weight_once():
     torch.manual_seed(0)
     model = Tied()
     x = torch.randn(16, 32)
-    gm, example = _dynamo_graph(model, x)
+    gm, example = dynamo_graph(model, x)
     decision = casts.run(gm, _ctx("bf16"))
     assert len(decision["lowered"]) == 2
     low = [n for n in _cast_nodes(gm) if n.args[1] == torch.bfloat16]
@@ -288,7 +276,7 @@ def test_inplace_mutation_invalidates_the_cached_cast():
         return a.sum() + (h @ w2).sum()
 
     x = torch.randn(16, 32)
-    gm, example = _dynamo_graph(f, x)
+    gm, example = dynamo_graph(f, x)
     casts.run(gm, _ctx("bf16"))
     h_casts = [n for n in _cast_nodes(gm) if n.args[0].name == "h"]
     assert len(h_casts) == 2

@@ -27,7 +27,6 @@ from apollo_compile.nodes import deterministic_attention, storage_node
 from helpers import TOLERANCE, backward_step
 from models import HookedOnFirstCall, TwoTower, tiny_hf, two_tower_inputs
 
-_tiny_hf = tiny_hf  # test_attention_masks imports it from here; its home is models.tiny_hf
 
 EAGER = {"subgraph_compiler": "eager"}
 
