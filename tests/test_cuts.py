@@ -1,19 +1,27 @@
 """What crosses a cut between subgraphs (passes/lanes.py, passes/boundary.py): the boundary
 recompute (a cheap elementwise value read across a cut is computed again where it is read, only
 when that hands nothing new across, and the graph still computes the same), the items of a
-multi-output op, which stay with it, and a read of another lane's value, placed where it is used."""
+multi-output op, which stay with it, a read of another lane's value, placed where it is used, and
+a subgraph the recompute leaves empty, which is dropped."""
 
 from __future__ import annotations
+
+import os
 
 import networkx as nx
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import apollo_compile
 from apollo_compile.report import dump
+from apollo_compile.report.cli import load_function
 from apollo_compile.annotations import info
 from apollo_compile.lane_plan import Subgraph
 from apollo_compile.nodes import storage_node
 from apollo_compile.passes import boundary, lanes
+from helpers import assert_trains_like_eager
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cut(gm: torch.fx.GraphModule, first_of_second: str) -> list[Subgraph]:
@@ -242,3 +250,45 @@ def test_a_held_read_of_an_input_is_placed_before_its_write():
         assert order.index(mul) < order.index(write)
     else:
         assert info(mul).subgraph in nx.ancestors(dag, info(write).subgraph)
+
+
+def test_dropping_an_empty_subgraph_renumbers_the_rest_and_keeps_its_order():
+    """Subgraph 1 lost its nodes: 0 and 3 now come straight before 2 (its successor), and the rest
+    are numbered 0, 1, 2 in the subgraphs, their nodes' annotations and the DAG."""
+    gm = make_fx(lambda x: torch.relu(x).sin().cos())(torch.randn(2))
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    subgraphs = [Subgraph(0, 0, [ops[0]]), Subgraph(1, 1, []), Subgraph(2, 1, [ops[1]]), Subgraph(3, 0, [ops[2]])]
+    for sg in subgraphs:
+        for n in sg.nodes:
+            info(n).lane, info(n).subgraph = sg.lane, sg.id
+    dag = nx.DiGraph([(0, 1), (3, 1), (1, 2), (0, 3)])
+    kept, dag = lanes.drop_empty(subgraphs, dag)
+    assert [sg.id for sg in kept] == [0, 1, 2] and [sg.nodes for sg in kept] == [[ops[0]], [ops[1]], [ops[2]]]
+    assert [info(n).subgraph for n in ops] == [0, 1, 2]
+    assert set(dag.nodes) == {0, 1, 2} and set(dag.edges) == {(0, 1), (2, 1), (0, 2)}
+
+
+def test_a_subgraph_the_recompute_empties_is_dropped_and_the_model_trains_like_eager(monkeypatch):
+    """The README's example planned for an H200: the backward's small loss subgraph (``exp``,
+    ``clamp_max``) is copied whole into its one reader's subgraph. The empty subgraph it leaves
+    is dropped (codegen would launch it, and lanes would wait for it), the rest renumbered
+    (``verify`` checks the plan after every pass), and the model trains as in eager."""
+    emptied = []
+
+    def counting(subgraphs, dag):
+        emptied.extend(sg.id for sg in subgraphs if not sg.nodes)
+        return drop_empty(subgraphs, dag)
+
+    drop_empty = lanes.drop_empty
+    monkeypatch.setattr(lanes, "drop_empty", counting)
+    model, batch = load_function(os.path.join(REPO, "examples", "clip.py") + ":build")()
+    assert_trains_like_eager(model, lambda step: batch, {"subgraph_compiler": "eager", "device": "H200"}, steps=2)
+    assert emptied, "the recompute emptied no subgraph: the test no longer covers the case"
+    plan = apollo_compile.last_plan()
+    for graph in (plan.forward, plan.backward):
+        lane_plan = graph.decisions["lanes"]
+        assert all(sg.nodes for sg in lane_plan.subgraphs), graph.name
+        assert [sg.id for sg in lane_plan.subgraphs] == list(range(len(lane_plan.subgraphs)))
+        assert set(lane_plan.dag.nodes) == set(lane_plan.order) == {sg.id for sg in lane_plan.subgraphs}
+    assert plan.backward.decisions["lanes"].recomputed["recomputed"] >= 1
+    assert "| 0 nodes" not in plan.backward.runtime_source  # codegen's comment above each launch

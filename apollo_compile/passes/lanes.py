@@ -4,7 +4,7 @@ Reads ``NodeInfo.modality`` and ``NodeInfo.est_us``; writes ``NodeInfo.lane`` an
 ``NodeInfo.subgraph``; returns a :class:`~apollo_compile.lane_plan.LanePlan` (the subgraphs and
 their dependency DAG). Between cutting the graph (:func:`segment`) and wiring the subgraphs'
 inputs and outputs (:func:`wire`), ``boundary.py`` recomputes a cheap elementwise value where it
-is read rather than hand it across a cut.
+is read rather than hand it across a cut; a subgraph left with no nodes is dropped (:func:`drop_empty`).
 
 Lane 0 is the main lane (the caller's stream): joins (``fusion``) run there. Every other modality
 gets a lane of its own, except that a modality fed by exactly one other modality continues on that
@@ -282,6 +282,28 @@ def bind_symbols(subgraphs: list[Subgraph], nodes: list[torch.fx.Node], dag: nx.
             sg.inputs.append(b)
 
 
+def drop_empty(subgraphs: list[Subgraph], dag: nx.DiGraph) -> tuple[list[Subgraph], nx.DiGraph]:
+    """The subgraphs the boundary recompute left without nodes (each of its values copied into
+    its readers) dropped, and the rest renumbered from 0 in their order, in the subgraphs, their
+    nodes' annotations and the DAG: codegen would launch an empty subgraph, and another lane
+    would wait for it. An empty subgraph's predecessors come straight before its successors, so
+    every happens-before it carried holds."""
+    empty = [sg.id for sg in subgraphs if not sg.nodes]
+    if not empty:
+        return subgraphs, dag
+    dag = dag.copy()
+    for sg_id in empty:
+        dag.add_edges_from((p, s) for p in dag.predecessors(sg_id) for s in dag.successors(sg_id))
+        dag.remove_node(sg_id)
+    kept = [sg for sg in subgraphs if sg.nodes]
+    new_id = {sg.id: i for i, sg in enumerate(kept)}
+    for sg in kept:
+        sg.id = new_id[sg.id]
+        for n in sg.nodes:
+            info(n).subgraph = sg.id
+    return kept, nx.relabel_nodes(dag, new_id)
+
+
 def costliest_on_main(subgraphs: list[Subgraph], lane_of: dict[str, int],
                       forward_main: frozenset[str] = frozenset()) -> tuple[dict[str, int], set[int], str]:
     """Move the costliest side lane's subgraphs (in place) and modalities to lane 0, when there are
@@ -321,6 +343,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
         gm.graph.lint()
         gm.recompile()
         nodes = list(gm.graph.nodes)
+        subgraphs, dag = drop_empty(subgraphs, dag)
     dag = wire(subgraphs, nodes, dag)
     lane_of, moved, why = costliest_on_main(subgraphs, lane_of, frozenset(getattr(ctx, "forward_main_lane", None) or ()))
     reason += why
