@@ -8,25 +8,27 @@
 #   run(command="bash benchmarks/h200_session.sh whole-step hf-clip 8", carry=[".device_cache"]) # the user's whole step
 #       (zero_grad, forward, backward, fused AdamW; loss read, and back to back), module- and step-compiled, at the
 #       batches named (one per call when the cache is cold); models hf-clip, hf-siglip, timm-vit-bert
-#   run(command="bash benchmarks/h200_session.sh module hf-siglip 8", carry=[".device_cache"]) # issue 24's memory parity (batch 32 in a call of its own):
-#       the model compiled as a module, reduce-overhead against apollo (its first step in a pool of its own, session 48's default)
-#       and against apollo with that step in the default pool (the rule before), peak and reserved as ratios;
-#       VARIANTS="inductor-ro apollo apollo-bw-measured" times the backward's candidates too (the rule before session 28)
+#   run(command="bash benchmarks/h200_session.sh module hf-siglip 8", carry=[".device_cache"]) # memory against reduce-overhead (batch 32 in a call of its own):
+#       the model compiled as a module, reduce-overhead against apollo (its first step in a pool of its own, the default)
+#       and against apollo with that step in the default pool, peak and reserved as ratios
 #   run(command="bash benchmarks/h200_session.sh module-memory hf-siglip 8", carry=[".device_cache"]) # where that
 #       reserved surplus sits: the run's highest reserved memory, by segment, allocating line and pool (LIMIT=seconds)
 #   run(command="bash benchmarks/h200_session.sh first-step-pool", carry=[".device_cache"]) # the first step in a pool of its own
-#       (graph_pool.FIRST_STEP_POOL, forwards since session 48): reserved memory against the first step in the default pool, HF CLIP
+#       (graph_pool.FIRST_STEP_POOL, forwards by default): reserved memory against the first step in the default pool, HF CLIP
 #       b8 as a module, and HF SigLIP b8's compile_step with the optimizer inside with the pool, each beside reduce-overhead in one process
 #   run(command="bash benchmarks/h200_session.sh first-step-pool-interleaved", carry=[".device_cache"]) # its time: the same
 #       A/B in one process with the steps interleaved and the default twice (its control); "... interleaved siglip": compile_step
 #   run(command="bash benchmarks/h200_session.sh llava",         carry=[".device_cache"]) # HF LLaVA (ViT-B/16 + 8-layer Llama), batch 8:
 #       eager, Inductor's default mode, apollo as a module and compile_step, with the optimizer inside too (reduce-overhead
-#       fails on it: issue 24; since session 43 its step is one graph from its second call, whole_step.py's NOTE)
+#       fails on it: benchmarks/RESULTS.md#hf-llava-bench_whole_step; its step is one graph from its second call, whole_step.py's NOTE)
 #   run(command="bash benchmarks/h200_session.sh memory",        carry=[".device_cache"]) # memory table, batch 64: precision, budgets, eager checkpointing, Inductor's budget
 #   run(command="bash benchmarks/h200_session.sh offload",       carry=[".device_cache"]) # offloading's step time, batch 64, against eager + save_on_cpu
 #   run(command="bash benchmarks/h200_session.sh edge-budget",   carry=[".device_cache"]) # largest batch in 20 GiB: budget 0.05 against eager per-block checkpointing
 #   run(command="bash benchmarks/h200_session.sh edge-offload",  carry=[".device_cache"]) # the same with offloading, default allocator
 #   run(command="bash benchmarks/h200_session.sh edge-offload-x", carry=[".device_cache"]) # ... with expandable segments
+#   run(command="bash benchmarks/h200_session.sh large-batch",   carry=[".device_cache"]) # the largest batch HF CLIP trains
+#       under a 20 and a 40 GiB cap (bench_large_batch.py); a few tries per call: split by CAPS and VARIANTS, start at START
+#       or name the batches (AT="512 640"), e.g. CAPS=20 VARIANTS=apollo-step-opt
 #   run(command="bash benchmarks/h200_session.sh profile",       carry=[".device_cache"]) # kernels per stream and lane overlap, batch 8 and 32 (a trace)
 #   run(command="bash benchmarks/h200_session.sh host",          carry=[".device_cache"]) # the host's time per step at batch 8 (probes/host_split.py)
 #   run(command="bash benchmarks/h200_session.sh step-host",     carry=[".device_cache"]) # the whole step's host time before its replay at batch 8
@@ -54,7 +56,7 @@ python -c "import torch; print('torch', torch.__version__)"
 bash benchmarks/device_cache.sh load
 case "${1:-}" in
   smoke)     # every runner path in real training against eager (fp32, tiny model, seconds to compile), then
-             # the host-value check (a changing Python float must not be replayed stale: RESULTS.md session 15)
+             # the host-value check (a changing Python float must not be replayed stale: benchmarks/RESULTS.md)
              timeout 250 python benchmarks/smoke_gpu.py || exit $?
              timeout 200 python benchmarks/probes/scalar_input_probe.py
              exit $? ;;
@@ -65,21 +67,19 @@ case "${1:-}" in
   whole-step)  # the README's table: the user's whole step, the model compiled as a module (reduce-overhead, apollo)
              # and the step compiled as one graph (reduce-overhead with backward tracing, compile_step, compile_step
              # on one lane, compile_step with the optimizer inside: apollo-step-opt); 6 compiles per batch, results kept per row;
-             # VARIANTS="inductor-ro inductor-ro-step apollo-step-opt" picks some (apollo-step-opt compiled cold in 85 s, session 34;
-             # apollo-step-opt-inductor, the update as a formula, in 281-351 s; apollo-step-opt-uncut, -cut-by-chunks (to
-             # session 42), -lists-small and -per-param are the update's earlier layouts, to A/B against the default, e.g.
-             # VARIANTS="apollo-step-opt apollo-step-opt-cut-by-chunks inductor-ro-step"; apollo-step-opt-masks-as-traced
-             # leaves out the attention_masks pass, e.g. VARIANTS="apollo-step-opt apollo-step-opt-masks-as-traced
-             # inductor-ro-step" on hf-siglip: its traced text tower's mask, session 41)
+             # VARIANTS="inductor-ro inductor-ro-step apollo-step-opt" picks some (apollo-step-opt compiles cold in about
+             # 85 s; apollo-step-opt-inductor, the update as Adam's formula for Inductor to fuse, in 281-351 s), e.g.
+             # VARIANTS="apollo-step-opt apollo-step-opt-inductor inductor-ro-step" A/Bs the update's two forms
+             # (bench_whole_step.py's VARIANT_HELP lists every variant)
              model="${2:?whole-step needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 30 \
                --variants ${VARIANTS:-inductor-ro inductor-ro-step apollo-step-opt apollo-step apollo-step-1lane apollo} \
                --out "$OUT/whole-step" ;;
-  module)    # issue 24's table: module-compiled reduce-overhead and apollo, memory held between steps per pool
+  module)    # memory against reduce-overhead: module-compiled reduce-overhead and apollo, memory held between steps per pool
              model="${2:?module needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 20 \
                --variants ${VARIANTS:-inductor-ro apollo apollo-no-first-step-pool} --out "$OUT/module" ;;
-  module-memory)  # where issue 24's module-path reserved surplus sits: the highest reserved memory of the run
+  module-memory)  # where the module path's reserved surplus sits: the highest reserved memory of the run
              # (first steps included) with the segments held there, by allocating line and pool, and what each
              # pool holds after the steps, reduce-overhead against apollo (probes/whole_step_memory.py)
              model="${2:?module-memory needs a model: hf-clip, hf-siglip or timm-vit-bert}"
@@ -92,15 +92,15 @@ case "${1:-}" in
              model="${2:?regional needs a model: hf-clip, hf-siglip or timm-vit-bert}"; shift 2
              timeout 520 python benchmarks/bench_whole_step.py --models "$model" --batch "${@:-8}" --steps 20 \
                --variants ${VARIANTS:-inductor-ro-regional apollo-regional inductor-ro apollo} --out "$OUT/regional" ;;
-  first-step-pool)  # issue 24's reserved memory: the first, un-graphed step in a pool of its own against the default
+  first-step-pool)  # reserved memory: the first, un-graphed step in a pool of its own against the default
              timeout 260 python benchmarks/bench_whole_step.py --models hf-clip --batch 8 --steps 20 \
                --variants inductor-ro apollo apollo-no-first-step-pool --out "$OUT/first-step-pool-module"
              timeout 260 python benchmarks/bench_whole_step.py --models hf-siglip --batch 8 --steps 20 \
                --variants inductor-ro-step apollo-step-opt apollo-step-opt-first-step-pool --out "$OUT/first-step-pool-step" ;;
   first-step-pool-interleaved)  # the same A/B in one process, the variants' steps interleaved, the default twice as a
-             # control (probes/interleaved_ab.py): separate processes differed 9.15 vs 13.07 ms for one variant (session 48).
+             # control (probes/interleaved_ab.py): separate processes differed 9.15 vs 13.07 ms for one variant.
              # HF CLIP's module path (3 compiles from the cache, ~30 s each), or with "siglip" SigLIP's compile_step with
-             # the optimizer inside (3 compiles took over 230 s in session 48)
+             # the optimizer inside (3 compiles take over 230 s)
              if [ "${2:-clip}" = siglip ]; then
                timeout 500 python benchmarks/probes/interleaved_ab.py --models hf-siglip --batch 8 --steps 5 --rounds 10 \
                  --variants apollo-step-opt apollo-step-opt-first-step-pool apollo-step-opt --out "$OUT/interleaved-siglip"
@@ -131,6 +131,10 @@ case "${1:-}" in
                --search-at 2496 2560 --search-probes 2 --variants eager-bf16-ckpt-offload \
                apollo-bf16-budget-0.05-offload --search-variants eager-bf16-ckpt-offload \
                apollo-bf16-budget-0.05-offload --out "$OUT/edge-offload-x" ;;
+  large-batch)  # the largest batch HF CLIP trains under each cap, a fresh process per try (bench_large_batch.py); results
+             # are written after every try, so a call the guard stops keeps the tries it finished
+             timeout 520 python benchmarks/bench_large_batch.py --models hf-clip --cap-gib ${CAPS:-20 40} \
+               ${VARIANTS:+--variants $VARIANTS} --start "${START:-64}" ${AT:+--at $AT} --out "$OUT/large-batch" ;;
   profile)   timeout 520 python benchmarks/profile_step.py --batch 8 32 --compare inductor-ro apollo-1lane --out "$OUT/prof"
              status=$?
              rm -f "$OUT"/prof/trace_b32.json  # keep batch 8's trace: 8 returned files, 3 go to the cache
@@ -141,12 +145,12 @@ case "${1:-}" in
                --b2b-profile > "$OUT/host.txt" 2>&1
              status=$?; tail -c 6000 "$OUT/host.txt"; exit $status ;;
   step-host) # where compile_step's host time goes before its replay, against reduce-overhead's whole step; each variant
-             # compiles (the optimizer-inside step ~260 s cold, ~60 s from the cache) and warms up: 190 s was too short (session 30)
+             # compiles (the optimizer-inside step ~260 s cold, ~60 s from the cache) and warms up: 190 s is too short
              timeout 520 python benchmarks/probes/step_host.py --models hf-clip --batch 8 \
                --variants apollo-step-opt inductor-ro-step apollo-step --out "$OUT/step-host" > "$OUT/step_host.txt" 2>&1
              status=$?; grep -E "^--- |^\| |ncalls|[0-9] \{|\.py:[0-9]+\(" "$OUT/step_host.txt" | tail -c 9000; exit $status ;;
   step-memory)  # the whole step's peak by allocating line and pool, reduce-overhead's whole step first (history recording slows
-             # the compiles: in 280 s only apollo's row finished, session 31)
+             # the compiles: in 280 s only apollo's row finished)
              timeout 520 python benchmarks/probes/whole_step_memory.py --model hf-clip --batch 8 --steps 3 \
                --variants inductor-ro-step apollo-step-opt --out "$OUT/step-memory" > "$OUT/step_memory.txt" 2>&1
              status=$?; grep -E "^######## |^== step|by file|GiB x" "$OUT/step_memory.txt" | tail -c 9000; exit $status ;;
@@ -161,7 +165,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|module-memory MODEL [BATCH]|regional MODEL [BATCH...]|first-step-pool|first-step-pool-interleaved [siglip]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|profile|host|step-host|step-memory|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|module-memory MODEL [BATCH]|regional MODEL [BATCH...]|first-step-pool|first-step-pool-interleaved [siglip]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|large-batch|profile|host|step-host|step-memory|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?
