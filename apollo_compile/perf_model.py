@@ -279,8 +279,10 @@ class PerfModel:
             raise ValueError(f"an SM quota must be positive, got {sms}")
         return float(min(sms, self.sms))
 
-    def _prior_sat(self, st: SubgraphStats) -> float:
-        """SMs beyond which the prior curve is flat."""
+    def prior_sat(self, st: SubgraphStats) -> float:
+        """SMs beyond which `st`'s prior curve is flat: the largest saturation point of the
+        components that scale with SMs, else the whole device. A calibration's power law starts
+        there; public so a caller can build measurements on the prior's curve. Changes nothing."""
         sats = [sat for us, alpha, sat in self.components(st) if alpha > 0]
         return max(sats, default=float(self.sms))
 
@@ -335,7 +337,7 @@ class PerfModel:
         if any(q <= 0 or us <= 0 for q, us in pts):
             raise ValueError(f"measurements must have positive SMs and times: {pts}")
         pts = [(min(q, float(self.sms)), us) for q, us in pts]
-        prior_sat = self._prior_sat(st) if st is not None else self.compute_sat
+        prior_sat = self.prior_sat(st) if st is not None else self.compute_sat
         distinct = len({q for q, _ in pts})
         if distinct >= 2:
             res = fit_power_law(pts, self.sms, sat=None if distinct >= 3 else prior_sat,

@@ -3,56 +3,21 @@
 from __future__ import annotations
 
 import math
-import operator
 
-import networkx as nx
 import pytest
 import torch
 import torch.fx
 
 from apollo_compile.annotations import KEY, NodeInfo
-from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile import perf_model as M
-from apollo_compile.lane_plan import LanePlan, Subgraph
+from apollo_compile.lane_plan import Subgraph
 from apollo_compile.passes import quotas as Q
 from apollo_compile.passes.quotas import Candidate, plan_quotas
 from apollo_compile.perf_model import PerfModel, SubgraphStats, fit_power_law
-
-H200 = DEVICE_SPECS["H200"]
+from helpers import H200, make_plan, two_tower_plan
 
 
 # -- synthetic plans --------------------------------------------------------------------------
-
-def _nodes(graph: torch.fx.Graph, parts: list[tuple[str, float]]) -> list[torch.fx.Node]:
-    """Fake compute nodes carrying cost annotations: (bound, est_us) each."""
-    out = []
-    for bound, us in parts:
-        n = graph.call_function(operator.add, (1, 1))
-        n.meta[KEY] = NodeInfo(bound=bound, est_us=us)
-        out.append(n)
-    return out
-
-
-def make_plan(subgraphs: list[tuple[int, list[tuple[str, float]]]], edges: list[tuple[int, int]]) -> LanePlan:
-    graph = torch.fx.Graph()
-    sgs = [Subgraph(i, lane, _nodes(graph, parts)) for i, (lane, parts) in enumerate(subgraphs)]
-    dag = nx.DiGraph()
-    dag.add_nodes_from(range(len(sgs)))
-    dag.add_edges_from(edges)
-    lanes: dict[int, list[str]] = {}
-    for sg in sgs:
-        lanes.setdefault(sg.lane, [f"m{sg.lane}"])
-    return LanePlan(lanes, sgs, dag, list(nx.lexicographical_topological_sort(dag)))
-
-
-def two_tower_plan(heavy: float = 6000.0, light: float = 2000.0) -> LanePlan:
-    """Forward of a two-tower model: lane 1 heavy, lane 2 light, then a join on lane 0."""
-    return make_plan(
-        [(1, [("compute", heavy * 0.8), ("memory", heavy * 0.2)]),
-         (2, [("compute", light * 0.6), ("memory", light * 0.4)]),
-         (0, [("memory", 300.0)])],
-        [(0, 2), (1, 2)])
-
 
 def quota_cands(cands: list[Candidate]) -> list[Candidate]:
     return [c for c in cands if c.quotas is not None]
@@ -134,7 +99,7 @@ def test_calibrate_recovers_alpha_and_scale():
     model = PerfModel(H200)
     st = SubgraphStats(7, compute_us=400.0, memory_us=400.0)  # a wrong prior on purpose
     t_full, alpha = 2500.0, 0.7
-    sat = model._prior_sat(st)
+    sat = model.prior_sat(st)
     meas = [(7, q, t_full * (sat / min(q, sat)) ** alpha) for q in (16, 32, 64, 96, 132)]
     fitted = model.calibrate(meas)
     fit = model.fits[7]
