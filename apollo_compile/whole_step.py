@@ -41,7 +41,7 @@ import torch._dynamo
 
 from .fallback import ApolloFallbackWarning
 from .optimizer_step import InGraphAdam, unsupported_reason
-from .options import ApolloOptions, ApolloOptionsError
+from .options import STEP, STEP_OPTIMIZER, ApolloOptions, ApolloOptionsError, check_path
 
 log = logging.getLogger("apollo_compile")
 
@@ -286,6 +286,7 @@ def compile_step(fn: Callable | None = None, *, optimizer: torch.optim.Optimizer
     if isinstance(options, dict):  # the backend's own, as torch.compile hands them over
         options = {k: v for k, v in options.items() if k not in TORCH_COMPILE_OPTIONS}
     ApolloOptions.from_user(options, torch_compile_kwargs.get("mode"))
+    check_path(options, STEP if optimizer is None else STEP_OPTIMIZER)  # refused, not ignored (options.py)
     reason = None if backward_tracing_supported() else (
         f"this PyTorch's Dynamo cannot trace loss.backward() into the graph (torch._dynamo.config.{TRACE_FLAG} "
         "is missing)")
