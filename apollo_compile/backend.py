@@ -27,7 +27,7 @@ from .passes import checkpoint
 from . import plan as plan_store
 from .devices import DEVICE_SPECS, detect_device_spec
 from .fallback import ApolloFallbackWarning, warn_fallback
-from .options import ApolloOptions, ApolloOptionsError
+from .options import MODULE, ApolloOptions, ApolloOptionsError, check_path
 from .pipeline import GraphContext
 from .plan import ModelPlan
 from .runtime.cudagraph import GraphFamily
@@ -98,6 +98,7 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     device = _input_device(example_inputs)
     try:
         opts = ApolloOptions.from_user(options, mode)
+        check_path(options, MODULE)  # compile_step hands over only what applies here (whole_step._options)
         if device.type not in ("cpu", "cuda"):
             raise ApolloOptionsError(f"apollo: device {device.type!r} is not supported; apollo runs on 'cuda' and 'cpu'")
     except ApolloOptionsError as e:

@@ -87,8 +87,8 @@ def partitioner_offloads() -> bool:
 # Where each option takes effect, in one place. "module": torch.compile(model, backend="apollo"),
 # whose forward and backward graphs pass the joint stage (pipeline.py); "step": compile_step's
 # whole step, one inference graph that no joint stage sees; "step+optimizer": compile_step(...,
-# optimizer=), the optimizer's update inside that graph. compile_step refuses an option that does
-# not apply to it, with the reason below, rather than ignore it.
+# optimizer=), the optimizer's update inside that graph. An option given where it does not apply
+# is refused with the reason below (check_path), not ignored.
 MODULE, STEP, STEP_OPTIMIZER = "module", "step", "step+optimizer"
 _EVERYWHERE = (MODULE, STEP, STEP_OPTIMIZER)
 OPTION_PATHS: dict[str, tuple[str, ...]] = {
@@ -104,8 +104,10 @@ OPTION_PATHS: dict[str, tuple[str, ...]] = {
     "offload_activations": (MODULE,),
     "optimizer_update": (STEP_OPTIMIZER,),
 }
+# what compile_step reads itself and hands the backend no more
+COMPILE_STEP_ONLY = tuple(key for key, paths in OPTION_PATHS.items() if MODULE not in paths)
 _MODULE_PATH = "compile the model instead: torch.compile(model, backend='apollo', options={{{!r}: ...}})"
-_NOT_ON_A_STEP = {
+_NOT_HERE = {
     "memory_budget": "a whole step's graph does not plan recomputation yet (the checkpoint pass runs on the "
                      "joint graph of the module path); for a memory budget, " + _MODULE_PATH.format("memory_budget"),
     "offload_activations": "a whole step's graph does not offload activations yet (the offload pass runs on the "
@@ -113,14 +115,15 @@ _NOT_ON_A_STEP = {
     "optimizer_update": "it chooses how the optimizer's update inside the graph is computed, and only "
                         "compile_step(..., optimizer=...) puts the update there",
 }
+_PATH_NAMES = {MODULE: "torch.compile(..., backend='apollo')", STEP: "compile_step",
+               STEP_OPTIMIZER: "compile_step(..., optimizer=...)"}
 
 
 def check_path(options: Mapping[str, Any] | None, path: str) -> None:
     """Raise ApolloOptionsError for an option the user set that does not take effect on `path`."""
     for key in options or {}:
         if key in OPTION_PATHS and path not in OPTION_PATHS[key]:
-            where = "compile_step" if path == STEP else "compile_step(..., optimizer=...)"
-            raise ApolloOptionsError(f"apollo: option {key!r} does not apply to {where}: {_NOT_ON_A_STEP[key]}")
+            raise ApolloOptionsError(f"apollo: option {key!r} does not apply to {_PATH_NAMES[path]}: {_NOT_HERE[key]}")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import torch._dynamo
 
 from .fallback import ApolloFallbackWarning
 from .optimizer_step import InGraphAdam, unsupported_reason
-from .options import STEP, STEP_OPTIMIZER, ApolloOptions, ApolloOptionsError, check_path
+from .options import COMPILE_STEP_ONLY, STEP, STEP_OPTIMIZER, ApolloOptions, ApolloOptionsError, check_path
 
 log = logging.getLogger("apollo_compile")
 
@@ -139,7 +139,8 @@ class CompiledStep:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"apollo.compile_step: {why}")
             if why is None:
-                self.update = InGraphAdam(optimizer, _options(torch_compile_kwargs).get("optimizer_update", "kernel"))
+                update = (torch_compile_kwargs.get("options") or {}).get("optimizer_update", "kernel")
+                self.update = InGraphAdam(optimizer, update)
                 traced = self._with_update
             else:
                 warnings.warn(f"apollo.compile_step: {why}", ApolloFallbackWarning, stacklevel=4)
@@ -245,7 +246,8 @@ TORCH_COMPILE_OPTIONS = ("guard_filter_fn",)
 def _options(torch_compile_kwargs: dict[str, Any]) -> dict[str, Any]:
     """A copy of the user's ``options`` for one ``torch.compile`` call: it pops what is its own
     (``guard_filter_fn``) from the dict it is given, so each call gets the user's whole dict."""
-    return dict(torch_compile_kwargs.get("options") or {})
+    return {k: v for k, v in (torch_compile_kwargs.get("options") or {}).items()
+            if k not in COMPILE_STEP_ONLY}  # read here, not by the backend, which refuses them
 
 
 def _takes_guard_filters() -> bool:

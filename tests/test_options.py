@@ -138,3 +138,11 @@ def test_the_error_is_the_last_line_a_script_prints(tmp_path):
                          "dump_dir, modalities, device, subgraph_compiler, max_lanes, cudagraphs, strict, precision, "
                          "memory_budget, offload_activations, optimizer_update"), done.stderr
     assert "torch/_dynamo/output_graph.py" not in done.stderr  # Dynamo's frames are left out
+
+
+def test_the_module_path_refuses_the_update_formula():
+    """optimizer_update chooses the formula of compile_step's in-graph update: a compiled model has none."""
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="apollo", options={"optimizer_update": "inductor"})
+    with pytest.raises(ApolloOptionsError, match=r"'optimizer_update' does not apply to torch.compile\(\.\.\., "
+                                                 r"backend='apollo'\): .* only compile_step\(\.\.\., optimizer=\.\.\.\)"):
+        compiled(torch.randn(2, 4))
