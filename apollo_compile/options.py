@@ -33,7 +33,7 @@ def _dynamo_passthrough_base() -> type:
 
 
 class ApolloOptionsError(ValueError, _dynamo_passthrough_base()):  # type: ignore[misc]
-    """A bad `options=` or `mode=` value; raised before any tracing.
+    """A bad `options=` or `mode=` value; raised before apollo traces anything.
 
     [NOTE] The error is the last line printed: Dynamo appends its own hints ("Set
     TORCHDYNAMO_VERBOSE=1 ...") to the message of every exception that leaves a compiled frame, by
@@ -49,6 +49,12 @@ class ApolloOptionsError(ValueError, _dynamo_passthrough_base()):  # type: ignor
 
     def __str__(self) -> str:
         return self.message
+
+    def __reduce__(self):  # the message alone: a frame does not pickle
+        return type(self), (self.message,)
+
+
+ApolloOptionsError.__module__ = "apollo_compile"  # tracebacks name it as users import it
 
 
 SUBGRAPH_COMPILERS = ("inductor", "eager")

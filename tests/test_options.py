@@ -134,7 +134,7 @@ def test_the_error_is_the_last_line_a_script_prints(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 1
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert lines[-1] == ("apollo_compile.options.ApolloOptionsError: apollo: unknown option 'max_lane'; valid options: "
+    assert lines[-1] == ("apollo_compile.ApolloOptionsError: apollo: unknown option 'max_lane'; valid options: "
                          "dump_dir, modalities, device, subgraph_compiler, max_lanes, cudagraphs, strict, precision, "
                          "memory_budget, offload_activations, optimizer_update"), done.stderr
     assert "torch/_dynamo/output_graph.py" not in done.stderr  # Dynamo's frames are left out
