@@ -1,7 +1,8 @@
 """The ``apollo`` torch.compile backend: the glue between Dynamo, AOTAutograd and the pipeline.
 
 ``apollo_backend(gm, example_inputs, options=..., mode=...)`` is what ``torch.compile(...,
-backend="apollo")`` calls once per Dynamo graph. Options are validated first, before any
+backend="apollo")`` calls once per Dynamo graph, at the compiled function's first call
+(``torch.compile`` itself passes the options to nothing). Options are validated first, before any
 tracing; then the pipeline's stages (``pipeline.py``) run: ``pre_grad`` here, the joint stages and
 the partition as AOTAutograd's ``partition_fn``, and the per-graph stages as its forward,
 backward and inference compilers (:func:`pipeline.compile_graph`). If AOTAutograd itself fails,
@@ -11,6 +12,7 @@ the Dynamo graph goes to Inductor (or runs as traced), with one warning.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
 from typing import Callable
@@ -25,7 +27,7 @@ from .passes import checkpoint
 from . import plan as plan_store
 from .devices import DEVICE_SPECS, detect_device_spec
 from .fallback import ApolloFallbackWarning, warn_fallback
-from .options import ApolloOptions, ApolloOptionsError
+from .options import MODULE, ApolloOptions, ApolloOptionsError, check_path
 from .pipeline import GraphContext
 from .plan import ModelPlan
 from .runtime.cudagraph import GraphFamily
@@ -93,10 +95,15 @@ def use_cudagraphs(opts: ApolloOptions, example_inputs, name: str) -> bool:
 def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
                    mode: str | None = None) -> Callable:
     """The torch.compile backend registered as ``"apollo"``."""
-    opts = ApolloOptions.from_user(options, mode)
     device = _input_device(example_inputs)
-    if device.type not in ("cpu", "cuda"):
-        raise ApolloOptionsError(f"apollo: device {device.type!r} is not supported; apollo runs on 'cuda' and 'cpu'")
+    try:
+        opts = ApolloOptions.from_user(options, mode)
+        check_path(options, MODULE)  # compile_step hands over only what applies here (whole_step._options)
+        if device.type not in ("cpu", "cuda"):
+            raise ApolloOptionsError(f"apollo: device {device.type!r} is not supported; apollo runs on 'cuda' and 'cpu'")
+    except ApolloOptionsError as e:
+        e.first_useful_frame = inspect.currentframe()  # Dynamo shows the traceback from here on, not its own frames
+        raise
     spec = DEVICE_SPECS[opts.device] if opts.device else detect_device_spec(device)
     name = _graph_name()
     model_plan = ModelPlan(name)

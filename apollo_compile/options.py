@@ -1,9 +1,10 @@
 """User options: one frozen dataclass, validated before anything is traced.
 
 `torch.compile(m, backend="apollo", options={...})` hands the dict to the backend, which turns it
-into an :class:`ApolloOptions` with :meth:`ApolloOptions.from_user` as its very first step. Every
-mistake is a :class:`ApolloOptionsError` (a ``ValueError``) that names the key and the valid
-choices.
+into an :class:`ApolloOptions` with :meth:`ApolloOptions.from_user` as its very first step;
+``compile_step`` validates its options when it is called, and refuses those that do not apply to
+a whole step (:data:`OPTION_PATHS`). Every mistake is a :class:`ApolloOptionsError` (a
+``ValueError``) that names the key and the valid choices.
 """
 
 from __future__ import annotations
@@ -32,11 +33,28 @@ def _dynamo_passthrough_base() -> type:
 
 
 class ApolloOptionsError(ValueError, _dynamo_passthrough_base()):  # type: ignore[misc]
-    """A bad `options=` or `mode=` value; raised before any tracing."""
+    """A bad `options=` or `mode=` value; raised before apollo traces anything.
+
+    [NOTE] The error is the last line printed: Dynamo appends its own hints ("Set
+    TORCHDYNAMO_VERBOSE=1 ...") to the message of every exception that leaves a compiled frame, by
+    rewriting ``args[0]``. The hints are about Dynamo's internals, not about a misspelt option, so
+    the error prints the message it was raised with, whatever ``args`` becomes. The backend sets
+    ``first_useful_frame`` to its own frame, where Dynamo starts the traceback it shows.
+    """
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
+        self.message = message
         self.first_useful_frame = None  # what ShortenTraceback reads; None keeps the whole traceback
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):  # the message alone: a frame does not pickle
+        return type(self), (self.message,)
+
+
+ApolloOptionsError.__module__ = "apollo_compile"  # tracebacks name it as users import it
 
 
 SUBGRAPH_COMPILERS = ("inductor", "eager")
@@ -50,12 +68,68 @@ def _valid_fraction(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1
 
 
+# An integer memory_budget is a byte count (1 is the fraction 1). Activations of a model worth
+# budgeting take megabytes, so a smaller count is a fraction typed without its point.
+MIN_BUDGET_BYTES = 2**20
+
+
 def _valid_budget(budget: Any) -> bool:
     if isinstance(budget, Mapping):
         return bool(budget) and all(isinstance(k, str) and _valid_fraction(v) for k, v in budget.items())
-    if isinstance(budget, int) and not isinstance(budget, bool) and budget > 1:
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget >= MIN_BUDGET_BYTES:
         return True  # bytes
     return isinstance(budget, float) and _valid_fraction(budget) or budget == 1
+
+
+def _tiny_byte_count(budget: Any) -> bool:
+    return isinstance(budget, int) and not isinstance(budget, bool) and 1 < budget < MIN_BUDGET_BYTES
+
+
+def partitioner_offloads() -> bool:
+    """Whether this PyTorch's partitioner can keep saved values in host memory (2.9 and later)."""
+    return hasattr(torch._functorch.config, "enable_activation_offloading")
+
+
+# Where each option takes effect, in one place. "module": torch.compile(model, backend="apollo"),
+# whose forward and backward graphs pass the joint stage (pipeline.py); "step": compile_step's
+# whole step, one inference graph that no joint stage sees; "step+optimizer": compile_step(...,
+# optimizer=), the optimizer's update inside that graph. An option given where it does not apply
+# is refused with the reason below (check_path), not ignored.
+MODULE, STEP, STEP_OPTIMIZER = "module", "step", "step+optimizer"
+_EVERYWHERE = (MODULE, STEP, STEP_OPTIMIZER)
+OPTION_PATHS: dict[str, tuple[str, ...]] = {
+    "dump_dir": _EVERYWHERE,
+    "modalities": _EVERYWHERE,
+    "device": _EVERYWHERE,
+    "subgraph_compiler": _EVERYWHERE,
+    "max_lanes": _EVERYWHERE,
+    "cudagraphs": _EVERYWHERE,
+    "strict": _EVERYWHERE,
+    "precision": _EVERYWHERE,
+    "memory_budget": (MODULE,),
+    "offload_activations": (MODULE,),
+    "optimizer_update": (STEP_OPTIMIZER,),
+}
+# what compile_step reads itself and hands the backend no more
+COMPILE_STEP_ONLY = tuple(key for key, paths in OPTION_PATHS.items() if MODULE not in paths)
+_MODULE_PATH = "compile the model instead: torch.compile(model, backend='apollo', options={{{!r}: ...}})"
+_NOT_HERE = {
+    "memory_budget": "a whole step's graph does not plan recomputation yet (the checkpoint pass runs on the "
+                     "joint graph of the module path); for a memory budget, " + _MODULE_PATH.format("memory_budget"),
+    "offload_activations": "a whole step's graph does not offload activations yet (the offload pass runs on the "
+                           "joint graph of the module path); to offload, " + _MODULE_PATH.format("offload_activations"),
+    "optimizer_update": "it chooses how the optimizer's update inside the graph is computed, and only "
+                        "compile_step(..., optimizer=...) puts the update there",
+}
+_PATH_NAMES = {MODULE: "torch.compile(..., backend='apollo')", STEP: "compile_step",
+               STEP_OPTIMIZER: "compile_step(..., optimizer=...)"}
+
+
+def check_path(options: Mapping[str, Any] | None, path: str) -> None:
+    """Raise ApolloOptionsError for an option the user set that does not take effect on `path`."""
+    for key in options or {}:
+        if key in OPTION_PATHS and path not in OPTION_PATHS[key]:
+            raise ApolloOptionsError(f"apollo: option {key!r} does not apply to {_PATH_NAMES[path]}: {_NOT_HERE[key]}")
 
 
 @dataclass(frozen=True)
@@ -77,17 +151,17 @@ class ApolloOptions:
             numerically sensitive ones stay fp32, parameters stay fp32 masters (cast pass).
             Default ``None``: the user's dtypes and autocast are left as they are.
         memory_budget: activation memory kept without recomputation: a fraction (0, 1] of what
-            the plain partition saves, a number of bytes (int > 1), or a per-modality dict of
-            fractions such as ``{"vision": 0.3, "text": 1.0}`` (checkpoint pass). Default ``None``.
+            the plain partition saves, a number of bytes (an int of at least 1 MiB), or a
+            per-modality dict of fractions such as ``{"vision": 0.3, "text": 1.0}`` (checkpoint
+            pass; module path only, :data:`OPTION_PATHS`). Default ``None``.
         offload_activations: keep the large values saved for the backward in host memory between
             their last forward use and their first backward use (offload pass; PyTorch >= 2.9).
             Frees GPU memory for a larger batch at the price of two PCIe copies per value per
-            step; the model runs without CUDA graphs. Default ``False``.
+            step; the model runs without CUDA graphs. Module path only. Default ``False``.
         optimizer_update: how ``compile_step(..., optimizer=)`` updates each parameter inside the
             graph: ``"kernel"`` (default), one op per parameter (``fused_update.py``: a Triton
-            kernel on CUDA), compiled in ~1.5 min for HF CLIP B/16 on the H200; or ``"inductor"``,
-            Adam's formula as elementwise ops for Inductor to fuse, ~0.7 ms a step faster there
-            but ~4.5 min to compile (session 34).
+            kernel on CUDA); or ``"inductor"``, Adam's formula as elementwise ops for Inductor to
+            fuse: a slightly faster step for a much longer compile (benchmarks/RESULTS.md).
     """
 
     dump_dir: str | None = None
@@ -158,15 +232,20 @@ class ApolloOptions:
             raise bad("strict", "True or False")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise bad("precision", f"one of {', '.join(PRECISIONS)} or None")
+        if _tiny_byte_count(self.memory_budget):
+            raise ApolloOptionsError(
+                f"apollo: option 'memory_budget'={self.memory_budget!r} is invalid: an int is a byte count, and "
+                f"{self.memory_budget} bytes (under 1 MiB) is no activation budget; pass a fraction as a float in "
+                f"(0, 1], e.g. 0.5, or a byte count of at least {MIN_BUDGET_BYTES}")
         if self.memory_budget is not None and not _valid_budget(self.memory_budget):
-            raise bad("memory_budget", "a fraction in (0, 1], a byte count (int > 1), or a dict of "
+            raise bad("memory_budget", f"a fraction in (0, 1], a byte count (int >= {MIN_BUDGET_BYTES}), or a dict of "
                                        "modality name -> fraction in (0, 1]")
         if not isinstance(self.offload_activations, bool):
             raise bad("offload_activations", "True or False")
         if self.optimizer_update not in OPTIMIZER_UPDATES:
             raise bad("optimizer_update", f"one of {', '.join(map(repr, OPTIMIZER_UPDATES))}")
         if self.offload_activations:
-            if not hasattr(torch._functorch.config, "enable_activation_offloading"):
+            if not partitioner_offloads():
                 raise ApolloOptionsError(
                     f"apollo: option 'offload_activations' needs PyTorch 2.9 or later (activation offloading "
                     f"in the partitioner); this is {torch.__version__}")

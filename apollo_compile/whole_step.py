@@ -36,7 +36,7 @@ import torch._dynamo
 
 from .fallback import ApolloFallbackWarning
 from .optimizer_step import InGraphAdam, unsupported_reason
-from .options import ApolloOptions, ApolloOptionsError
+from .options import COMPILE_STEP_ONLY, STEP, STEP_OPTIMIZER, ApolloOptions, ApolloOptionsError, check_path
 
 log = logging.getLogger("apollo_compile")
 
@@ -134,7 +134,8 @@ class CompiledStep:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"apollo.compile_step: {why}")
             if why is None:
-                self.update = InGraphAdam(optimizer, _options(torch_compile_kwargs).get("optimizer_update", "kernel"))
+                update = (torch_compile_kwargs.get("options") or {}).get("optimizer_update", "kernel")
+                self.update = InGraphAdam(optimizer, update)
                 traced = self._with_update
             else:
                 warnings.warn(f"apollo.compile_step: {why}", ApolloFallbackWarning, stacklevel=4)
@@ -240,7 +241,8 @@ TORCH_COMPILE_OPTIONS = ("guard_filter_fn",)
 def _options(torch_compile_kwargs: dict[str, Any]) -> dict[str, Any]:
     """A copy of the user's ``options`` for one ``torch.compile`` call: it pops what is its own
     (``guard_filter_fn``) from the dict it is given, so each call gets the user's whole dict."""
-    return dict(torch_compile_kwargs.get("options") or {})
+    return {k: v for k, v in (torch_compile_kwargs.get("options") or {}).items()
+            if k not in COMPILE_STEP_ONLY}  # read here, not by the backend, which refuses them
 
 
 def _takes_guard_filters() -> bool:
@@ -281,6 +283,7 @@ def compile_step(fn: Callable | None = None, *, optimizer: torch.optim.Optimizer
     if isinstance(options, dict):  # the backend's own, as torch.compile hands them over
         options = {k: v for k, v in options.items() if k not in TORCH_COMPILE_OPTIONS}
     ApolloOptions.from_user(options, torch_compile_kwargs.get("mode"))
+    check_path(options, STEP if optimizer is None else STEP_OPTIMIZER)  # refused, not ignored (options.py)
     reason = None if backward_tracing_supported() else (
         f"this PyTorch's Dynamo cannot trace loss.backward() into the graph (torch._dynamo.config.{TRACE_FLAG} "
         "is missing)")

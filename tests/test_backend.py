@@ -47,7 +47,7 @@ class SwappingTowers(torch.nn.Module):
 
 
 def test_backward_keeps_the_forwards_main_lane_tower():
-    # by its own estimates the backward would put b on the main lane (measured: it did, to session 28);
+    # by its own estimates the backward would put b on the main lane (it did, before the rule below);
     # a tower that changes streams between the graphs can donate none of its saved activations
     torch.manual_seed(0)
     assert_trains_like_eager(SwappingTowers(), lambda i: (torch.randn(32, 256), torch.randn(32, 64)),

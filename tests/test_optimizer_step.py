@@ -22,6 +22,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch._inductor import config as inductor_config
 
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning
@@ -893,6 +894,7 @@ def test_each_formula_update_reads_scalars_of_its_own():
 
 
 @pytest.mark.parametrize("fixed", [True, False])
+@inductor_config.patch(fx_graph_cache=False)
 def test_inductor_reads_a_weight_before_its_update_writes_it(fixed, monkeypatch):
     """fused_update.py, NOTE: Inductor must see the old value's readers first: a layer norm's weight
     is read by its input's gradient, which Inductor computes after the weight's own gradient is
@@ -902,14 +904,12 @@ def test_inductor_reads_a_weight_before_its_update_writes_it(fixed, monkeypatch)
     without the lowering would hide it. If the unfixed case stops raising, torch has fixed the order
     (torch 2.13 has not): fused_update.register_inductor_lowering can then go."""
     from apollo_compile import fused_update
-    from torch._inductor import config as inductor_config
     from torch._inductor.lowering import lowerings
 
     monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 0)  # the layer norm's weight updated by an op of its own
     if not fixed:  # the lowering Inductor makes by itself, as before the fix
         monkeypatch.delitem(lowerings, torch.ops.apollo.adam_step.default, raising=False)
         monkeypatch.setattr(fused_update, "_registered", True)
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = TwoTower(layers=1)

@@ -1,9 +1,17 @@
-"""Every bad option is a ValueError naming the key and the valid choices, raised before tracing."""
+"""Every bad option is a ValueError naming the key and the valid choices, raised before tracing;
+an option that would not take effect where it is given is refused the same way."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from apollo_compile import ApolloOptions, ApolloOptionsError
+from apollo_compile import ApolloOptions, ApolloOptionsError, compile_step
+from apollo_compile.options import MIN_BUDGET_BYTES, OPTION_PATHS
 
 
 @pytest.mark.parametrize(
@@ -72,3 +80,69 @@ def test_unsupported_device_is_refused():
     compiled = torch.compile(torch.nn.Linear(4, 4, device="meta"), backend="apollo")
     with pytest.raises(ValueError, match="device 'meta' is not supported"):
         compiled(torch.randn(2, 4, device="meta"))
+
+
+@pytest.mark.parametrize("budget", [5, 2, 1000, MIN_BUDGET_BYTES - 1])
+def test_a_small_integer_budget_is_refused(budget):
+    """An int memory_budget is bytes: under 1 MiB it is a fraction typed without its point."""
+    with pytest.raises(ApolloOptionsError, match=rf"'memory_budget'={budget} is invalid: an int is a byte count, "
+                                                 r"and .* pass a fraction as a float in \(0, 1\]"):
+        ApolloOptions.from_user({"memory_budget": budget})
+
+
+@pytest.mark.parametrize("budget", [1, 1.0, 0.5, MIN_BUDGET_BYTES, 2**30, {"vision": 0.3, "text": 1}])
+def test_budgets_that_mean_what_they_say(budget):
+    assert ApolloOptions.from_user({"memory_budget": budget}).memory_budget == budget
+
+
+def test_every_option_says_where_it_applies():
+    assert set(OPTION_PATHS) == {f.name for f in dataclasses.fields(ApolloOptions)}
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"memory_budget": 0.5}, r"option 'memory_budget' does not apply to compile_step: a whole step's graph does not "
+                             r"plan recomputation yet .* torch.compile\(model, backend='apollo', options=\{'memory_budget'"),
+    ({"offload_activations": True}, r"option 'offload_activations' does not apply to compile_step: .* "
+                                    r"torch.compile\(model, backend='apollo'"),
+    ({"optimizer_update": "inductor"}, r"option 'optimizer_update' does not apply to compile_step: .* "
+                                       r"only compile_step\(\.\.\., optimizer=\.\.\.\) puts the update there"),
+])
+def test_compile_step_refuses_what_it_would_ignore(options, match):
+    """A whole step is one inference graph: the joint stage (recomputation, offloading) never sees it."""
+    with pytest.raises(ApolloOptionsError, match=match):
+        compile_step(lambda x: x, options=options)
+
+
+def test_compile_step_with_an_optimizer_refuses_module_path_options():
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ApolloOptionsError, match=r"'memory_budget' does not apply to compile_step\(\.\.\., optimizer"):
+        compile_step(lambda x: x, optimizer=opt, options={"memory_budget": 0.5})
+    compile_step(lambda x: x, optimizer=opt, options={"optimizer_update": "inductor"})  # its path: accepted
+
+
+def test_the_error_is_the_last_line_a_script_prints(tmp_path):
+    """Dynamo appends its hints to the message of what leaves a compiled frame; the option's
+    error still prints as the last line, with apollo's frames, not Dynamo's, in the traceback."""
+    script = tmp_path / "bad_option.py"
+    script.write_text("import torch\nimport apollo_compile\n"
+                      "model = torch.compile(torch.nn.Linear(4, 4), backend='apollo', options={'max_lane': 2})\n"
+                      "model(torch.randn(2, 4))\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TORCHDYNAMO_VERBOSE", None)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1] == ("apollo_compile.ApolloOptionsError: apollo: unknown option 'max_lane'; valid options: "
+                         "dump_dir, modalities, device, subgraph_compiler, max_lanes, cudagraphs, strict, precision, "
+                         "memory_budget, offload_activations, optimizer_update"), done.stderr
+    assert "torch/_dynamo/output_graph.py" not in done.stderr  # Dynamo's frames are left out
+
+
+def test_the_module_path_refuses_the_update_formula():
+    """optimizer_update chooses the formula of compile_step's in-graph update: a compiled model has none."""
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="apollo", options={"optimizer_update": "inductor"})
+    with pytest.raises(ApolloOptionsError, match=r"'optimizer_update' does not apply to torch.compile\(\.\.\., "
+                                                 r"backend='apollo'\): .* only compile_step\(\.\.\., optimizer=\.\.\.\)"):
+        compiled(torch.randn(2, 4))
