@@ -62,8 +62,8 @@ class FakeGraph:
     inputs and writes the results into the captured output tensors, in place, as a CUDA-graph
     replay rewrites the same memory."""
 
-    def __init__(self, fn, static_inputs, outputs):
-        self.fn, self.static_inputs, self.outputs = fn, static_inputs, outputs
+    def __init__(self, fn, static_inputs, outputs, name=""):
+        self.fn, self.static_inputs, self.outputs, self.name = fn, static_inputs, outputs, name
 
     def replay(self):
         for dst, src in zip(self.outputs, self.fn(list(self.static_inputs))):
@@ -75,27 +75,64 @@ class FakeGraph:
                     dst.copy_(src)
 
 
-def fake_cuda_graphs(monkeypatch) -> None:
-    """CudaGraphRunner captures FakeGraphs, and the CUDA calls around capture are no-ops, for one test."""
-    from apollo_compile.runtime.cudagraph import CudaGraphRunner
+class FakeCapture:
+    """A capturer (runtime/capture.py's seam) for the CPU: capturing runs the runtime once and
+    returns a FakeGraph; `fail` (a substring of the graph's name, e.g. "backward") makes the
+    captures of those graphs raise `error` after running part of the runtime, as a capture that
+    runs out of memory midway does. `ms` (candidate -> ms) is what timing reports."""
 
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    def __init__(self, fail: str | None = None, error: type[Exception] = torch.OutOfMemoryError, ms=None):
+        self.fail, self.error, self.ms = fail, error, dict(ms or {})
+        self.captured: list[str] = []  # the names captured (or tried)
 
-    def capture_one(self, fn, pool, inputs=None):
-        inputs = list(self.static_inputs) if inputs is None else inputs
+    def capture(self, fn, inputs, pool, name, written_state=()):
+        self.captured.append(name)
+        replay_inputs = list(inputs)  # a boxed runtime clears `inputs`
         # a capture runs nothing: undo what running it wrote into its inputs (an optimizer's update)
         # and into the optimizer's moments, which the update finds by name (fused_update.written_state)
-        written = [x for x in inputs if isinstance(x, torch.Tensor)]
-        written += self.written_state() if self.written_state is not None else []
+        written = [x for x in replay_inputs if isinstance(x, torch.Tensor)] + list(written_state)
         before = [(x, x.detach().clone()) for x in written]
+        if self.fail is not None and self.fail in name:
+            inputs.clear()  # the capture consumed its list, as a runtime that ran out midway has
+            raise self.error(f"synthetic: out of memory capturing {name}")
         outputs = fn(inputs)
         with torch.no_grad():
             for x, value in before:
                 if not torch.equal(x, value):  # only what it wrote: a copy bumps the version autograd checks
                     x.copy_(value)
-        return FakeGraph(fn, self.static_inputs, outputs), outputs
+        return FakeGraph(fn, replay_inputs, outputs, name), outputs
 
-    monkeypatch.setattr(CudaGraphRunner, "_capture_one", capture_one)
+    def time(self, graph, replays):
+        for _ in range(1 + replays):
+            graph.replay()
+        return next((ms for candidate, ms in self.ms.items() if f"({candidate})" in graph.name), 1.0)
+
+
+def fake_cuda(monkeypatch) -> None:
+    """The CUDA calls around a capture are no-ops, for one test."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+
+
+def fake_cuda_graphs(monkeypatch, capturer: FakeCapture | None = None) -> FakeCapture:
+    """Runners capture FakeGraphs (capture.DEFAULT, the seam a runner without a capturer of its own
+    uses), and the CUDA calls around capture are no-ops, for one test."""
+    from apollo_compile.runtime import capture
+
+    fake_cuda(monkeypatch)
+    capturer = capturer if capturer is not None else FakeCapture()
+    monkeypatch.setattr(capture, "DEFAULT", capturer)
+    return capturer
+
+
+def runner_for(candidates, name: str, kind: str, family=None, **config):
+    """A CUDA-graph runner of `candidates` for a graph `name` of `kind`, configured by `config`
+    (RunnerConfig's fields), in `family` (default: a new one)."""
+    from apollo_compile.runtime.config import RunnerConfig
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner
+    from apollo_compile.runtime.instances import GraphFamily
+
+    return CudaGraphRunner(candidates, family if family is not None else GraphFamily(),
+                           RunnerConfig(name, kind, **config))
