@@ -17,11 +17,12 @@ Stages, in the order a training step's graphs meet them (:data:`STAGES`):
 One undo rule: a stage that rewrites a graph runs on a copy (:func:`working_copy`), adopted only
 when every pass of the stage finished (:func:`run_stage`). When a stage fails, the graph it was
 given is untouched and the stage's fallback runs, with one :class:`ApolloFallbackWarning`
-(``strict=True`` raises): ``pre_grad`` and ``joint`` go on without their passes, ``graph``,
-``runtime`` and ``cuda_graph`` give that graph alone to Inductor (or eager ATen). The runner falls
-back per call. Each pass is ``run(gm, ctx) -> decision``, recorded in ``ctx.decisions[name]``; a
-failing pass is re-raised as :class:`PassError`. In tests (``VERIFY``) :func:`verify.verify`
-checks the invariants after every pass; ``TORCH_COMPILE_DEBUG=1`` dumps every stage's listing.
+(``strict=True`` raises): ``pre_grad`` and ``joint`` go on without their passes,
+``inductor_joint`` without Inductor's, ``graph``, ``runtime`` and ``cuda_graph`` give that graph
+alone to Inductor (or eager ATen). The runner falls back per call. Each pass is
+``run(gm, ctx) -> decision``, recorded in ``ctx.decisions[name]``; a failing pass is re-raised as
+:class:`PassError`. In tests (``VERIFY``) :func:`verify.verify` checks the invariants after every
+pass; ``TORCH_COMPILE_DEBUG=1`` dumps every stage's listing.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 # fp32 on CPU. The eager subgraph compiler runs the same ATen kernels as eager PyTorch, only
@@ -136,3 +137,77 @@ def runner_for(candidates, name: str, kind: str, family=None, **config):
 
     return CudaGraphRunner(candidates, family if family is not None else GraphFamily(),
                            RunnerConfig(name, kind, **config))
+
+
+# The CUDA-graph runner inside real training on the CPU (tests/test_cudagraph_training.py, test_instances.py)
+
+@pytest.fixture
+def runners(monkeypatch):
+    """Every apollo graph compiled in the test gets a CUDA-graph runner with a fake graph, which
+    replays "lanes" unmeasured (timing needs CUDA events)."""
+    from apollo_compile import pipeline
+    from apollo_compile.runtime import choice
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner
+    from apollo_compile.runtime.instances import GraphFamily
+
+    made: list = []
+    fake_cuda_graphs(monkeypatch)
+    monkeypatch.setattr(pipeline, "quota_candidates", lambda ctx: {})  # no green contexts on a CPU
+    families: dict[int, object] = {}
+    original = pipeline.compile_graph
+
+    def compile_graph(gm, example_inputs, kind, name, options, spec, device, model_plan, family=None):
+        family = families.setdefault(id(model_plan), GraphFamily())  # forward and backward share one
+        fn = original(gm, example_inputs, kind, name, options, spec, device, model_plan, family)
+        runner = getattr(fn, "inner", fn)  # inside first_call.FirstCallFallback
+        assert isinstance(runner, CudaGraphRunner), model_plan.graphs[kind].fallback
+        made.append(runner)
+        return fn
+
+    monkeypatch.setattr(pipeline, "compile_graph", compile_graph)
+    with choice.using(choice.Fixed("lanes")):
+        yield made
+
+
+def twins(compiler: str):
+    """(model, its eager twin with the same weights, the model compiled with apollo)."""
+    from models import TwoTower
+
+    torch.manual_seed(0)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+    return model, ref, torch.compile(model, backend="apollo", options={"subgraph_compiler": compiler})
+
+
+def backward_like_eager(compiled, model, ref, batches) -> None:
+    """One backward per batch through `compiled` and its eager twin `ref`: the loss and every
+    gradient match; then zero_grad(set_to_none=True)."""
+    for step, inputs in enumerate(batches):
+        loss, ref_loss = compiled(*inputs), ref(*inputs)
+        loss.backward()
+        ref_loss.backward()
+        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
+def sgd_like_eager(compiled, model, ref, steps: int, micro_batches: int = 1, forwards_first: bool = False,
+                   make_inputs=None) -> None:
+    """`steps` SGD steps through `compiled` and its eager twin `ref`, each over `micro_batches`
+    micro-batches (gradients accumulated; `forwards_first`: every micro-batch's forward before
+    their backwards) of `make_inputs(seed)`: after each step the loss and every gradient match."""
+    from models import two_tower_inputs
+
+    make_inputs = make_inputs or (lambda seed: two_tower_inputs(seed=seed))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for step in range(steps):
+        batches = [make_inputs(10 * step + micro) for micro in range(micro_batches)]
+        forwards = [(compiled(*inputs), ref(*inputs)) for inputs in batches] if forwards_first else None
+        for k, inputs in enumerate(batches):
+            loss, ref_loss = forwards[k] if forwards_first else (compiled(*inputs), ref(*inputs))
+            loss.backward()
+            ref_loss.backward()
+        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)

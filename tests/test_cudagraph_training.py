@@ -11,80 +11,17 @@ from __future__ import annotations
 
 import copy
 import warnings
-import weakref
 
 import pytest
 import torch
 
 import apollo_compile
-from apollo_compile import ApolloFallbackWarning, pipeline
+from apollo_compile import ApolloFallbackWarning
 from apollo_compile.runtime import capture, choice
 from apollo_compile.runtime.config import LANE_MEMORY_RATIO
-from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
-from helpers import TOLERANCE, FakeCapture, assert_same_loss_and_grads, fake_cuda_graphs
+from helpers import (TOLERANCE, FakeCapture, assert_same_loss_and_grads, backward_like_eager, runners,  # noqa: F401
+                     sgd_like_eager, twins)  # (runners: the fixture)
 from models import TwoTower, two_tower_inputs
-
-
-@pytest.fixture
-def runners(monkeypatch):
-    """Every apollo graph compiled in the test gets a CUDA-graph runner with a fake graph, which
-    replays "lanes" unmeasured (timing needs CUDA events)."""
-    made: list[CudaGraphRunner] = []
-    fake_cuda_graphs(monkeypatch)
-    monkeypatch.setattr(pipeline, "quota_candidates", lambda ctx: {})  # no green contexts on a CPU
-    families: dict[int, GraphFamily] = {}
-    original = pipeline.compile_graph
-
-    def compile_graph(gm, example_inputs, kind, name, options, spec, device, model_plan, family=None):
-        family = families.setdefault(id(model_plan), GraphFamily())  # forward and backward share one
-        fn = original(gm, example_inputs, kind, name, options, spec, device, model_plan, family)
-        runner = getattr(fn, "inner", fn)  # inside first_call.FirstCallFallback
-        assert isinstance(runner, CudaGraphRunner), model_plan.graphs[kind].fallback
-        made.append(runner)
-        return fn
-
-    monkeypatch.setattr(pipeline, "compile_graph", compile_graph)
-    with choice.using(choice.Fixed("lanes")):
-        yield made
-
-
-def twins(compiler: str):
-    """(model, its eager twin with the same weights, the model compiled with apollo)."""
-    torch.manual_seed(0)
-    model = TwoTower()
-    ref = copy.deepcopy(model)
-    return model, ref, torch.compile(model, backend="apollo", options={"subgraph_compiler": compiler})
-
-
-def backward_like_eager(compiled, model, ref, batches) -> None:
-    """One backward per batch through `compiled` and its eager twin `ref`: the loss and every
-    gradient match; then zero_grad(set_to_none=True)."""
-    for step, inputs in enumerate(batches):
-        loss, ref_loss = compiled(*inputs), ref(*inputs)
-        loss.backward()
-        ref_loss.backward()
-        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-
-
-def sgd_like_eager(compiled, model, ref, steps: int, micro_batches: int = 1, forwards_first: bool = False,
-                   make_inputs=lambda seed: two_tower_inputs(seed=seed)) -> None:
-    """`steps` SGD steps through `compiled` and its eager twin `ref`, each over `micro_batches`
-    micro-batches (gradients accumulated; `forwards_first`: every micro-batch's forward before
-    their backwards) of `make_inputs(seed)`: after each step the loss and every gradient match."""
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    for step in range(steps):
-        batches = [make_inputs(10 * step + micro) for micro in range(micro_batches)]
-        forwards = [(compiled(*inputs), ref(*inputs)) for inputs in batches] if forwards_first else None
-        for k, inputs in enumerate(batches):
-            loss, ref_loss = forwards[k] if forwards_first else (compiled(*inputs), ref(*inputs))
-            loss.backward()
-            ref_loss.backward()
-        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])

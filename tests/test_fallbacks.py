@@ -25,8 +25,8 @@ from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.runtime.choice import Fixed
 from apollo_compile.runtime.config import MemoryPolicy
 from apollo_compile.runtime.instances import GraphFamily
-from helpers import (TOLERANCE, FakeCapture, assert_same_loss_and_grads, assert_trains_like_eager, fake_cuda, replace_pass,
-                     runner_for)
+from helpers import (TOLERANCE, FakeCapture, assert_same_loss_and_grads, assert_trains_like_eager, fake_cuda,
+                     replace_pass, runner_for)
 from models import MLP, Block, TwoTower, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}

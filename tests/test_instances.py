@@ -18,9 +18,8 @@ from torch import nn
 
 from apollo_compile.fallback import ApolloFallbackWarning
 from apollo_compile.runtime import instances
-from helpers import TOLERANCE, assert_same_loss_and_grads
+from helpers import TOLERANCE, assert_same_loss_and_grads, runners, sgd_like_eager, twins  # noqa: F401 (the fixture)
 from models import TwoTower, two_tower_inputs
-from test_cudagraph_training import runners, sgd_like_eager, twins  # noqa: F401  (runners: the fixture)
 
 EAGER = {"subgraph_compiler": "eager"}
 

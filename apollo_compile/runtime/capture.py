@@ -245,7 +245,8 @@ def capture_graph(fn: Callable, chosen: str, args: Sequence, static: StaticInput
         lent_idxs=lent_idxs, copied_out_idxs=[j for j in user_visible if j not in set(lent_idxs)], lent=lent,
         sentinel_idx=saved[0] if saved else None, chosen=chosen, captured_bytes=captured_bytes,
         family_pool_bytes=pool_bytes(family.pool), peak_after_capture=torch.cuda.max_memory_allocated(),
-        donated=frozenset(donation.donated), donated_bytes=donation.donated_bytes, side_lane_donated_bytes=donation.side_lane_donated_bytes,
+        donated=frozenset(donation.donated), donated_bytes=donation.donated_bytes,
+        side_lane_donated_bytes=donation.side_lane_donated_bytes,
         withheld_bytes=donation.withheld_bytes)
     if lent is not None:
         family.lent = lent

@@ -45,7 +45,8 @@ MIN_REPLAYS = 3
 MAX_SHORT_LIVED = 3
 
 
-_calls_underway = 0  # apollo graph calls in progress, on any thread (docs/design/cuda-graphs.md#a-gone-instances-memory-goes-at-once)
+# apollo graph calls in progress, on any thread (docs/design/cuda-graphs.md#a-gone-instances-memory-goes-at-once)
+_calls_underway = 0
 # held while a call begins or ends, and while a callback releases families, so that no call begins
 # under a release on another thread; reentrant: a release frees tensors, whose callbacks come back here
 _calls_lock = threading.RLock()
