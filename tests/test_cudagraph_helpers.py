@@ -501,7 +501,7 @@ def test_the_measured_times_go_to_the_strategy():
 
     ms, pools = {"lanes": 10.0, "one_lane": 11.0}, {"lanes": 130, "one_lane": 100}
     assert ChooseFastest().choose(GraphFacts("g", "forward", tuple(ms)), ms, pools, 0) == "lanes"
-    budget = GraphFacts("g", "forward", tuple(ms), max_memory_ratio=1.1)
+    budget = GraphFacts("g", "forward", tuple(ms), lane_memory_ratio=1.1)
     assert ChooseFastest().choose(budget, ms, pools, 0) == "one_lane"
     assert ChooseFastest(min_gain=0.2).choose(GraphFacts("g", "forward", tuple(ms)), ms, pools, 0) == "one_lane"
 

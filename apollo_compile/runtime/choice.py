@@ -36,7 +36,7 @@ class GraphFacts:
     name: str
     kind: str  # "forward" | "backward" | "inference"
     candidates: tuple[str, ...]
-    max_memory_ratio: float | None = None  # under a memory budget: concurrency's bound (`fastest`); else None
+    lane_memory_ratio: float | None = None  # under a memory budget: concurrency's bound (`fastest`); else None
     will_donate: bool = False  # a backward whose capture takes over saved activations (cuda-graphs.md#donation)
     forward_chosen: str | None = None  # what the family's forward replays, once it is captured
     forward_measured: bool = False  # ... chosen by timing its candidates (not unmeasured, not its only one)
@@ -54,18 +54,18 @@ class Strategy(Protocol):
 
 
 def fastest(measured_ms: dict[str, float], min_gain: float, pool_bytes: dict[str, int | None] | None = None,
-            max_memory_ratio: float | None = None, base_bytes: int = 0) -> str:
+            lane_memory_ratio: float | None = None, base_bytes: int = 0) -> str:
     """The candidate to replay: the fastest, unless it beats the one-stream schedule by less than
     `min_gain`: concurrency that does not pay still costs memory (both towers' temporaries live at
     once).
 
-    With `pool_bytes` (each candidate's capture pool) and `max_memory_ratio` (under a memory
+    With `pool_bytes` (each candidate's capture pool) and `lane_memory_ratio` (under a memory
     budget), a candidate whose peak (`base_bytes`, what was allocated beside the graph, plus its
     pool) exceeds the one-stream candidate's by more than that ratio is not replayed, however fast;
     pools alone would overstate it (docs/design/cuda-graphs.md#memory-budget). A candidate whose
     pool is unknown is judged on time alone."""
-    if max_memory_ratio is not None and pool_bytes and pool_bytes.get("one_lane"):
-        limit = (base_bytes + pool_bytes["one_lane"]) * max_memory_ratio - base_bytes
+    if lane_memory_ratio is not None and pool_bytes and pool_bytes.get("one_lane"):
+        limit = (base_bytes + pool_bytes["one_lane"]) * lane_memory_ratio - base_bytes
         measured_ms = {k: v for k, v in measured_ms.items()
                        if k == "one_lane" or pool_bytes.get(k) is None or pool_bytes[k] <= limit}
     best = min(measured_ms, key=measured_ms.get)
@@ -75,7 +75,7 @@ def fastest(measured_ms: dict[str, float], min_gain: float, pool_bytes: dict[str
     return best
 
 
-def memory_first_reason(kind: str, candidates: tuple[str, ...], max_memory_ratio: float | None,
+def memory_first_reason(kind: str, candidates: tuple[str, ...], lane_memory_ratio: float | None,
                         will_donate: bool, backward_donates: bool) -> str | None:
     """Why a graph replays one lane unmeasured under a memory budget, or None.
 
@@ -87,7 +87,7 @@ def memory_first_reason(kind: str, candidates: tuple[str, ...], max_memory_ratio
     allocated it: on one lane in both graphs the backward's capture reuses every saved activation,
     with side lanes only those made and read by the same lane; and measuring holds each
     candidate's pool beside every saved activation (docs/design/cuda-graphs.md#memory-budget)."""
-    if max_memory_ratio is None or "one_lane" not in candidates:
+    if lane_memory_ratio is None or "one_lane" not in candidates:
         return None
     if will_donate:
         return "under a memory budget the backward reuses its saved activations' memory on one stream"
@@ -125,7 +125,7 @@ class ChooseFastest:
 
     def choose(self, graph: GraphFacts, measured_ms: dict[str, float], pool_bytes: dict[str, int | None],
                base_bytes: int) -> str:
-        return fastest(measured_ms, self.min_gain, pool_bytes, graph.max_memory_ratio, base_bytes)
+        return fastest(measured_ms, self.min_gain, pool_bytes, graph.lane_memory_ratio, base_bytes)
 
 
 @dataclass(frozen=True)
