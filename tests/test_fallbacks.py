@@ -756,6 +756,27 @@ def test_cudagraph_capture_failure_frees_what_the_failed_capture_held_before_the
     assert seen[-1] == (None, None), seen  # no exception in flight, the temporary already freed
 
 
+def test_a_failed_capture_releases_what_it_held_before_the_ungraphed_retry(monkeypatch):
+    """docs/design/cuda-graphs.md#a-failed-capture: after a capture that ran out midway, the pool
+    no graph uses is given up and the allocator's cached segments are released, and only then
+    does that step run un-graphed, on the caller's inputs (the capture consumed only its copy)."""
+    from apollo_compile.runtime import cudagraph
+
+    fake_cuda(monkeypatch)
+    events = []
+    monkeypatch.setattr(cudagraph, "release_cached_segments", lambda: events.append("released"))
+    runner, fake = _runner(capturer=FakeCapture(fail=""), one_lane=lambda args: events.append(len(args)))
+    x = torch.arange(3.0)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        runner([x])  # call 1: eager warm-up
+        events.clear()
+        out = runner([x])  # call 2: the capture fails midway
+    assert events == ["released", "released", 1]  # before the family's first capture, after the failure; then x
+    assert runner.family.pool is None and runner.captured is None
+    torch.testing.assert_close(out[0], x * 2)
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
 def test_an_out_of_memory_after_a_failed_capture_says_why_and_what_to_do(monkeypatch):
     """A backward's capture ran out, then the un-graphed fallback did too (it cannot use the pool's
