@@ -3,44 +3,26 @@ story; ``backend.py`` only connects it to Dynamo and AOTAutograd.
 
 Stages, in the order a training step's graphs meet them (:data:`STAGES`):
 
-=================  ===============================  =============================================
-stage              works on                         does
-=================  ===============================  =============================================
-``pre_grad``       Dynamo's FX graph (torch ops)    ``PRE_GRAD_PASSES``: casts (``precision``),
-                                                    attention masks laid out densely, traced
-                                                    through autograd afterwards
-(AOTAutograd)      -                                functionalizes and traces the joint graph
-``inductor_joint`` the joint forward+backward graph Inductor's joint-graph passes (its own
-                                                    cleanups, when Inductor compiles subgraphs)
-``joint``          the joint graph                  ``JOINT_PASSES``: recompute tags
-                                                    (``memory_budget``), offload marks
-``partition``      the joint graph                  PyTorch's min-cut partitioner: forward and
-                                                    backward graphs (a whole step or a graph
-                                                    without gradients is one inference graph)
-``graph``          each forward/backward/inference  ``GRAPH_PASSES``: towers, cost, lanes,
-                   ATen graph                       quotas, memory plan, the generated runtime
-``runtime``        that graph and its plan          each lane's subgraphs compiled (Inductor or
-                                                    eager ATen), the lane program built
-``cuda_graph``     the runtime (CUDA only)          a CudaGraphRunner: captures the candidates
-                                                    (lanes, one lane, SM quotas), measures them,
-                                                    replays the fastest (``runtime/``)
-=================  ===============================  =============================================
+- ``pre_grad``: Dynamo's FX graph, ``PRE_GRAD_PASSES`` (casts, dense attention masks), traced
+  through autograd afterwards; AOTAutograd then traces the joint graph.
+- ``inductor_joint`` and ``joint``: the joint graph, Inductor's joint-graph passes (where Inductor
+  compiles subgraphs), then ``JOINT_PASSES`` (recompute tags for ``memory_budget``, offload marks).
+- ``partition``: PyTorch's min-cut partitioner, into forward and backward graphs (a whole step or a
+  graph without gradients is one inference graph).
+- ``graph``: each ATen graph, ``GRAPH_PASSES`` (towers, cost, lanes, quotas, memory, the runtime).
+- ``runtime``: each lane's subgraphs compiled (Inductor or eager ATen), the lane program built.
+- ``cuda_graph``: on CUDA, a ``CudaGraphRunner`` configured once here (:func:`cudagraphed`) that
+  chooses a candidate, captures and replays it (docs/design/cuda-graphs.md).
 
-One undo rule: a stage that rewrites a graph runs on a copy (:func:`working_copy`), which is
-adopted only when every pass of the stage finished (:func:`run_stage`). When a stage fails, the
-graph it was given is untouched, and what happens next is the stage's fallback, with one
-:class:`ApolloFallbackWarning` (``strict=True`` raises instead): ``pre_grad`` and ``joint`` go on
-without their passes, ``inductor_joint`` without Inductor's, and ``graph``, ``runtime`` and
-``cuda_graph`` give that graph alone to Inductor (or eager ATen). The CUDA-graph runner falls
-back per call (``runtime/cudagraph.py``).
-
-In tests (``VERIFY``), :func:`verify.verify` checks the invariants after every pass of every
-stage; with ``TORCH_COMPILE_DEBUG=1`` every stage writes the listing of its graph before and after
-(``<graph>.<stage>.before.txt`` / ``.after.txt``) beside the plans' dumps.
-
-Each pass is ``run(gm, ctx) -> decision``: it reads and writes ``node.meta["apollo"]`` and returns
-what it decided, which lands in ``ctx.decisions[name]``. A failing pass is re-raised as
-:class:`PassError` naming it.
+One undo rule: a stage that rewrites a graph runs on a copy (:func:`working_copy`), adopted only
+when every pass of the stage finished (:func:`run_stage`). When a stage fails, the graph it was
+given is untouched and the stage's fallback runs, with one :class:`ApolloFallbackWarning`
+(``strict=True`` raises): ``pre_grad`` and ``joint`` go on without their passes,
+``inductor_joint`` without Inductor's, ``graph``, ``runtime`` and ``cuda_graph`` give that graph
+alone to Inductor (or eager ATen). The runner falls back per call. Each pass is
+``run(gm, ctx) -> decision``, recorded in ``ctx.decisions[name]``; a failing pass is re-raised as
+:class:`PassError`. In tests (``VERIFY``) :func:`verify.verify` checks the invariants after every
+pass; ``TORCH_COMPILE_DEBUG=1`` dumps every stage's listing.
 """
 
 from __future__ import annotations
@@ -73,7 +55,9 @@ from .passes import (attention_masks, casts, checkpoint, codegen, cost, gradient
                      modality, offload, quotas, sync_free, update_lists, updates)
 from .passes.quotas import MIN_GAIN
 from .plan import GraphPlan, ModelPlan
-from .runtime.cudagraph import CudaGraphRunner, GraphFamily
+from .runtime.config import MemoryPolicy, RunnerConfig
+from .runtime.cudagraph import CudaGraphRunner
+from .runtime.instances import GraphFamily
 from .runtime.first_call import FirstCallFallback
 from .runtime.runner import build_runtime
 from .runtime.subgraphs import has_host_copies, has_symbolic_sizes, inductor_config
@@ -113,12 +97,8 @@ GRAPH_PASSES: list[tuple[str, Pass]] = [
     ("codegen", codegen.run),    # the readable Python runtime that launches the subgraphs
 ]
 
-# The stages in order (the table in the module docstring says what each works on and does).
+# The stages in order (the module docstring says what each works on and does).
 STAGES = ("pre_grad", "inductor_joint", "joint", "partition", "graph", "runtime", "cuda_graph")
-
-# With a memory_budget the user put memory first: a concurrent candidate is replayed only if its
-# CUDA-graph pool stays within this much of the one-stream candidate's (issue 3's bound on lanes).
-MEMORY_FIRST_LANE_RATIO = 1.1
 
 
 @dataclass
@@ -340,7 +320,8 @@ def partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext,
 
 def fallback_compile(gm: torch.fx.GraphModule, example_inputs, kind: str, compiler: str,
                      memory_first: bool = False) -> Callable:
-    """Compile one ATen graph without apollo's planning: Inductor, else eager ATen."""
+    """Compile one ATen graph without apollo's planning: Inductor, else eager ATen. `memory_first`:
+    free each buffer at its last use (``MemoryPolicy.free_at_last_use``)."""
     if compiler == "inductor":
         try:
             from torch._inductor.compile_fx import compile_fx_inner
@@ -387,6 +368,7 @@ def compile_graph(
     AOTAutograd handed it over."""
     graph_name = f"{name}_{kind}"
     ctx = GraphContext(graph_name, kind, options, spec)
+    memory = MemoryPolicy.from_options(options)  # what the memory settings change at run time, once
     forward = model_plan.graphs.get("forward")
     if kind == "backward" and forward is not None:
         ctx.forward_modalities = {n.name: info(n).modality for n in forward.gm.graph.nodes if n.op != "output"}
@@ -412,14 +394,15 @@ def compile_graph(
             quotas = quota_candidates(ctx) if family is not None else None
             runtimes = build_runtime(planned, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
                                      options.subgraph_compiler, device, quotas,
-                                     family.side_streams if family is not None else None, options.memory_first)
+                                     family.side_streams if family is not None else None, memory.free_at_last_use)
         except Exception as e:  # name the stage, as PassError names the pass
             raise RuntimeError(f"building the runtime (compiling its subgraphs with {options.subgraph_compiler}) "
                                f"failed: {type(e).__name__}: {e}") from e
         graph_plan.runtimes = runtimes
         graph_plan.compile_s["subgraphs"] = time.perf_counter() - start  # Inductor's share, where it compiles
         if family is not None:
-            fn = cudagraphed(planned, runtimes, graph_name, kind, family, ctx, has_symbolic_sizes(example_inputs))
+            fn = cudagraphed(planned, runtimes, graph_name, kind, family, ctx, has_symbolic_sizes(example_inputs),
+                             memory)
             graph_plan.runner_ref = weakref.ref(fn)
         elif device.type == "cuda":  # un-graphed CUDA: extra streams only add launches
             fn = runtimes.get("one_lane", runtimes["lanes"])
@@ -437,7 +420,7 @@ def compile_graph(
         fallback = "Inductor" if options.subgraph_compiler == "inductor" else "eager ATen"
         graph_plan.fallback = f"{type(e).__name__}: {e}"
         warn_fallback(graph_name, fallback, e)
-        fn = fallback_compile(gm, example_inputs, kind, options.subgraph_compiler, options.memory_first)
+        fn = fallback_compile(gm, example_inputs, kind, options.subgraph_compiler, memory.free_at_last_use)
     finally:
         for directory in {options.dump_dir, logs.debug_dump_dir()} - {None}:
             graph_plan.write(directory)
@@ -466,13 +449,14 @@ def quota_candidates(ctx: GraphContext) -> dict[str, dict[int, int]]:
 
 
 def cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_name: str, kind: str,
-                 family: GraphFamily, ctx: GraphContext, symbolic: bool) -> CudaGraphRunner:
-    """Wrap a CUDA runtime for CUDA-graph replay, telling it which inputs and outputs are whose,
-    and whether its sizes may change between calls (`symbolic`)."""
+                family: GraphFamily, ctx: GraphContext, symbolic: bool, memory: MemoryPolicy) -> CudaGraphRunner:
+    """Wrap a CUDA runtime for CUDA-graph replay: its :class:`RunnerConfig`, built here alone,
+    tells it which inputs and outputs are whose, whether its sizes may change between calls
+    (`symbolic`) and what the memory settings change (`memory`)."""
     static_idxs: set[int] = set()
     user_visible: set[int] | None = None  # None: every output is the user's (inference, backward)
     # a backward's inputs AOTAutograd lets it reuse: saved for the backward only, aliasing no
-    # input or output; none if the first backward retained the graph (NOTE: Donation)
+    # input or output; none if the first backward retained the graph (docs/design/cuda-graphs.md#donation)
     donated: set[int] = set()
     meta = fw_metadata()
     if meta is not None and kind != "backward":
@@ -480,7 +464,7 @@ def cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_n
     written: set[int] = set()
     if meta is not None and kind == "inference" and getattr(meta, "keep_input_mutations", False):
         # the graph writes its inputs itself (an optimizer inside the step): parameters and state in
-        # place, anything else copied in and back (cudagraph.py, NOTE: A graph that writes its inputs)
+        # place, anything else copied in and back (docs/design/cuda-graphs.md#a-graph-that-writes-its-inputs)
         written = {i for i, x in enumerate(meta.input_info) if x.mutates_data}
     elif meta is not None and kind == "inference":
         # a whole step's existing .grad (accumulating into it): copied in, not read in place, or
@@ -500,18 +484,17 @@ def cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_n
     # returned in the graph's memory, reclaimed before the next replay, never copied per step
     lent = {i for i, o in enumerate(graph_outputs(gm)) if isinstance(o, torch.fx.Node) and info(o).backward} \
         if kind == "inference" else set()
-    return CudaGraphRunner(runtimes, graph_name, kind, family, static_idxs, user_visible,
-                           on_measured=functools.partial(calibrate, ctx),
-                           max_memory_ratio=MEMORY_FIRST_LANE_RATIO if ctx.options.memory_budget is not None else None,
-                           donated_idxs=donated, capture_near_limit=ctx.options.cudagraphs is True,
-                           symbolic=symbolic, lent_outputs=lent, written_idxs=written,
-                           predicted=predicted_plain(ctx), written_state=written_state(gm), saved_idxs=saved)
+    config = RunnerConfig(graph_name, kind, static_input_idxs=static_idxs, user_visible_outputs=user_visible,
+                          donated_idxs=donated, lent_outputs=lent, written_idxs=written, saved_idxs=saved,
+                          symbolic=symbolic, predicted=predicted_plain(ctx), written_state=written_state(gm),
+                          on_measured=functools.partial(calibrate, ctx), memory=memory)
+    return CudaGraphRunner(runtimes, family, config)
 
 
 def predicted_plain(ctx: GraphContext) -> str | None:
     """The plain candidate (lanes or one lane) the planner predicts fastest, by name (None without a
     quotas decision): what a graph replays where it cannot be timed. An SM quota is only replayed
-    once measured (cudagraph.py, NOTE: A graph that writes its inputs)."""
+    once measured (docs/design/cuda-graphs.md#a-graph-that-writes-its-inputs)."""
     plain = [c for c in getattr(ctx.decisions.get("quotas"), "candidates", ()) if c.quotas is None]
     return plain[0].name if plain else None  # best predicted first
 

@@ -8,6 +8,7 @@ import copy
 import operator
 
 import networkx as nx
+import pytest
 import torch
 import torch.fx
 
@@ -116,8 +117,8 @@ class FakeGraph:
     inputs and writes the results into the captured output tensors, in place, as a CUDA-graph
     replay rewrites the same memory."""
 
-    def __init__(self, fn, static_inputs, outputs):
-        self.fn, self.static_inputs, self.outputs = fn, static_inputs, outputs
+    def __init__(self, fn, static_inputs, outputs, name=""):
+        self.fn, self.static_inputs, self.outputs, self.name = fn, static_inputs, outputs, name
 
     def replay(self):
         for dst, src in zip(self.outputs, self.fn(list(self.static_inputs))):
@@ -129,30 +130,141 @@ class FakeGraph:
                     dst.copy_(src)
 
 
-def fake_cuda_graphs(monkeypatch) -> None:
-    """CudaGraphRunner captures FakeGraphs, and the CUDA calls around capture are no-ops, for one test."""
-    from apollo_compile.runtime.cudagraph import CudaGraphRunner
+class FakeCapture:
+    """A capturer (runtime/capture.py's seam) for the CPU: capturing runs the runtime once and
+    returns a FakeGraph; `fail` (a substring of the graph's name, e.g. "backward") makes the
+    captures of those graphs raise `error` after running part of the runtime, as a capture that
+    runs out of memory midway does. `ms` (candidate -> ms) is what timing reports."""
 
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    def __init__(self, fail: str | None = None, error: type[Exception] = torch.OutOfMemoryError, ms=None):
+        self.fail, self.error, self.ms = fail, error, dict(ms or {})
+        self.captured: list[str] = []  # the names captured (or tried)
 
-    def capture_one(self, fn, pool, inputs=None):
-        inputs = list(self.static_inputs) if inputs is None else inputs
+    def capture(self, fn, inputs, pool, name, written_state=()):
+        self.captured.append(name)
+        replay_inputs = list(inputs)  # a boxed runtime clears `inputs`
         # a capture runs nothing: undo what running it wrote into its inputs (an optimizer's update)
         # and into the optimizer's moments, which the update finds by name (fused_update.written_state)
-        written = [x for x in inputs if isinstance(x, torch.Tensor)]
-        written += self.written_state() if self.written_state is not None else []
+        written = [x for x in replay_inputs if isinstance(x, torch.Tensor)] + list(written_state)
         before = [(x, x.detach().clone()) for x in written]
+        if self.fail is not None and self.fail in name:
+            inputs.clear()  # the capture consumed its list, as a runtime that ran out midway has
+            raise self.error(f"synthetic: out of memory capturing {name}")
         outputs = fn(inputs)
         with torch.no_grad():
             for x, value in before:
                 if not torch.equal(x, value):  # only what it wrote: a copy bumps the version autograd checks
                     x.copy_(value)
-        return FakeGraph(fn, self.static_inputs, outputs), outputs
+        return FakeGraph(fn, replay_inputs, outputs, name), outputs
 
-    monkeypatch.setattr(CudaGraphRunner, "_capture_one", capture_one)
+    def time(self, graph, replays):
+        for _ in range(1 + replays):
+            graph.replay()
+        return next((ms for candidate, ms in self.ms.items() if f"({candidate})" in graph.name), 1.0)
+
+
+def fake_cuda(monkeypatch) -> None:
+    """The CUDA calls around a capture are no-ops, for one test."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+
+
+def fake_cuda_graphs(monkeypatch, capturer: FakeCapture | None = None) -> FakeCapture:
+    """Runners capture FakeGraphs (capture.DEFAULT, the seam a runner without a capturer of its own
+    uses), and the CUDA calls around capture are no-ops, for one test."""
+    from apollo_compile.runtime import capture
+
+    fake_cuda(monkeypatch)
+    capturer = capturer if capturer is not None else FakeCapture()
+    monkeypatch.setattr(capture, "DEFAULT", capturer)
+    return capturer
+
+
+def runner_for(candidates, name: str, kind: str, family=None, **config):
+    """A CUDA-graph runner of `candidates` for a graph `name` of `kind`, configured by `config`
+    (RunnerConfig's fields), in `family` (default: a new one)."""
+    from apollo_compile.runtime.config import RunnerConfig
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner
+    from apollo_compile.runtime.instances import GraphFamily
+
+    return CudaGraphRunner(candidates, family if family is not None else GraphFamily(),
+                           RunnerConfig(name, kind, **config))
+
+
+# The CUDA-graph runner inside real training on the CPU (tests/test_cudagraph_training.py, test_instances.py)
+
+@pytest.fixture
+def runners(monkeypatch):
+    """Every apollo graph compiled in the test gets a CUDA-graph runner with a fake graph, which
+    replays "lanes" unmeasured (timing needs CUDA events)."""
+    from apollo_compile import pipeline
+    from apollo_compile.runtime import choice
+    from apollo_compile.runtime.cudagraph import CudaGraphRunner
+    from apollo_compile.runtime.instances import GraphFamily
+
+    made: list = []
+    fake_cuda_graphs(monkeypatch)
+    monkeypatch.setattr(pipeline, "quota_candidates", lambda ctx: {})  # no green contexts on a CPU
+    families: dict[int, object] = {}
+    original = pipeline.compile_graph
+
+    def compile_graph(gm, example_inputs, kind, name, options, spec, device, model_plan, family=None):
+        family = families.setdefault(id(model_plan), GraphFamily())  # forward and backward share one
+        fn = original(gm, example_inputs, kind, name, options, spec, device, model_plan, family)
+        runner = getattr(fn, "inner", fn)  # inside first_call.FirstCallFallback
+        assert isinstance(runner, CudaGraphRunner), model_plan.graphs[kind].fallback
+        made.append(runner)
+        return fn
+
+    monkeypatch.setattr(pipeline, "compile_graph", compile_graph)
+    with choice.using(choice.Fixed("lanes")):
+        yield made
+
+
+def twins(compiler: str):
+    """(model, its eager twin with the same weights, the model compiled with apollo)."""
+    from models import TwoTower
+
+    torch.manual_seed(0)
+    model = TwoTower()
+    ref = copy.deepcopy(model)
+    return model, ref, torch.compile(model, backend="apollo", options={"subgraph_compiler": compiler})
+
+
+def backward_like_eager(compiled, model, ref, batches) -> None:
+    """One backward per batch through `compiled` and its eager twin `ref`: the loss and every
+    gradient match; then zero_grad(set_to_none=True)."""
+    for step, inputs in enumerate(batches):
+        loss, ref_loss = compiled(*inputs), ref(*inputs)
+        loss.backward()
+        ref_loss.backward()
+        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
+def sgd_like_eager(compiled, model, ref, steps: int, micro_batches: int = 1, forwards_first: bool = False,
+                   make_inputs=None) -> None:
+    """`steps` SGD steps through `compiled` and its eager twin `ref`, each over `micro_batches`
+    micro-batches (gradients accumulated; `forwards_first`: every micro-batch's forward before
+    their backwards) of `make_inputs(seed)`: after each step the loss and every gradient match."""
+    from models import two_tower_inputs
+
+    make_inputs = make_inputs or (lambda seed: two_tower_inputs(seed=seed))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for step in range(steps):
+        batches = [make_inputs(10 * step + micro) for micro in range(micro_batches)]
+        forwards = [(compiled(*inputs), ref(*inputs)) for inputs in batches] if forwards_first else None
+        for k, inputs in enumerate(batches):
+            loss, ref_loss = forwards[k] if forwards_first else (compiled(*inputs), ref(*inputs))
+            loss.backward()
+            ref_loss.backward()
+        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
 
 
 def dynamo_graph(model, *inputs):
@@ -166,3 +278,41 @@ def dynamo_graph(model, *inputs):
     torch.compile(model, backend=capture)(*inputs)
     assert len(captured) == 1
     return captured[0]
+
+
+def graph_args(gm):
+    """Inputs for a graph from its placeholders' metadata (integer inputs are zeros: valid ids)."""
+    gen = torch.Generator().manual_seed(0)
+    args = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            v = n.meta["val"]
+            if v.dtype.is_floating_point:
+                args.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype).normal_(generator=gen))
+            else:
+                args.append(torch.zeros(v.shape, dtype=v.dtype))
+    return args
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_lane_and_one_lane_runtimes_equal_the_graph(kind):
+    torch.manual_seed(0)
+    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
+    compiled(*two_tower_inputs()).backward()
+    graph = getattr(apollo_compile.last_plan(), kind)
+    assert set(graph.runtimes) == {"lanes", "one_lane"}
+    assert_runtimes_equal_the_graph(graph)
+
+
+def assert_runtimes_equal_the_graph(graph) -> None:
+    """Every runtime of a planned graph returns exactly what the graph computes on the same inputs."""
+    args = graph_args(graph.gm)
+    expected = graph.gm(*args)
+    for name, run in graph.runtimes.items():
+        got = run(list(args))
+        assert len(got) == len(expected), name
+        for g, e in zip(got, expected):
+            if isinstance(e, torch.Tensor):
+                torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+            else:
+                assert g == e

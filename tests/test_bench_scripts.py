@@ -66,26 +66,30 @@ def test_budget_variants_by_name():
     measured = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.5-fw-measured")]
     assert measured.forward_measured and measured.memory_bound_first and not spec.forward_measured
     from apollo_compile.runtime import choice
-    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+    from apollo_compile.runtime import capture
+    from apollo_compile.runtime.candidates import CandidateChoice
+    from apollo_compile.runtime.capture import StaticInputs
+    from apollo_compile.runtime.config import MemoryPolicy, RunnerConfig
+    from apollo_compile.runtime.instances import GraphFamily
 
-    def unmeasured(runner):  # what the strategy in effect replays without measuring, or None
-        return choice.in_effect().unmeasured(runner.facts())
+    def unmeasured(graph, will_donate=False):  # what the strategy in effect replays without measuring, or None
+        return choice.in_effect().unmeasured(graph.facts(will_donate))
 
     family = GraphFamily()
     family.backward_donates = True
-    forward = CudaGraphRunner({"lanes": None, "one_lane": None}, "g_forward", "forward", family, set(), None,
-                              max_memory_ratio=1.1)
-    with measured.context():  # -fw-measured: the forward measures its candidates
+    budget = MemoryPolicy(lane_memory_ratio=1.1)
+    forward = CandidateChoice({"lanes": None, "one_lane": None}, RunnerConfig("g_forward", "forward", memory=budget),
+                              family)
+    with measured.context():  # the forward measures its candidates
         assert unmeasured(forward) is None
     assert unmeasured(forward)[0] == "one_lane"
     both = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.5-lanes-measured")]
     assert both.lanes_measured and not both.forward_measured and not measured.lanes_measured
-    backward = CudaGraphRunner({"lanes": None, "one_lane": None}, "g_backward", "backward", family, set(), None,
-                               max_memory_ratio=1.1)
-    backward._will_donate = lambda: True
-    assert unmeasured(backward)[0] == "one_lane"
+    backward = CandidateChoice({"lanes": None, "one_lane": None},
+                               RunnerConfig("g_backward", "backward", memory=budget), family)
+    assert unmeasured(backward, will_donate=True)[0] == "one_lane"
     with both.context():  # no memory-first rule in either graph
-        assert unmeasured(forward) is None and unmeasured(backward) is None
+        assert unmeasured(forward) is None and unmeasured(backward, will_donate=True) is None
     offloading = bench_memory.VARIANTS[bench_memory.variant_name("apollo-bf16-budget-0.2-offload")]
     assert offloading.options == {"precision": "bf16", "memory_budget": 0.2, "offload_activations": True}
     assert "offload_activations" not in bench_memory.VARIANTS["apollo-bf16-budget-0.05"].options
@@ -103,8 +107,9 @@ def test_budget_variants_by_name():
         family.forward_measured = True
         for chosen in ("lanes", "one_lane"):
             family.forward_chosen = chosen
-            assert unmeasured(backward)[0] == chosen
-            assert backward._choose_candidate() == chosen  # what the runner replays at its capture
+            assert unmeasured(backward, will_donate=True)[0] == chosen
+            # what the runner replays at its capture
+            assert backward.choose(StaticInputs([], [], {}), True, capture.DEFAULT) == chosen
     assert unmeasured(forward)[0] == "one_lane"  # the rule is back after the variant
     for bad in ("apollo-bf16-budget-0", "apollo-bf16-budget-1.5", "eager-fp16"):
         with pytest.raises(Exception, match="unknown variant|must be in"):

@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from apollo_compile import ApolloFallbackWarning
-from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+from apollo_compile.runtime.candidates import CandidateChoice
+from apollo_compile.runtime.capture import StaticInputs, donatable, donating_inputs
+from apollo_compile.runtime.config import MemoryPolicy, RunnerConfig
 from apollo_compile.runtime.graph_io import OutputCopier
-from helpers import fake_cuda_graphs
+from apollo_compile.runtime.instances import GraphFamily
+from helpers import FakeCapture, fake_cuda, fake_cuda_graphs, runner_for
 
 
 def test_fresh_copies_keep_values_and_strides_in_new_memory():
@@ -44,14 +47,13 @@ def test_is_non_overlapping():
 
 def test_plans_hold_the_cuda_graph_runner_weakly():
     """A plan outlives dynamo.reset() and recompiles; it must not keep a replaced graph's CUDA graph,
-    pool and static outputs allocated (it did, and inflated every later peak in the H200 runs)."""
+    pool and static outputs allocated (that would inflate every later peak)."""
     import gc
     import weakref
 
     from apollo_compile.plan import GraphPlan
-    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
 
-    runner = CudaGraphRunner({"lanes": lambda args: args}, "g_forward", "forward", GraphFamily(), set(), None)
+    runner = runner_for({"lanes": lambda args: args}, "g_forward", "forward")
     plan = GraphPlan("g_forward", "forward", "cuda", gm=None, decisions={}, runner_ref=weakref.ref(runner))
     assert plan.runner is runner and plan.summary()["cuda_graph"]["replays"] == 0
     del runner
@@ -63,7 +65,6 @@ def test_replays_hand_out_copies_the_next_replay_does_not_overwrite(monkeypatch)
     """The forward of `loss = (w * x).sum(); saved = w * x`: the parameter w is used in place and
     returned as the caller's tensor, the batch x is copied into a static buffer, the loss (user
     visible) is a fresh copy each replay, the saved activation is the graph's own buffer."""
-    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
 
     def forward(args):
         w, x = args
@@ -73,8 +74,8 @@ def test_replays_hand_out_copies_the_next_replay_does_not_overwrite(monkeypatch)
 
     forward._boxed_call = True
     family = GraphFamily()
-    runner = CudaGraphRunner({"lanes": forward}, "f_forward", "forward", family, static_input_idxs={0},
-                             user_visible_outputs={0})
+    runner = runner_for({"lanes": forward}, "f_forward", "forward", family, static_input_idxs={0},
+                        user_visible_outputs={0})
     fake_cuda_graphs(monkeypatch)
     w = torch.tensor([1.0, 2.0])
     losses, saved_ptrs = [], []
@@ -87,7 +88,7 @@ def test_replays_hand_out_copies_the_next_replay_does_not_overwrite(monkeypatch)
         losses.append(out[0])
         saved_ptrs.append(out[2].data_ptr())
         del out  # the backward ran: the saved activations are released
-    assert runner.replays == 3 and runner.ungraphed_calls == 0 and runner.copy_idxs == [1]
+    assert runner.replays == 3 and runner.ungraphed_calls == 0 and runner.captured.copy_idxs == [1]
     # every loss the user kept still holds its own step's value; replays rewrote only the graph's buffers
     assert [float(l) for l in losses] == [0.0, 3.0, 6.0, 9.0]
     assert len(set(saved_ptrs[1:])) == 1  # saved activations: the graph's own static buffer
@@ -107,7 +108,6 @@ def test_replays_hand_out_copies_the_next_replay_does_not_overwrite(monkeypatch)
 
 def _backward_runner(monkeypatch):
     """A backward runner (saved activation read in place, a grad_output copied in) and its family."""
-    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
 
     def backward(args):
         saved, grad_out = args
@@ -118,7 +118,7 @@ def _backward_runner(monkeypatch):
     family = GraphFamily()
     saved = torch.tensor([1.0, 2.0])
     family.saved_ptrs = {saved.data_ptr()}  # as the forward's capture records it
-    runner = CudaGraphRunner({"lanes": backward}, "f_backward", "backward", family, set(), None)
+    runner = runner_for({"lanes": backward}, "f_backward", "backward", family)
     fake_cuda_graphs(monkeypatch)
     return runner, family, saved
 
@@ -133,11 +133,12 @@ def test_backward_lends_its_gradients_in_place_when_nothing_holds_the_last_ones(
         torch.testing.assert_close(grads[0], saved * step)
         torch.testing.assert_close(grads[1], torch.full((2,), float(step)))
         if step > 1:
-            assert all(g is not s for g, s in zip(grads, runner.static_outputs))  # fresh aliases
+            assert all(g is not s for g, s in zip(grads, runner.captured.static_outputs))  # fresh aliases
             ptrs.append([g.data_ptr() for g in grads])
         del grads  # the user dropped them (set_to_none)
-    assert ptrs[0] == [s.data_ptr() for s in runner.static_outputs] and ptrs.count(ptrs[0]) == 3
-    assert runner.fixed_ptrs == {0: saved.data_ptr()} and runner.copy_idxs == [1] and runner.replays == 3
+    assert ptrs[0] == [s.data_ptr() for s in runner.captured.static_outputs] and ptrs.count(ptrs[0]) == 3
+    assert runner.captured.fixed_ptrs == {0: saved.data_ptr()} and runner.captured.copy_idxs == [1]
+    assert runner.replays == 3
     assert runner.summary()["lent_moved"] == 0 and runner.ungraphed_calls == 0
 
 
@@ -147,18 +148,16 @@ def test_gradients_still_held_at_the_next_replay_move_to_a_copy_first(monkeypatc
     overwrite it, by the backward or by the forward that shares the pool."""
     import weakref
 
-    from apollo_compile.runtime.cudagraph import CudaGraphRunner
-
     runner, family, saved = _backward_runner(monkeypatch)
     param = torch.nn.Parameter(torch.zeros(2))
     family.grad_owners = [weakref.ref(param)]  # as the forward's capture records them
     runner([saved, torch.tensor(1.0)])  # the eager warm-up call
     param.grad = runner([saved, torch.tensor(2.0)])[0].detach()  # what AccumulateGrad does
     user_ref = param.grad  # a reference to the same .grad follows it to the copy
-    assert param.grad.data_ptr() == runner.static_outputs[0].data_ptr()
+    assert param.grad.data_ptr() == runner.captured.static_outputs[0].data_ptr()
     for step in (3, 4):
         new = runner([saved, torch.tensor(float(step))])[0]
-        assert param.grad.data_ptr() != runner.static_outputs[0].data_ptr()  # moved before the replay
+        assert param.grad.data_ptr() != runner.captured.static_outputs[0].data_ptr()  # moved before the replay
         param.grad.add_(new)
         del new
     torch.testing.assert_close(param.grad, saved * (2 + 3 + 4))
@@ -172,12 +171,13 @@ def test_gradients_still_held_at_the_next_replay_move_to_a_copy_first(monkeypatc
         return [(p.detach() + x).sum()]
 
     forward._boxed_call = True
-    fw = CudaGraphRunner({"lanes": forward}, "f_forward", "forward", family, {0}, {0})
+    fw = runner_for({"lanes": forward}, "f_forward", "forward", family, static_input_idxs={0},
+                    user_visible_outputs={0})
     param.grad = runner([saved, torch.tensor(5.0)])[0].detach()
     for _ in range(3):
         fw([param, torch.ones(2)])  # the capture (call 2) records param as a gradient owner
     assert [ref() for ref in family.grad_owners] == [param]
-    assert param.grad.data_ptr() != runner.static_outputs[0].data_ptr()
+    assert param.grad.data_ptr() != runner.captured.static_outputs[0].data_ptr()
     torch.testing.assert_close(param.grad, saved * 5)
 
 
@@ -202,7 +202,7 @@ def test_concurrency_is_replayed_only_where_it_pays():
     stream wins, since two lanes hold both towers' temporaries at once."""
     from apollo_compile.runtime.choice import fastest
 
-    # the H200's budget-0.2 backward (ms per replay) and its forward
+    # a budget-0.2 backward (ms per replay) and its forward, as measured
     assert fastest({"lanes": 21.633, "one_lane": 21.636}, 0.01) == "one_lane"
     assert fastest({"lanes": 7.10, "one_lane": 7.73}, 0.01) == "lanes"
     assert fastest({"lanes": 15.45, "one_lane": 16.42, "quota:1=24,2=96": 21.24}, 0.01) == "lanes"
@@ -228,7 +228,7 @@ def test_with_memory_first_concurrency_must_stay_within_the_pool_ratio():
 
 def test_memory_first_judges_concurrency_by_the_step_peak_not_the_pool_alone():
     """The 1.1x bound is on the step's peak: what was allocated beside the graph (parameters, the
-    forward's saved activations) counts on both sides. Measured on the H200: a lanes backward pool
+    forward's saved activations) counts on both sides. Measured: a lanes backward pool
     1.21x one lane's was 1.07x of its step peak."""
     from apollo_compile.runtime.choice import fastest
 
@@ -238,17 +238,15 @@ def test_memory_first_judges_concurrency_by_the_step_peak_not_the_pool_alone():
     assert fastest(ms, 0.01, {**pools, "lanes": 150}, 1.1, base_bytes=300) == "one_lane"  # 1.125x
 
 
-def _borrowing_backward(owners: dict, static_inputs: list, donated_idxs: set):
-    """A backward runner as its capture sees it: the family owns the forward's outputs, the runner's
-    static inputs borrow them (cudagraph.py, NOTE: Donation)."""
-    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
-
-    runner = CudaGraphRunner({"lanes": None, "one_lane": None}, "g_backward", "backward", GraphFamily(), set(),
-                             None, max_memory_ratio=1.1, donated_idxs=donated_idxs)
-    runner.family.owners = owners
-    runner.static_inputs = static_inputs
-    runner.fixed_ptrs = {i: x.data_ptr() for i, x in enumerate(static_inputs) if x.untyped_storage().data_ptr() in owners}
-    return runner
+def _borrowing_backward(owners: dict, static_inputs: list, donated_idxs: set, budget: bool = True):
+    """A backward as its capture sees it: the family owns the forward's outputs, the static inputs
+    borrow them (docs/design/cuda-graphs.md#donation). Returns (static inputs, config, family)."""
+    family = GraphFamily()
+    family.owners = owners
+    fixed = {i: x.data_ptr() for i, x in enumerate(static_inputs) if x.untyped_storage().data_ptr() in owners}
+    config = RunnerConfig("g_backward", "backward", donated_idxs=donated_idxs,
+                          memory=MemoryPolicy(lane_memory_ratio=1.1 if budget else None))
+    return StaticInputs(static_inputs, [], fixed), config, family
 
 
 def test_a_backward_capture_takes_over_the_memory_of_donated_saved_activations():
@@ -269,17 +267,18 @@ def test_a_backward_capture_takes_over_the_memory_of_donated_saved_activations()
     static_inputs = [full[0], full[1], full[2][:3], full[2][3:], torch.ones(2)]  # the last: a tangent, copied
     donated_ptr, kept = full[0].untyped_storage().data_ptr(), set(owners) - {full[0].untyped_storage().data_ptr()}
     weak = StorageWeakRef(owners[donated_ptr])
-    runner = _borrowing_backward(owners, static_inputs, donated_idxs={0, 2})
-    assert runner._will_donate()
-    inputs, donated, freed_on_side_lanes = runner._donating_inputs()
-    assert donated == {donated_ptr} and set(runner.family.owners) == kept and runner.donated_bytes == 8 * 4
+    static, config, family = _borrowing_backward(owners, static_inputs, donated_idxs={0, 2})
+    assert donatable(static, config, family)
+    donation = donating_inputs(static, config, family, fn=None)
+    inputs, donated, freed_on_side_lanes = donation.inputs, donation.donated, donation.local
+    assert donated == {donated_ptr} and set(family.owners) == kept and donation.donated_bytes == 8 * 4
     assert freed_on_side_lanes == {}  # no side lanes on the CPU
     assert inputs[0].data_ptr() == static_inputs[0].data_ptr() and inputs[0] is not static_inputs[0]
     assert all(inputs[i] is static_inputs[i] for i in (1, 2, 3, 4))
     assert not weak.expired()
     inputs.clear()  # what the boxed runtime does with what it read last
     assert weak.expired()  # the list held the only owner: freed during the capture
-    assert not runner._will_donate()  # nothing left to take over
+    assert not donatable(static, config, family)  # nothing left to take over
 
 
 def test_side_lanes_take_over_only_what_their_own_stream_made_and_alone_read():
@@ -344,12 +343,11 @@ def test_a_side_lane_frees_the_inputs_its_stream_made_at_their_last_reader():
     assert rt.held == [(other,)]
 
 
-def test_the_chosen_runtimes_side_lanes_decide_what_the_backward_takes_over(monkeypatch):
+def test_the_chosen_runtimes_side_lanes_decide_what_the_backward_takes_over():
     """With side lanes, the final capture donates by the stream that made each saved activation;
     withheld memory stays the family's and is reported."""
     from types import SimpleNamespace
 
-    from apollo_compile.runtime import cudagraph
     from apollo_compile.runtime.graph_pool import borrowed, unowned
 
     owners, full = {}, []
@@ -358,31 +356,39 @@ def test_the_chosen_runtimes_side_lanes_decide_what_the_backward_takes_over(monk
         owners[storage.data_ptr()] = storage
         full.append(borrowed(torch.empty(n), unowned(storage)))
     mine, theirs = (t.untyped_storage().data_ptr() for t in full)
-    runner = _borrowing_backward(owners, list(full), donated_idxs={0, 1})
+    static, config, family = _borrowing_backward(owners, list(full), donated_idxs={0, 1})
 
     def lanes(args):
         return args
 
     lanes.lane_runtime = SimpleNamespace(streams={1: SimpleNamespace(cuda_stream=11)})
     lanes.input_lanes = (frozenset({1}), frozenset({0, 1}))
-    runner.candidates, runner.chosen = {"lanes": lanes, "one_lane": None}, "lanes"
-    monkeypatch.setattr(cudagraph, "allocation_streams", lambda ptrs: {mine: 11, theirs: 11})
-    inputs, donated, local = runner._donating_inputs()
-    assert donated == {mine} and local == {1: [0]} and set(runner.family.owners) == {theirs}
-    assert runner.donated_bytes == runner.side_lane_donated_bytes == 8 * 4 and runner.withheld_bytes == 4 * 4
-    assert inputs[1] is full[1]
+    donation = donating_inputs(static, config, family, lanes, made_on=lambda ptrs: {mine: 11, theirs: 11})
+    assert donation.donated == {mine} and donation.local == {1: [0]} and set(family.owners) == {theirs}
+    assert donation.donated_bytes == donation.side_lane_donated_bytes == 8 * 4 and donation.withheld_bytes == 4 * 4
+    assert donation.inputs[1] is full[1]
+
+
+CANDIDATES = {"lanes": lambda args: args, "one_lane": lambda args: args}
+
+
+def choose(config: RunnerConfig, family: GraphFamily, will_donate: bool, **changes) -> tuple[str, CandidateChoice]:
+    """The candidate a graph of `config` (with `changes`) chooses at its capture, and the choice."""
+    import dataclasses
+
+    chooser = CandidateChoice(CANDIDATES, dataclasses.replace(config, **changes), family)
+    return chooser.choose(StaticInputs([], [], {}), will_donate, FakeCapture()), chooser
 
 
 def test_under_a_budget_a_donating_backward_replays_one_lane_unmeasured(monkeypatch):
     """Measuring would hold each candidate's pool beside every saved activation, and only one
     stream reuses the donated memory: no capture, no timing, one lane."""
-    runner = _borrowing_backward({}, [], donated_idxs={0})
-    monkeypatch.setattr(type(runner), "_will_donate", lambda self: True)
+    _, config, family = _borrowing_backward({}, [], donated_idxs={0})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("measured"))
-    assert runner._choose_candidate() == "one_lane" and runner.measured_ms == {}
-    runner.max_memory_ratio = None  # no budget: time decides (measured on CUDA)
-    with pytest.raises(BaseException, match="measured"):
-        runner._choose_candidate()
+    chosen, chooser = choose(config, family, will_donate=True)
+    assert chosen == "one_lane" and chooser.measured_ms == {}
+    with pytest.raises(BaseException, match="measured"):  # no budget: time decides (measured on CUDA)
+        choose(config, family, will_donate=True, memory=MemoryPolicy())
 
 
 def test_under_a_budget_the_forward_of_a_donating_backward_replays_one_lane_unmeasured(monkeypatch):
@@ -391,20 +397,18 @@ def test_under_a_budget_the_forward_of_a_donating_backward_replays_one_lane_unme
     capture stream. Compiling a donating backward tells the family; the forward then replays one
     lane under a budget. Without a budget, or without donation, time decides."""
     family = GraphFamily()
-    candidates = {"lanes": lambda args: args, "one_lane": lambda args: args}
-    forward = CudaGraphRunner(candidates, "frame0_0_forward", "forward", family, set(), None, max_memory_ratio=1.1)
+    budget = MemoryPolicy(lane_memory_ratio=1.1)
+    forward = runner_for(CANDIDATES, "frame0_0_forward", "forward", family, memory=budget)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("measured"))
-    assert forward._memory_first_one_lane() is None  # no backward compiled yet: measure
-    CudaGraphRunner(candidates, "frame0_0_backward", "backward", family, set(), None, max_memory_ratio=1.1,
-                    donated_idxs=set())
+    assert forward.chooser.memory_first_reason(will_donate=False) is None  # no backward compiled yet: measure
+    runner_for(CANDIDATES, "frame0_0_backward", "backward", family, memory=budget, donated_idxs=set())
     assert not family.backward_donates  # a backward with nothing donated (retain_graph at the first backward)
-    CudaGraphRunner(candidates, "frame0_0_backward", "backward", family, set(), None, max_memory_ratio=1.1,
-                    donated_idxs={3})
+    runner_for(CANDIDATES, "frame0_0_backward", "backward", family, memory=budget, donated_idxs={3})
     assert family.backward_donates
-    assert forward._choose_candidate() == "one_lane" and forward.measured_ms == {}
-    forward.max_memory_ratio = None  # no budget: time decides (measured on CUDA)
-    with pytest.raises(BaseException, match="measured"):
-        forward._choose_candidate()
+    chosen, chooser = choose(forward.config, family, will_donate=False)
+    assert chosen == "one_lane" and chooser.measured_ms == {}
+    with pytest.raises(BaseException, match="measured"):  # no budget: time decides (measured on CUDA)
+        choose(forward.config, family, will_donate=False, memory=MemoryPolicy())
 
 
 def test_a_donating_backward_replays_its_forwards_measured_choice_unmeasured(monkeypatch):
@@ -414,29 +418,25 @@ def test_a_donating_backward_replays_its_forwards_measured_choice_unmeasured(mon
     choice the backward lacks: the backward measures."""
     from apollo_compile.runtime import choice
 
-    runner = _borrowing_backward({}, [], donated_idxs={0})
-    runner.max_memory_ratio = None
-    donates = [True]
-    monkeypatch.setattr(type(runner), "_will_donate", lambda self: donates[0])
+    _, config, family = _borrowing_backward({}, [], donated_idxs={0}, budget=False)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("measured"))
     assert choice.in_effect() is choice.DEFAULT
-    family = runner.family
     for chosen in ("lanes", "one_lane"):
         family.forward_chosen, family.forward_measured = chosen, True
-        assert runner._choose_candidate() == chosen and runner.measured_ms == {}
+        got, chooser = choose(config, family, will_donate=True)
+        assert got == chosen and chooser.measured_ms == {}
     for chosen, measured, donating in (("lanes", False, True), ("lanes", True, False), ("quota:1=8", True, True)):
-        family.forward_chosen, family.forward_measured, donates[0] = chosen, measured, donating
+        family.forward_chosen, family.forward_measured = chosen, measured
         with pytest.raises(BaseException, match="measured"):
-            runner._choose_candidate()
-    family.forward_chosen, family.forward_measured, donates[0] = "lanes", True, True
-    runner.strategy = choice.ChooseFastest(follow_forward=False)  # the rule before: measure
-    with pytest.raises(BaseException, match="measured"):
-        runner._choose_candidate()
+            choose(config, family, will_donate=donating)
+    family.forward_chosen, family.forward_measured = "lanes", True
+    with pytest.raises(BaseException, match="measured"):  # the rule before: measure
+        choose(config, family, will_donate=True, strategy=choice.ChooseFastest(follow_forward=False))
 
 
 def test_the_strategy_in_effect_reaches_the_backwards_thread():
     """The autograd engine runs a CUDA backward on a thread of its own: `using` must reach it (a
-    contextvar did not: the H200's backward chose by the default rule inside `using`, session 28)."""
+    contextvar does not: a backward chooses by the default rule inside `using` with one)."""
     import threading
 
     from apollo_compile.runtime import choice
@@ -463,37 +463,36 @@ def test_a_strategy_decides_which_candidate_replays(monkeypatch):
     backward; a choice the graph lacks is refused."""
     from apollo_compile.runtime import choice
 
-    runner = _borrowing_backward({}, [], donated_idxs={0})
-    monkeypatch.setattr(type(runner), "_will_donate", lambda self: True)
+    _, config, family = _borrowing_backward({}, [], donated_idxs={0})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("measured"))
+
+    def chosen(**changes):
+        got, chooser = choose(config, family, will_donate=True, **changes)
+        assert chooser.measured_ms == {}
+        return got
+
     with choice.using(choice.Fixed("lanes")):
-        assert runner._choose_candidate() == "lanes" and runner.measured_ms == {}
-        runner.strategy = choice.ChooseFastest()  # the runner's own strategy wins
-        assert runner._choose_candidate() == "one_lane"
-    runner.strategy = None
-    assert choice.in_effect() is choice.DEFAULT and runner._choose_candidate() == "one_lane"
+        assert chosen() == "lanes"
+        assert chosen(strategy=choice.ChooseFastest()) == "one_lane"  # the runner's own strategy wins
+    assert choice.in_effect() is choice.DEFAULT and chosen() == "one_lane"
     for measuring in (choice.ChooseFastest(memory_first=()), choice.ChooseFastest(memory_first=("forward",))):
-        runner.strategy = measuring
         with pytest.raises(BaseException, match="measured"):
-            runner._choose_candidate()
-    runner.strategy = choice.Fixed("quota:1=96,2=32")  # no such candidate: chosen as apollo would...
-    assert runner._choose_candidate() == "one_lane"
-    runner.strategy = choice.Fixed("quota:1=96,2=32", otherwise=choice.Fixed("lanes"))  # ... or as told
-    assert runner._choose_candidate() == "lanes"
-    runner.strategy = choice.ChooseFastest(memory_first=(), follow_forward=True)
-    runner.family.forward_measured = True
-    for chosen in ("lanes", "one_lane"):
-        runner.family.forward_chosen = chosen
-        assert runner._choose_candidate() == chosen and runner.measured_ms == {}
-    runner.family.forward_measured = False
+            chosen(strategy=measuring)
+    # no such candidate: chosen as apollo would, or as told
+    assert chosen(strategy=choice.Fixed("quota:1=96,2=32")) == "one_lane"
+    assert chosen(strategy=choice.Fixed("quota:1=96,2=32", otherwise=choice.Fixed("lanes"))) == "lanes"
+    family.forward_measured = True
+    for forward_chose in ("lanes", "one_lane"):
+        family.forward_chosen = forward_chose
+        assert chosen(strategy=choice.ChooseFastest(memory_first=(), follow_forward=True)) == forward_chose
+    family.forward_measured = False
 
     class Wrong(choice.ChooseFastest):
         def unmeasured(self, graph):
             return "quota:1=8", "wrong"
 
-    runner.strategy = Wrong()
     with pytest.raises(ValueError, match="does not have"):
-        runner._choose_candidate()
+        chosen(strategy=Wrong())
 
 
 def test_the_measured_times_go_to_the_strategy():
@@ -502,7 +501,7 @@ def test_the_measured_times_go_to_the_strategy():
 
     ms, pools = {"lanes": 10.0, "one_lane": 11.0}, {"lanes": 130, "one_lane": 100}
     assert ChooseFastest().choose(GraphFacts("g", "forward", tuple(ms)), ms, pools, 0) == "lanes"
-    budget = GraphFacts("g", "forward", tuple(ms), max_memory_ratio=1.1)
+    budget = GraphFacts("g", "forward", tuple(ms), lane_memory_ratio=1.1)
     assert ChooseFastest().choose(budget, ms, pools, 0) == "one_lane"
     assert ChooseFastest(min_gain=0.2).choose(GraphFacts("g", "forward", tuple(ms)), ms, pools, 0) == "one_lane"
 
@@ -511,11 +510,11 @@ def test_each_capture_gets_cublas_workspaces_of_its_own(monkeypatch):
     """cuBLAS's cached workspaces are dropped right before and right after every capture (also one
     that fails), as CUDA-graph trees do: the graph's workspaces are then allocated in its own pool,
     and die with a measured candidate instead of staying allocated."""
-    from apollo_compile.runtime import cudagraph
+    from apollo_compile.runtime.capture import CudaCapture
 
     events = []
 
-    class FakeCapture:
+    class FakeCaptureContext:
         def __init__(self, graph, pool=None):
             pass
 
@@ -527,11 +526,9 @@ def test_each_capture_gets_cublas_workspaces_of_its_own(monkeypatch):
 
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: events.append("clear"), raising=False)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
-    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "graph", FakeCaptureContext)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    runner = cudagraph.CudaGraphRunner.__new__(cudagraph.CudaGraphRunner)
-    runner.static_inputs = [torch.ones(2)]
-    _, outputs = runner._capture_one(lambda args: [args[0] * 2], pool=None)
+    _, outputs = CudaCapture().capture(lambda args: [args[0] * 2], [torch.ones(2)], None, "g (lanes)")
     assert events == ["clear", "capture", "end", "clear"] and torch.equal(outputs[0], torch.full((2,), 2.0))
 
     def fails(args):
@@ -539,7 +536,7 @@ def test_each_capture_gets_cublas_workspaces_of_its_own(monkeypatch):
 
     events.clear()
     with pytest.raises(RuntimeError, match="capture failed"):
-        runner._capture_one(fails, pool=None)
+        CudaCapture().capture(fails, [torch.ones(2)], None, "g (lanes)")
     assert events == ["clear", "capture", "end", "clear"]
 
 
@@ -549,54 +546,32 @@ def test_each_candidate_reports_the_memory_its_capture_pool_holds(monkeypatch):
     fastest wins, and the summary carries both."""
     import itertools
 
-    from apollo_compile.runtime import cudagraph
-    from helpers import FakeGraph
-
     pools = itertools.count(1)
-    ms = {"lanes": 4.0, "one_lane": 5.0}
     reserved = {(0, 1): 6 << 20, (0, 2): 4 << 20}  # lanes' pool holds both towers' temporaries
-    timing = []
-
-    class FakeEvent:
-        def __init__(self, enable_timing=False):
-            pass
-
-        def record(self):
-            pass
-
-        def elapsed_time(self, end):
-            return ms[timing[-1]] * cudagraph.CudaGraphRunner.timing_replays
-
-    def capture_one(self, fn, pool):
-        timing.append(next(name for name, f in self.candidates.items() if f is fn))
-        outputs = fn(list(self.static_inputs))
-        return FakeGraph(fn, self.static_inputs, outputs), outputs
-
+    fake_cuda(monkeypatch)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(pools)))
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [
         {"segment_pool_id": pool, "total_size": size} for pool, size in reserved.items()] + [
         {"segment_pool_id": (0, 0), "total_size": 1 << 30}])  # eager memory: not a pool's
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
-    monkeypatch.setattr(cudagraph.CudaGraphRunner, "_capture_one", capture_one)
+
     def lanes(args):
         return [args[0] * 2]
 
     def one_lane(args):
         return [args[0] * 2]
 
-    runner = cudagraph.CudaGraphRunner({"lanes": lanes, "one_lane": one_lane}, "g_forward", "forward",
-                                       cudagraph.GraphFamily(), set(), None)
-    runner.static_inputs = [torch.ones(2)]
-    assert runner._choose_candidate() == "lanes"
-    summary = runner.summary()
-    assert summary["measured_ms"] == {"lanes": 4.0, "one_lane": 5.0}
-    assert summary["candidate_pool_bytes"] == {"lanes": 6 << 20, "one_lane": 4 << 20}
-    runner.measured_ms, runner.candidate_pool_bytes, timing[:] = {}, {}, []
+    capturer = FakeCapture(ms={"lanes": 4.0, "one_lane": 5.0})
+    static = StaticInputs([torch.ones(2)], [0], {})
+    config = RunnerConfig("g_forward", "forward")
+    chooser = CandidateChoice({"lanes": lanes, "one_lane": one_lane}, config, GraphFamily())
+    assert chooser.choose(static, False, capturer) == "lanes"
+    assert chooser.measured_ms == {"lanes": 4.0, "one_lane": 5.0}
+    assert chooser.candidate_pool_bytes == {"lanes": 6 << 20, "one_lane": 4 << 20}
     pools = itertools.count(1)  # the same two pools again  # noqa: F841 (read by the graph_pool_handle stub)
-    runner.max_memory_ratio = 1.1  # a memory_budget puts memory first: lanes hold 1.5x one lane's pool
-    assert runner._choose_candidate() == "one_lane"
+    # a memory_budget puts memory first: lanes hold 1.5x one lane's pool
+    budget = RunnerConfig("g_forward", "forward", memory=MemoryPolicy(lane_memory_ratio=1.1))
+    chooser = CandidateChoice({"lanes": lanes, "one_lane": one_lane}, budget, GraphFamily())
+    assert chooser.choose(static, False, capturer) == "one_lane"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the allocator answers on CUDA")
@@ -618,37 +593,36 @@ def _reference_ptrs_equal(tensors, ptrs, indices):
 
 @pytest.mark.parametrize("check", ["python", "reference", "torch"])
 def test_inputs_in_place_checks_only_the_fixed_positions(monkeypatch, check):
-    """The pre-launch check of inputs captured in place: what moved, what did not, what is no
-    longer a tensor; the other inputs (copied in) may live anywhere."""
+    """The pre-launch check of inputs captured in place (graph_io.Addresses, which a captured
+    graph's `inputs_in_place` asks): what moved, what did not, what is no longer a tensor; the
+    other inputs (copied in) may live anywhere."""
     from apollo_compile.runtime import graph_io
 
-    if check == "torch" and graph_io._data_ptrs_equal is None:
+    if check == "torch" and graph_io.data_ptrs_equal is None:
         pytest.skip("this torch build has no _tensors_data_ptrs_at_indices_equal (CUDA builds do)")
     if check != "torch":
-        monkeypatch.setattr(graph_io, "_data_ptrs_equal", None if check == "python" else _reference_ptrs_equal)
-    runner = CudaGraphRunner({"lanes": lambda args: args}, "g", "forward", GraphFamily(), set(), None)
+        monkeypatch.setattr(graph_io, "data_ptrs_equal", None if check == "python" else _reference_ptrs_equal)
     a, b, c = torch.zeros(2), torch.ones(3), torch.arange(4.0)
-    runner.fixed_ptrs = {1: a.data_ptr(), 3: b.data_ptr()}
-    assert runner._inputs_in_place([c.clone(), a, 7, b])
-    assert runner._inputs_in_place([c, a, c, b, c])  # the copied-in positions may be anything
-    assert not runner._inputs_in_place([c, a, 7, a.clone()])
-    assert not runner._inputs_in_place([c, 5, 7, b])
-    runner.fixed_ptrs = {0: c.data_ptr()}  # a new capture lays the check out again
-    assert runner._inputs_in_place([c]) and not runner._inputs_in_place([a])
-    runner.fixed_ptrs = {}
-    assert runner._inputs_in_place([a, b])
+    fixed = graph_io.Addresses({1: a.data_ptr(), 3: b.data_ptr()})
+    assert fixed.hold([c.clone(), a, 7, b])
+    assert fixed.hold([c, a, c, b, c])  # the copied-in positions may be anything
+    assert not fixed.hold([c, a, 7, a.clone()])
+    assert not fixed.hold([c, 5, 7, b])
+    fixed = graph_io.Addresses({0: c.data_ptr()})  # a new capture lays the check out again
+    assert fixed.hold([c]) and not fixed.hold([a])
+    assert graph_io.Addresses({}).hold([a, b])
 
 
 def test_memory_pressure_without_cuda_is_none_and_refuses_nothing():
-    """No CUDA to ask (a CPU build): the headroom check refuses no capture (NOTE: A capture needs
-    headroom); the runner captures only on CUDA anyway."""
+    """No CUDA to ask (a CPU build): the headroom check refuses no capture (docs/design/cuda-graphs.md
+    #capture-headroom); the runner captures only on CUDA anyway."""
     from apollo_compile.runtime import graph_pool
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine has an allocator to ask")
     assert graph_pool.memory_pressure() is None
-    runner = CudaGraphRunner({"lanes": lambda args: args}, "g_forward", "forward", GraphFamily(), set(), None)
-    assert runner._capture_refused() is None and runner.family.capture_refused is None
+    runner = runner_for({"lanes": lambda args: args}, "g_forward", "forward")
+    assert runner.capture_refusal() is None and runner.family.capture_refused is None
 
 
 def test_host_values_are_cpu_tensors_with_data_beside_device_ones():
@@ -664,7 +638,7 @@ def test_host_values_are_cpu_tensors_with_data_beside_device_ones():
 
 
 def test_a_graph_reading_a_host_value_is_never_captured(monkeypatch):
-    """`loss * t` with t a Python float Dynamo has seen change (a 0-dim CPU tensor): on the H200 a
+    """`loss * t` with t a Python float Dynamo has seen change (a 0-dim CPU tensor): on a GPU a
     replay kept the captured t (benchmarks/probes/scalar_input_probe.py). The runner runs such a graph
     without its CUDA graph from the call that would capture it, with one warning."""
     from apollo_compile.runtime import cudagraph
@@ -675,7 +649,7 @@ def test_a_graph_reading_a_host_value_is_never_captured(monkeypatch):
         return [x * t]
 
     forward._boxed_call = True
-    runner = CudaGraphRunner({"lanes": forward}, "f_forward", "forward", GraphFamily(), set(), None)
+    runner = runner_for({"lanes": forward}, "f_forward", "forward")
     fake_cuda_graphs(monkeypatch)
     # the CPU stands in for the device: input 1 is the host value
     monkeypatch.setattr(cudagraph, "host_values", lambda args: [1])

@@ -11,79 +11,17 @@ from __future__ import annotations
 
 import copy
 import warnings
-import weakref
 
 import pytest
 import torch
 
 import apollo_compile
-from apollo_compile import pipeline
-from apollo_compile.runtime import choice
-from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
-from helpers import TOLERANCE, assert_same_loss_and_grads, fake_cuda_graphs
+from apollo_compile import ApolloFallbackWarning
+from apollo_compile.runtime import capture, choice
+from apollo_compile.runtime.config import LANE_MEMORY_RATIO
+from helpers import (TOLERANCE, FakeCapture, assert_same_loss_and_grads, backward_like_eager, runners,  # noqa: F401
+                     sgd_like_eager, twins)  # (runners: the fixture)
 from models import TwoTower, two_tower_inputs
-
-
-@pytest.fixture
-def runners(monkeypatch):
-    """Every apollo graph compiled in the test gets a CUDA-graph runner with a fake graph, which
-    replays "lanes" unmeasured (timing needs CUDA events)."""
-    made: list[CudaGraphRunner] = []
-    fake_cuda_graphs(monkeypatch)
-    monkeypatch.setattr(pipeline, "quota_candidates", lambda ctx: {})  # no green contexts on a CPU
-    families: dict[int, GraphFamily] = {}
-    original = pipeline.compile_graph
-
-    def compile_graph(gm, example_inputs, kind, name, options, spec, device, model_plan, family=None):
-        family = families.setdefault(id(model_plan), GraphFamily())  # forward and backward share one
-        fn = original(gm, example_inputs, kind, name, options, spec, device, model_plan, family)
-        runner = getattr(fn, "inner", fn)  # inside first_call.FirstCallFallback
-        assert isinstance(runner, CudaGraphRunner), model_plan.graphs[kind].fallback
-        made.append(runner)
-        return fn
-
-    monkeypatch.setattr(pipeline, "compile_graph", compile_graph)
-    with choice.using(choice.Fixed("lanes")):
-        yield made
-
-
-def twins(compiler: str):
-    """(model, its eager twin with the same weights, the model compiled with apollo)."""
-    torch.manual_seed(0)
-    model = TwoTower()
-    ref = copy.deepcopy(model)
-    return model, ref, torch.compile(model, backend="apollo", options={"subgraph_compiler": compiler})
-
-
-def backward_like_eager(compiled, model, ref, batches) -> None:
-    """One backward per batch through `compiled` and its eager twin `ref`: the loss and every
-    gradient match; then zero_grad(set_to_none=True)."""
-    for step, inputs in enumerate(batches):
-        loss, ref_loss = compiled(*inputs), ref(*inputs)
-        loss.backward()
-        ref_loss.backward()
-        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-
-
-def sgd_like_eager(compiled, model, ref, steps: int, micro_batches: int = 1, forwards_first: bool = False,
-                   make_inputs=lambda seed: two_tower_inputs(seed=seed)) -> None:
-    """`steps` SGD steps through `compiled` and its eager twin `ref`, each over `micro_batches`
-    micro-batches (gradients accumulated; `forwards_first`: every micro-batch's forward before
-    their backwards) of `make_inputs(seed)`: after each step the loss and every gradient match."""
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    for step in range(steps):
-        batches = [make_inputs(10 * step + micro) for micro in range(micro_batches)]
-        forwards = [(compiled(*inputs), ref(*inputs)) for inputs in batches] if forwards_first else None
-        for k, inputs in enumerate(batches):
-            loss, ref_loss = forwards[k] if forwards_first else (compiled(*inputs), ref(*inputs))
-            loss.backward()
-            ref_loss.backward()
-        assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE["eager"], step)
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
@@ -98,7 +36,7 @@ def test_training_through_the_runner_equals_eager(runners, compiler):
         ref_loss.backward()
         assert_same_loss_and_grads(loss, ref_loss, model, ref, TOLERANCE[compiler], step)
         if step > 0:  # a replay: AccumulateGrad took the graph's own buffers as .grad, no copy
-            graph_memory = {o.data_ptr() for o in runners[1].static_outputs if isinstance(o, torch.Tensor)}
+            graph_memory = {o.data_ptr() for o in runners[1].captured.static_outputs if isinstance(o, torch.Tensor)}
             assert {p.grad.data_ptr() for p in model.parameters()} <= graph_memory
         losses.append((loss.detach(), ref_loss.detach()))
         for o in (opt, ref_opt):
@@ -108,7 +46,7 @@ def test_training_through_the_runner_equals_eager(runners, compiler):
     assert forward.replays == 4 and backward.replays == 4  # call 1 eager, then capture + replays
     assert forward.family is backward.family and forward.family.forward_chosen == forward.chosen == "lanes"
     assert forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
-    assert forward.fixed_ptrs and backward.fixed_ptrs  # parameters / saved activations used in place
+    assert forward.captured.fixed_ptrs and backward.captured.fixed_ptrs  # parameters / saved activations used in place
     assert backward.summary()["lent_moved"] == 0  # set_to_none: nothing held a gradient at a replay
     for runner in runners:  # each replayed call's host time, of which the launch is a part
         summary = runner.summary()
@@ -135,7 +73,7 @@ def first_step_pools(monkeypatch) -> tuple[list, list]:
     CUDA: (the pools opened, the pool each eager call of a runner ran in)."""
     import contextlib
 
-    from apollo_compile.runtime import cudagraph, graph_pool
+    from apollo_compile.runtime import cudagraph, graph_pool, instances
 
     opened, ran_in = [], []
 
@@ -150,7 +88,7 @@ def first_step_pools(monkeypatch) -> tuple[list, list]:
         ran_in.append(pool)
         yield
 
-    monkeypatch.setattr(cudagraph, "first_step_pool", first_step_pool)
+    monkeypatch.setattr(instances, "first_step_pool", first_step_pool)
     monkeypatch.setattr(cudagraph, "allocating_in", allocating_in)
     return opened, ran_in
 
@@ -215,12 +153,12 @@ def test_cudagraphs_true_reaches_the_runner_as_capture_near_the_limit(runners, c
     compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager",
                                                                     "cudagraphs": cudagraphs})
     compiled(*two_tower_inputs(seed=0)).backward()
-    assert [r.capture_near_limit for r in runners] == [near_limit, near_limit]
+    assert [r.config.memory.capture_headroom is None for r in runners] == [near_limit, near_limit]
 
 
 def test_replay_host_time_leaves_out_the_capturing_call(runners):
-    """Capturing and measuring candidates take seconds on a GPU; counted as a replay, they made
-    session 8's `replay_host_ms` read 2 ms for a call whose launch took 0.06."""
+    """Capturing and measuring candidates take seconds on a GPU; counted as a replay, they would
+    make `replay_host_ms` read far more than a replay's launch takes."""
     import time
 
     class SlowChoice(choice.Fixed):
@@ -247,26 +185,20 @@ def test_the_backward_takes_over_the_saved_activations_aotautograd_donates(runne
     numbering of the backward's inputs reaches the runner), and training still equals eager, with
     gradient accumulation too. On the CPU nothing is freed for real: a list stands in for the
     graph pool, which keeps donated memory reserved (the fake graph replays read it)."""
-    from apollo_compile.runtime import cudagraph
+    from apollo_compile.runtime import capture
 
-    monkeypatch.setattr(cudagraph, "in_graph_pool", lambda t: True)
-    pool: list[torch.UntypedStorage] = []
-    take_over = cudagraph.CudaGraphRunner._donating_inputs
-
-    def donating_inputs(self):
-        owners = dict(self.family.owners)
-        taken = take_over(self)
-        pool.extend(owners[ptr] for ptr in taken[1])  # (inputs, donated data_ptrs, side lanes' inputs)
-        return taken
-
-    monkeypatch.setattr(cudagraph.CudaGraphRunner, "_donating_inputs", donating_inputs)
+    monkeypatch.setattr(capture, "in_graph_pool", lambda t: True)
     model, ref, compiled = twins("eager")
     sgd_like_eager(compiled, model, ref, 4, micro_batches)
     forward, backward = runners
-    assert backward.donated_idxs and pool, "AOTAutograd donates saved activations of this model"
-    assert backward.donated_bytes == sum(s.nbytes() for s in pool)
-    donated = {s.data_ptr() for s in pool}
-    read_in_place = {backward.static_inputs[i].untyped_storage().data_ptr() for i in backward.fixed_ptrs}
+    # the fake graph holds what its capture ran on, the donated owners among them (as a pool would)
+    pool = {s.data_ptr(): s for s in (x.untyped_storage() for x in backward.graph.static_inputs
+                                      if isinstance(x, torch.Tensor)) if s.data_ptr() in backward.captured.donated}
+    assert backward.config.donated_idxs and pool, "AOTAutograd donates saved activations of this model"
+    assert backward.summary()["donated_bytes"] == sum(s.nbytes() for s in pool.values())
+    donated = set(pool)
+    captured = backward.captured
+    read_in_place = {captured.static_inputs[i].untyped_storage().data_ptr() for i in captured.fixed_ptrs}
     assert donated <= read_in_place and not donated & set(forward.family.owners)
     assert forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
 
@@ -274,9 +206,9 @@ def test_the_backward_takes_over_the_saved_activations_aotautograd_donates(runne
 def test_a_first_backward_that_retains_the_graph_donates_nothing(runners, monkeypatch):
     """AOTAutograd compiles the backward without donated inputs when its first call retains the
     graph: the runner then takes over nothing, and backward twice through each graph stays right."""
-    from apollo_compile.runtime import cudagraph
+    from apollo_compile.runtime import capture
 
-    monkeypatch.setattr(cudagraph, "in_graph_pool", lambda t: True)
+    monkeypatch.setattr(capture, "in_graph_pool", lambda t: True)
     model, ref, compiled = twins("eager")
     for step in range(3):
         inputs = two_tower_inputs(seed=step)
@@ -289,11 +221,11 @@ def test_a_first_backward_that_retains_the_graph_donates_nothing(runners, monkey
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
     forward, backward = runners
-    assert not backward.donated_idxs and backward.donated_bytes == 0
+    assert not backward.config.donated_idxs and backward.summary()["donated_bytes"] == 0
     assert forward.family.owners  # the forward's outputs stay the family's
     # 6 backward calls: the first step's two un-graphed (its forward was the graph's first call)
     assert backward.replays == 4 and forward.ungraphed_calls == 0 and backward.ungraphed_calls == 0
-    assert backward.fixed_ptrs  # captured reading the captured forward's saved activations in place
+    assert backward.captured.fixed_ptrs  # captured reading the captured forward's saved activations in place
 
 
 @pytest.mark.parametrize("set_to_none", [False, True])
@@ -363,12 +295,12 @@ def test_a_memory_budget_bounds_what_concurrency_may_cost(runners):
     """With a memory_budget the runners replay a concurrent candidate only within 1.1x of the
     one-stream candidate's capture pool; without one, the fastest (the pools are still reported)."""
     torch.manual_seed(0)
-    for options, ratio in (({}, None), ({"memory_budget": 0.5}, pipeline.MEMORY_FIRST_LANE_RATIO)):
+    for options, ratio in (({}, None), ({"memory_budget": 0.5}, LANE_MEMORY_RATIO)):
         runners.clear()
         torch._dynamo.reset()
         compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager", **options})
         compiled(*two_tower_inputs()).backward()
-        assert runners and all(r.max_memory_ratio == ratio for r in runners), options
+        assert runners and all(r.config.memory.lane_memory_ratio == ratio for r in runners), options
 
 
 def test_under_a_budget_both_graphs_replay_one_lane_unmeasured_in_real_training(runners, monkeypatch):
@@ -376,9 +308,9 @@ def test_under_a_budget_both_graphs_replay_one_lane_unmeasured_in_real_training(
     backward is compiled at the first backward, before the forward's second call captures. Under a
     budget neither graph then measures its candidates (timing would need CUDA events: on the CPU
     it would fail the capture and run un-graphed), and training equals eager."""
-    from apollo_compile.runtime import cudagraph
+    from apollo_compile.runtime import capture
 
-    monkeypatch.setattr(cudagraph, "in_graph_pool", lambda t: True)
+    monkeypatch.setattr(capture, "in_graph_pool", lambda t: True)
     torch.manual_seed(0)
     model = TwoTower()
     ref = copy.deepcopy(model)
@@ -386,10 +318,10 @@ def test_under_a_budget_both_graphs_replay_one_lane_unmeasured_in_real_training(
     with choice.using(choice.ChooseFastest()):  # apollo's own rule, in place of the fixture's fixed "lanes"
         backward_like_eager(compiled, model, ref, [two_tower_inputs(seed=step) for step in range(3)])
     forward, backward = runners
-    assert forward.family.backward_donates and backward.donated_bytes > 0
+    assert forward.family.backward_donates and backward.summary()["donated_bytes"] > 0
     for runner in (forward, backward):
         assert set(runner.candidates) == {"lanes", "one_lane"}, "the model has two towers: two candidates"
-        assert runner.chosen == "one_lane" and runner.measured_ms == {}
+        assert runner.chosen == "one_lane" and runner.summary()["measured_ms"] == {}
         assert runner.replays == 2 and runner.ungraphed_calls == 0 and runner.disabled is None
 
 
@@ -408,14 +340,14 @@ def test_a_graph_with_symbolic_sizes_replays_only_at_the_shapes_it_was_captured_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         backward_like_eager(compiled, model, ref, [two_tower_inputs(batch=b, seed=k) for k, b in enumerate(sizes)])
-    symbolic = [r for r in runners if r.symbolic]
+    symbolic = [r for r in runners if r.config.symbolic]
     assert [r.kind for r in symbolic] == ["forward", "backward"]
     for runner in symbolic:  # eager at 4, captured at 6 and replayed twice more, eager at 5 twice
         assert (runner.replays, runner.ungraphed_calls) == (3, 2), runner.kind
-        assert runner.captured_shapes is not None and runner.disabled is None
+        assert runner.captured.captured_shapes is not None and runner.disabled is None
     messages = [str(w.message) for w in caught if "input shapes other than" in str(w.message)]
     assert len(messages) == 1 and messages[0].split()[1] == symbolic[0].name, messages
-    assert not [r for r in runners if not r.symbolic and r.ungraphed_calls], "static graphs replay throughout"
+    assert not [r for r in runners if not r.config.symbolic and r.ungraphed_calls], "static graphs replay throughout"
 
 
 @pytest.mark.parametrize("marked", [True, False], ids=["marked", "unmarked"])
@@ -425,7 +357,7 @@ def test_whole_step_gradients_are_lent_not_copied(runners, accumulate, marked, m
     memory (no parameter-sized copy per step); with gradient accumulation over two calls the second
     call's graph reads them in place and its sums are written back into them. The loss, held across
     steps, is a copy. "unmarked": traced as torch 2.11 traces it, with no ``autograd_backward``
-    marks (on the H200 all 399 outputs of HF CLIP's step were then copied, 0.56 GiB per step)."""
+    marks (every output of a step would then be copied, per step)."""
     if not marked:
         monkeypatch.setattr(torch.fx.traceback, "_mark_autograd_backward", lambda: None)
     torch.manual_seed(0)
@@ -456,12 +388,12 @@ def test_whole_step_gradients_are_lent_not_copied(runners, accumulate, marked, m
     for runner in runners:
         assert runner.kind == "inference" and runner.replays > 0 and runner.ungraphed_calls == 0
         # every gradient (new, or the sum written back into .grad) is lent; the loss alone is copied
-        assert len(runner.lent_idxs) >= params and len(runner.copied_out_idxs) == 1
+        assert len(runner.captured.lent_idxs) >= params and len(runner.captured.copied_out_idxs) == 1
 
 
 def adamw_inside_the_step():
     """(model, its eager twin, an AdamW for each, compile_step(step, optimizer=the model's AdamW))."""
-    from test_whole_step import backward_step
+    from helpers import backward_step
 
     torch.manual_seed(0)
     model = TwoTower()
@@ -497,11 +429,11 @@ def test_a_whole_step_with_its_optimizer_inside_replays_the_update_once_per_call
     (runner,) = runners
     assert runner.kind == "inference" and runner.replays == 4 and runner.ungraphed_calls == 0
     params = sum(1 for _ in model.parameters())
-    assert len(runner.written_idxs) == params + 1  # each parameter; the group's counters
+    assert len(runner.config.written_idxs) == params + 1  # each parameter; the group's counters
     # and, not inputs, the two moments of each (fused_update.py, NOTE: The moments are not graph inputs)
-    assert len({id(t) for t in runner.written_state()}) == 2 * params
-    assert runner.written_idxs <= set(runner.fixed_ptrs) and not runner.written_copied
-    assert len(runner.copied_out_idxs) == 1 and not runner.lent_idxs
+    assert len({id(t) for t in runner.config.written_state()}) == 2 * params
+    assert runner.config.written_idxs <= set(runner.captured.fixed_ptrs) and not runner.captured.written_copied
+    assert len(runner.captured.copied_out_idxs) == 1 and not runner.captured.lent_idxs
 
 
 def test_a_whole_step_with_its_optimizer_inside_is_timed_and_trains_like_eager(runners, monkeypatch):
@@ -509,19 +441,11 @@ def test_a_whole_step_with_its_optimizer_inside_is_timed_and_trains_like_eager(r
     update once more (the fake graph's replays do write the parameters and AdamW's state): what
     they wrote is put back from the host (graph_io.WrittenInputs), so training stays eager's."""
 
-    def measure(self):  # as _measure: each candidate captured, replayed once, then timing_replays times
-        for name, fn in self.candidates.items():
-            graph, _ = self._capture_one(fn, None)
-            for _ in range(1 + self.timing_replays):
-                graph.replay()
-            self.measured_ms[name] = 1.0 if name == "one_lane" else 2.0
-        return 0
-
-    monkeypatch.setattr(CudaGraphRunner, "_measure", measure)
-    with choice.using(choice.ChooseFastest()):
+    # each candidate captured, replayed once, then timing_replays times (FakeCapture.time)
+    with choice.using(choice.ChooseFastest()), capture.using(FakeCapture(ms={"one_lane": 1.0, "lanes": 2.0})):
         trained_with_adamw_inside(4)
     (runner,) = runners
-    assert set(runner.measured_ms) == {"lanes", "one_lane"} and runner.chosen == "one_lane"
+    assert set(runner.summary()["measured_ms"]) == {"lanes", "one_lane"} and runner.chosen == "one_lane"
     assert runner.replays == 3 and runner.ungraphed_calls == 0
 
 
@@ -547,3 +471,35 @@ def test_a_checkpoint_loaded_into_the_optimizer_keeps_its_graph(runners):
     assert [float(opt.state[p]["step"]) for p in model.parameters()][:1] == [4.0]  # 2 + steps 4 and 5
     (runner,) = runners
     assert runner.replays == 5 and runner.ungraphed_calls == 0
+
+
+@pytest.mark.parametrize("fails", ["forward", "backward"])
+def test_a_capture_that_runs_out_of_memory_loses_no_step(runners, monkeypatch, fails):
+    """docs/design/cuda-graphs.md#a-failed-capture: a capture that raises torch.OutOfMemoryError
+    midway (after the runtime consumed the list it captures on) leaves that step completed
+    un-graphed, on the caller's untouched inputs, once what the capture held is released; one
+    warning names it, and training goes on like eager's (loss and every gradient, SGD steps)."""
+    from apollo_compile.runtime import cudagraph
+
+    released = []
+    monkeypatch.setattr(cudagraph, "release_cached_segments", lambda: released.append([r.graph for r in runners]))
+    capturer = FakeCapture(fail=f"_{fails} (")  # the graph's name, then its candidate's
+    model, ref, compiled = twins("eager")
+    with capture.using(capturer), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sgd_like_eager(compiled, model, ref, 4)
+    forward, backward = runners
+    failed = forward if fails == "forward" else backward
+    assert [name for name in capturer.captured if f"_{fails} (" in name] == [f"{failed.name} (lanes)"]  # once
+    assert failed.disabled.startswith("OutOfMemoryError") and failed.replays == 0
+    messages = [str(w.message) for w in caught if issubclass(w.category, ApolloFallbackWarning)]
+    assert len([m for m in messages if m.startswith(f"apollo: {failed.name}")]) == 1, messages
+    assert "CUDA-graph capture failed (OutOfMemoryError" in next(m for m in messages if failed.name in m)
+    assert released[-1] == [None, None] or fails == "backward"  # released before the retry, no graph alive
+    if fails == "forward":  # no graph uses the pool the failed capture opened; the backward follows
+        assert forward.family.pool is None and backward.replays == 0
+        assert "its forward's CUDA-graph capture failed" in backward.disabled
+    else:  # the forward replayed until its backward failed, then let its graph go
+        assert forward.replays == 1 and forward.graph is None and "backward's CUDA-graph capture failed" in \
+            forward.disabled
+    assert forward.ungraphed_calls + backward.ungraphed_calls > 0

@@ -22,8 +22,11 @@ import apollo_compile
 from apollo_compile import pipeline
 from apollo_compile.fallback import REPORT_HINT, ApolloFallbackWarning
 from apollo_compile.devices import DEVICE_SPECS
-from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
-from helpers import TOLERANCE, assert_same_loss_and_grads, assert_trains_like_eager, replace_pass
+from apollo_compile.runtime.choice import Fixed
+from apollo_compile.runtime.config import MemoryPolicy
+from apollo_compile.runtime.instances import GraphFamily
+from helpers import (TOLERANCE, FakeCapture, assert_same_loss_and_grads, assert_trains_like_eager, fake_cuda,
+                     replace_pass, runner_for)
 from models import MLP, Block, TwoTower, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -274,7 +277,7 @@ def test_a_symint_input_binds_the_symbol_it_was_passed_as_not_its_replacement():
     equal s34, and a subgraph holding only the loss's arange(s34) took that SymInt alone. Inductor
     binds a forward's SymInt input by its placeholder expression (s52), not by the replaced one, so
     its code read an unbound s34: NameError at the graph's first call, and the forward fell back to
-    eager ATen (smoke_gpu.py's "batch varies" mode on an H100, session 49). Such a SymInt now binds
+    eager ATen (smoke_gpu.py's "batch varies" mode). Such a SymInt binds
     nothing for certain, and the subgraph takes a binder of s34 too (lanes.plain_symbols)."""
     import os
     import sys
@@ -375,7 +378,7 @@ def _raising_at_first_call(run, message: str, free_inputs: bool = False):
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 def test_a_runtime_that_raises_at_its_first_call_runs_its_graph_as_eager_aten(monkeypatch, kind):
     """runtime/first_call.py: an error that shows only when apollo's runtime first runs (HF LLaVA's
-    unbound lifted constant, session 27) no longer stops training: that call runs again as eager
+    unbound lifted constant) does not stop training: that call runs again as eager
     ATen, with every input still alive, and so does every later call of that graph, with one
     warning; the other graph keeps apollo's runtime."""
     original = pipeline.build_runtime
@@ -626,15 +629,19 @@ def test_casts_failure_with_strict_raises(monkeypatch):
 # ------------------------------------------------------------------------ (f) the CUDA-graph runner's decisions
 
 class FakeRuntimes:
-    """Two candidate runtimes that return which one ran; boxed like the real ones."""
+    """Two candidate runtimes that return which one ran; boxed like the real ones. `one_lane`, if
+    given, runs in place of the un-graphed candidate's body."""
 
-    def __init__(self):
+    def __init__(self, one_lane=None):
         self.calls = {"lanes": 0, "one_lane": 0}
+        self.one_lane = one_lane
 
     def candidates(self):
         def make(name):
             def run(args):
                 self.calls[name] += 1
+                if name == "one_lane" and self.one_lane is not None:
+                    self.one_lane(args)
                 out = [args[0] * 2, name]
                 args.clear()
                 return out
@@ -642,9 +649,13 @@ class FakeRuntimes:
         return {"lanes": make("lanes"), "one_lane": make("one_lane")}
 
 
-def _runner(kind="forward", family=None):
-    fake = FakeRuntimes()
-    runner = CudaGraphRunner(fake.candidates(), f"frame0_0_{kind}", kind, family or GraphFamily(), set(), None)
+def _runner(kind="forward", family=None, capturer=None, one_lane=None, **config):
+    """A runner of FakeRuntimes that replays "lanes" when captured by `capturer` (a FakeCapture
+    that fails its captures unless told otherwise)."""
+    fake = FakeRuntimes(one_lane)
+    capturer = capturer if capturer is not None else FakeCapture(fail="", error=RuntimeError)
+    runner = runner_for(fake.candidates(), f"frame0_0_{kind}", kind, family, strategy=Fixed("lanes"),
+                        capturer=capturer, **config)
     return runner, fake
 
 
@@ -653,17 +664,11 @@ def _graph_warnings(caught):
 
 
 def test_cudagraph_capture_failure_runs_the_runtime_and_warns_once(monkeypatch):
-    # The real capture needs a GPU; its failure path also calls torch.cuda.synchronize(), which a
-    # CPU build of torch refuses ("Torch not compiled with CUDA enabled"), so it is a no-op here.
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    runner, fake = _runner()
-    attempts = []
-
-    def capture(args):
-        attempts.append(len(args))
-        raise RuntimeError("synthetic capture failure")
-
-    monkeypatch.setattr(runner, "_capture", capture)
+    # The real capture needs a GPU; the CUDA calls around it (torch.cuda.synchronize, which a CPU
+    # build of torch refuses: "Torch not compiled with CUDA enabled") are no-ops here.
+    fake_cuda(monkeypatch)
+    capturer = FakeCapture(fail="", error=RuntimeError)
+    runner, fake = _runner(capturer=capturer)
     x = torch.arange(3.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -672,37 +677,34 @@ def test_cudagraph_capture_failure_runs_the_runtime_and_warns_once(monkeypatch):
         torch.testing.assert_close(out[0], x * 2)
         assert out[1] == "one_lane"  # un-graphed, the single-stream candidate runs
     assert fake.calls == {"lanes": 0, "one_lane": 3}
-    assert len(attempts) == 1  # capture tried once, on call 2, never again
+    assert len(capturer.captured) == 1  # capture tried once, on call 2, never again
     messages = _graph_warnings(caught)
-    assert len(messages) == 1 and "synthetic capture failure" in messages[0], messages
+    assert len(messages) == 1 and "synthetic: out of memory capturing" in messages[0], messages
     assert runner.disabled and runner.summary()["disabled"] == runner.disabled and runner.replays == 0
     assert fallback_messages(caught) == messages  # filterable as ApolloFallbackWarning
 
 
 @pytest.mark.parametrize("peak_gib, captured", [(17.55, False), (15.71, False), (14.8, True)])
 def test_a_family_near_the_memory_limit_stays_ungraphed_with_one_warning_per_graph(monkeypatch, peak_gib, captured):
-    """NOTE: A capture needs headroom. On the H200, steps whose first step peaked at 17.55 of 20 GiB
-    (88%, batch 1152) and 15.71 (79%, batch 1024, session 10) lost their second step capturing; at
-    about 14.8 (74%, batch 960) both graphs captured. The forward decides for its family and the
-    backward follows; both stay correct, running what the first step ran."""
+    """docs/design/cuda-graphs.md#capture-headroom: steps whose first step peaked at 88% and 79% of
+    the limit lost their second step capturing; at 74% both graphs captured. The forward decides
+    for its family and the backward follows; both stay correct, running what the first step ran."""
     from apollo_compile.runtime import cudagraph
 
+    fake_cuda(monkeypatch)
     monkeypatch.setattr(cudagraph, "memory_pressure", lambda: (int(peak_gib * 2**30), 20 * 2**30))
     family = GraphFamily()
-    (forward, fake_fw), (backward, fake_bw) = _runner("forward", family), _runner("backward", family)
-    captures = []
-    for runner in (forward, backward):
-        monkeypatch.setattr(runner, "_capture", lambda args, r=runner: captures.append(r.kind) or setattr(r, "graph", 1))
-        monkeypatch.setattr(runner, "_inputs_in_place", lambda args: True)
-        monkeypatch.setattr(runner, "_replay", lambda args: ["replayed"])
+    capturer = FakeCapture()
+    (forward, fake_fw), (backward, fake_bw) = (_runner(kind, family, capturer) for kind in ("forward", "backward"))
     x = torch.arange(3.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outs = [(forward([x]), backward([x])) for _ in range(3)]
     messages = _graph_warnings(caught)
+    captures = [name.split("_")[-1].split(" ")[0] for name in capturer.captured]
     if captured:
         assert captures == ["forward", "backward"] and not messages and family.capture_refused is None
-        assert outs[2] == (["replayed"], ["replayed"])
+        assert (outs[2][0][1], outs[2][1][1]) == ("lanes", "lanes")  # replayed
     else:
         assert captures == [] and fake_fw.calls["one_lane"] == 3 and fake_bw.calls["one_lane"] == 3
         share = f"{peak_gib / 20:.0%} of the 20.00 GiB"
@@ -712,16 +714,15 @@ def test_a_family_near_the_memory_limit_stays_ungraphed_with_one_warning_per_gra
 
 
 def test_cudagraphs_true_captures_near_the_memory_limit(monkeypatch):
-    from apollo_compile.runtime import cudagraph
+    from apollo_compile.runtime import cudagraph, graph_pool
 
     monkeypatch.setattr(cudagraph, "memory_pressure", lambda: (19 * 2**30, 20 * 2**30))
-    runner = CudaGraphRunner(FakeRuntimes().candidates(), "g_forward", "forward", GraphFamily(), set(), None,
-                             capture_near_limit=True)
-    assert runner._capture_refused() is None
-    assert cudagraph.too_close_to_the_limit(19 * 2**30, 20 * 2**30) is not None
-    assert cudagraph.too_close_to_the_limit(15 * 2**30, 20 * 2**30) is None  # 75% exactly: captured
-    assert cudagraph.too_close_to_the_limit(int(15.71 * 2**30), 20 * 2**30) is not None  # 79%: ran out (session 10)
-    assert cudagraph.too_close_to_the_limit(5, 0) is None  # an unknown limit refuses nothing
+    runner, _ = _runner(memory=MemoryPolicy(capture_headroom=None))
+    assert runner.capture_refusal() is None
+    assert graph_pool.too_close_to_the_limit(19 * 2**30, 20 * 2**30) is not None
+    assert graph_pool.too_close_to_the_limit(15 * 2**30, 20 * 2**30) is None  # 75% exactly: captured
+    assert graph_pool.too_close_to_the_limit(int(15.71 * 2**30), 20 * 2**30) is not None  # 79%: ran out
+    assert graph_pool.too_close_to_the_limit(5, 0) is None  # an unknown limit refuses nothing
 
 
 def test_cudagraph_capture_failure_frees_what_the_failed_capture_held_before_the_fallback(monkeypatch):
@@ -729,28 +730,23 @@ def test_cudagraph_capture_failure_frees_what_the_failed_capture_held_before_the
     traceback, every temporary the failed capture allocated) is still alive: at the edge of memory
     that fallback needs those bytes."""
     import gc
-    import sys
-    import weakref
 
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    runner, fake = _runner()
+    fake_cuda(monkeypatch)
     held = []
 
-    def capture(args):
-        temporary = torch.empty(1 << 10)  # what a capture's runtime had allocated when it ran out
-        held.append(weakref.ref(temporary))
-        raise torch.OutOfMemoryError("synthetic: out of memory during capture")
+    class RunsOut(FakeCapture):
+        def capture(self, fn, inputs, pool, name, written_state=()):
+            temporary = torch.empty(1 << 10)  # what a capture's runtime had allocated when it ran out
+            held.append(weakref.ref(temporary))
+            raise torch.OutOfMemoryError("synthetic: out of memory during capture")
 
-    monkeypatch.setattr(runner, "_capture", capture)
     seen = []
-    one_lane = runner.fn
 
     def fallback(args):
         gc.collect()
         seen.append((sys.exc_info()[0], held[0]() if held else None))
-        return one_lane(args)
 
-    monkeypatch.setattr(runner, "fn", fallback)
+    runner, fake = _runner(capturer=RunsOut(), one_lane=fallback)
     x = torch.arange(3.0)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -760,23 +756,38 @@ def test_cudagraph_capture_failure_frees_what_the_failed_capture_held_before_the
     assert seen[-1] == (None, None), seen  # no exception in flight, the temporary already freed
 
 
+def test_a_failed_capture_releases_what_it_held_before_the_ungraphed_retry(monkeypatch):
+    """docs/design/cuda-graphs.md#a-failed-capture: after a capture that ran out midway, the pool
+    no graph uses is given up and the allocator's cached segments are released, and only then
+    does that step run un-graphed, on the caller's inputs (the capture consumed only its copy)."""
+    from apollo_compile.runtime import cudagraph
+
+    fake_cuda(monkeypatch)
+    events = []
+    monkeypatch.setattr(cudagraph, "release_cached_segments", lambda: events.append("released"))
+    runner, fake = _runner(capturer=FakeCapture(fail=""), one_lane=lambda args: events.append(len(args)))
+    x = torch.arange(3.0)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        runner([x])  # call 1: eager warm-up
+        events.clear()
+        out = runner([x])  # call 2: the capture fails midway
+    assert events == ["released", "released", 1]  # before the family's first capture, after the failure; then x
+    assert runner.family.pool is None and runner.captured is None
+    torch.testing.assert_close(out[0], x * 2)
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
 def test_an_out_of_memory_after_a_failed_capture_says_why_and_what_to_do(monkeypatch):
-    """H200, session 10: batch 1024 in 20 GiB: its backward's capture ran out, then the un-graphed
-    fallback did too (it cannot use the pool's free memory): the user's OutOfMemoryError, still of
-    that type, says so and names cudagraphs=False. An OOM with no failed capture behind it is left
-    as PyTorch raised it."""
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    runner, fake = _runner()
-
-    def capture(args):
-        raise torch.OutOfMemoryError("synthetic: out of memory during capture")
+    """A backward's capture ran out, then the un-graphed fallback did too (it cannot use the pool's
+    free memory): the user's OutOfMemoryError, still of that type, says so and names
+    cudagraphs=False. An OOM with no failed capture behind it is left as PyTorch raised it."""
+    fake_cuda(monkeypatch)
 
     def out_of_memory(args):
         raise torch.OutOfMemoryError("synthetic: out of memory in the fallback")
 
-    monkeypatch.setattr(runner, "_capture", capture)
-    monkeypatch.setattr(runner, "fn", out_of_memory)
+    runner, fake = _runner(capturer=FakeCapture(fail=""), one_lane=out_of_memory)
     x = torch.arange(3.0)
     with pytest.raises(torch.OutOfMemoryError) as first:
         runner([x])  # call 1: un-graphed warm-up, no capture tried yet
@@ -785,49 +796,44 @@ def test_an_out_of_memory_after_a_failed_capture_says_why_and_what_to_do(monkeyp
         warnings.simplefilter("always")
         runner([x])  # call 2: the capture fails, then the fallback
     note = " ".join(caught.value.__notes__)
-    assert "capture failed" in note and "cudagraphs=False" in note and "synthetic: out of memory during" in note
+    assert "capture failed" in note and "cudagraphs=False" in note and "synthetic: out of memory capturing" in note
 
 
 def test_a_failed_backward_capture_makes_the_forward_let_its_graph_go(monkeypatch):
-    """NOTE: A capture needs headroom. Un-graphed, a backward cannot use the pool its forward's
-    graph keeps, so after its capture fails the forward drops its graph and the memory it owns
-    there, at its first call once the last forward's saved activations are dead (not while they
-    are: the pending backward may still read them), and the family runs as its first step did."""
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    """docs/design/cuda-graphs.md#a-failed-capture. Un-graphed, a backward cannot use the pool its
+    forward's graph keeps, so after its capture fails the forward drops its graph and the memory it
+    owns there, at its first call once the last forward's saved activations are dead (not while
+    they are: the pending backward may still read them), and the family runs as its first step did."""
+    from apollo_compile.runtime import instances
+
+    fake_cuda(monkeypatch)
+    monkeypatch.setattr(instances, "MAX_FAMILIES", 1)  # step 3 runs here, not in a second family
     family = GraphFamily()
-    (forward, fake_fw), (backward, fake_bw) = _runner("forward", family), _runner("backward", family)
     saved = torch.zeros(4)
 
-    def capture_forward(args):
-        forward.graph, forward.static_inputs, forward.static_outputs = object(), list(args), [saved]
-        family.owners[saved.data_ptr()] = saved.untyped_storage()
+    class OwnsForwardFailsBackward(FakeCapture):
+        def capture(self, fn, inputs, pool, name, written_state=()):
+            out = super().capture(fn, inputs, pool, name, written_state)
+            family.owners[saved.data_ptr()] = saved.untyped_storage()  # the forward's output in the pool
+            return out
 
-    def capture_backward(args):
-        raise torch.OutOfMemoryError("synthetic: the backward's capture ran out")
-
-    alias = []
-
-    def replay_forward(args):
-        alias[:] = [saved.detach()]
-        family.pending = [weakref.ref(alias[0])]
-        return ["replayed"]
-
-    monkeypatch.setattr(forward, "_capture", capture_forward)
-    monkeypatch.setattr(backward, "_capture", capture_backward)
-    monkeypatch.setattr(forward, "_inputs_in_place", lambda args: True)
-    monkeypatch.setattr(forward, "_replay", replay_forward)
+    capturer = OwnsForwardFailsBackward(fail="backward")
+    # output 0 is a saved activation (not the user's): a replay hands it out as the tracked alias
+    (forward, fake_fw), (backward, fake_bw) = (_runner(kind, family, capturer, user_visible_outputs={1})
+                                               for kind in ("forward", "backward"))
     x = torch.arange(3.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         forward([x]), backward([x])  # step 1: un-graphed
-        assert forward([x]) == ["replayed"]  # step 2: the forward captured and replayed ...
+        alias = forward([x])  # step 2: the forward captured and replayed ...
+        assert alias[1] == "lanes"
         backward([x])  # ... its backward's capture fails: un-graphed
-        assert family.backward_capture_failed and "ran out" in family.backward_capture_failed
+        assert family.backward_capture_failed and "out of memory" in family.backward_capture_failed
         forward([x])  # step 3 while step 2's saved activations live: un-graphed, graph kept
-        assert forward.graph is not None and family.owners
-        alias.clear()
+        assert forward.captured is not None and family.owners
+        del alias
         forward([x])  # step 4: they are dead, so the forward lets go
-    assert forward.graph is None and not family.owners and not forward.static_outputs
+    assert forward.captured is None and not family.owners
     assert "its backward's CUDA-graph capture failed" in forward.summary()["disabled"]
     assert fake_fw.calls["one_lane"] == 3 and fake_bw.calls["one_lane"] == 2  # steps 1, 3, 4; 1, 2
     messages = _graph_warnings(caught)
@@ -842,17 +848,10 @@ def test_cudagraph_pending_forward_runs_eager_and_warns_once(monkeypatch):
     from apollo_compile.runtime import instances
 
     monkeypatch.setattr(instances, "MAX_PER_INSTANCE", 1)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    fake_cuda(monkeypatch)
     family = GraphFamily()
-    fake = FakeRuntimes()  # its input 0 a parameter, read in place
-    runner = CudaGraphRunner(fake.candidates(), "frame0_0_forward", "forward", family, {0}, None)
-    attempts = []
-
-    def capture(args):
-        attempts.append(1)
-        raise RuntimeError("synthetic capture failure")
-
-    monkeypatch.setattr(runner, "_capture", capture)
+    capturer = FakeCapture(fail="", error=RuntimeError)
+    runner, fake = _runner("forward", family, capturer, static_input_idxs={0})  # input 0 a parameter, in place
     saved = torch.ones(1)
     x = torch.arange(3.0)
     family.pending = [weakref.ref(saved)]  # as a replay leaves it, in a family bound to its instance
@@ -861,31 +860,29 @@ def test_cudagraph_pending_forward_runs_eager_and_warns_once(monkeypatch):
         warnings.simplefilter("always")
         for _ in range(3):
             assert runner([x])[1] == "one_lane"
-        assert attempts == [] and len(_graph_warnings(caught)) == 1
+        assert capturer.captured == [] and len(_graph_warnings(caught)) == 1
         assert "2 forwards of one model instance await their backwards" in _graph_warnings(caught)[0]
         del saved  # the pending backward ran: its activations are released
         assert runner([x])[1] == "one_lane"
-    assert attempts == [1]
+    assert len(capturer.captured) == 1
     assert len(_graph_warnings(caught)) == 2 and "capture failed" in _graph_warnings(caught)[1]
     assert fake.calls["one_lane"] == 4
 
 
 def test_cudagraph_moved_input_runs_eager_and_warns_once(monkeypatch):
-    """An input captured in place (a parameter) that later lives elsewhere: no replay, one warning."""
-    runner, fake = _runner(kind="backward")
-    elsewhere = torch.zeros(3)
-
-    def capture(args):  # a capture that used `elsewhere` in place as input 0
-        runner.graph = object()
-        runner.fixed_ptrs = {0: elsewhere.data_ptr()}
-
-    monkeypatch.setattr(runner, "_capture", capture)
-    monkeypatch.setattr(runner, "_replay", lambda args: pytest.fail("replayed with a moved input"))
+    """An input captured in place (a saved activation) that later lives elsewhere: no replay, one
+    warning."""
+    fake_cuda(monkeypatch)
+    family = GraphFamily()
     x = torch.arange(3.0)
+    family.saved_ptrs = {x.data_ptr()}  # as the forward's capture records its saved outputs
+    runner, fake = _runner("backward", family, FakeCapture())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        outs = [runner([x]) for _ in range(3)]
-    assert all(o[1] == "one_lane" for o in outs) and fake.calls["one_lane"] == 3
+        outs = [runner([x]), runner([x])]  # the warm-up, then the capture reading x in place
+        outs += [runner([x.clone()]) for _ in range(2)]  # it now lives elsewhere
+    assert [o[1] for o in outs] == ["one_lane", "lanes", "one_lane", "one_lane"] and fake.calls["one_lane"] == 3
+    assert runner.replays == 1
     messages = _graph_warnings(caught)
     assert len(messages) == 1 and "another address" in messages[0], messages
 

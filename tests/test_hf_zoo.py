@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes"))
 
 import hf_zoo  # noqa: E402
-from test_cudagraph_training import runners  # noqa: E402,F401  (the fixture: fake CUDA graphs)
+from helpers import runners  # noqa: E402,F401  (the fixture: fake CUDA graphs)
 
 EAGER = {"subgraph_compiler": "eager"}
 

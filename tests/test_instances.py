@@ -18,9 +18,8 @@ from torch import nn
 
 from apollo_compile.fallback import ApolloFallbackWarning
 from apollo_compile.runtime import instances
-from helpers import TOLERANCE, assert_same_loss_and_grads
+from helpers import TOLERANCE, assert_same_loss_and_grads, runners, sgd_like_eager, twins  # noqa: F401 (the fixture)
 from models import TwoTower, two_tower_inputs
-from test_cudagraph_training import runners, sgd_like_eager, twins  # noqa: F401  (runners: the fixture)
 
 EAGER = {"subgraph_compiler": "eager"}
 
@@ -80,8 +79,8 @@ def test_a_new_instance_takes_over_the_family_of_one_that_is_gone(runners):
         assert (summary["instances"], summary["instances_released"]) == (1, 1), summary
         assert runner.replays == 5 and summary["ungraphed_calls"] == 0
     params = {p.data_ptr() for p in model.parameters()}
-    read_in_place = {forward.static_inputs[i].data_ptr()
-                     for i in forward.static_input_idxs.intersection(forward.fixed_ptrs)}
+    read_in_place = {forward.captured.static_inputs[i].data_ptr()
+                     for i in forward.static_input_idxs.intersection(forward.captured.fixed_ptrs)}
     assert read_in_place and read_in_place <= params  # the new instance's parameters, not the old ones
 
 
@@ -93,8 +92,8 @@ def test_a_deleted_model_frees_its_family_without_another_call(runners):
     model, ref, compiled = twins("eager")
     sgd_like_eager(compiled, model, ref, 3)
     forward, backward = runners
-    assert forward.graph is not None and forward.static_inputs
-    held = [x for x in forward.static_inputs if isinstance(x, torch.Tensor)]
+    assert forward.graph is not None and forward.captured.static_inputs
+    held = [x for x in forward.captured.static_inputs if isinstance(x, torch.Tensor)]
     storages = {x.untyped_storage().data_ptr() for x in held}
     assert storages & {p.untyped_storage().data_ptr() for p in model.parameters()}
     del model, ref, compiled, held
@@ -102,7 +101,7 @@ def test_a_deleted_model_frees_its_family_without_another_call(runners):
     for runner in runners:
         summary = runner.summary()
         assert (summary["instances"], summary["instances_released"]) == (1, 1), summary
-        assert runner.graph is None and runner.static_inputs == [] and runner.family.pool is None
+        assert runner.graph is None and runner.captured is None and runner.family.pool is None
 
 
 def test_a_deleted_model_whose_saved_activations_live_is_freed_when_they_die(runners):
@@ -394,14 +393,14 @@ def test_a_backward_finds_its_family_by_its_saved_inputs_alone():
     outputs, AOTAutograd's tangents) whose address a captured forward wrote names the family; one an
     un-graphed forward saved, while alive, sends the call un-graphed; a tangent at a captured
     address decides nothing."""
-    from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
+    from apollo_compile.runtime.instances import GraphFamily
+    from helpers import runner_for
 
     first_family = GraphFamily()
     other = first_family.sibling()
     group = first_family.instances
     group.families.append(other)
-    backward = CudaGraphRunner({"lanes": lambda args: args}, "g_backward", "backward", first_family, set(), None,
-                               saved_idxs=[0, 1])
+    backward = runner_for({"lanes": lambda args: args}, "g_backward", "backward", first_family, saved_idxs=[0, 1])
     mine, theirs, tangent = torch.zeros(2), torch.ones(2), torch.full((2,), 3.0)
     group.captured(first_family, [mine])
     group.captured(other, [theirs, tangent])

@@ -15,7 +15,7 @@ from apollo_compile.ops.mm_into import mm_into
 from apollo_compile.passes import main_allocated
 from helpers import assert_trains_like_eager
 from models import TextTower, TwoTower, VisionTower, two_tower_inputs
-from test_runtime import assert_runtimes_equal_the_graph
+from helpers import assert_runtimes_equal_the_graph
 
 
 @pytest.fixture

@@ -30,8 +30,11 @@ from apollo_compile.annotations import info
 from apollo_compile.nodes import readers_of, written_inputs
 from apollo_compile.optimizer_step import InGraphAdam
 from apollo_compile.runtime import choice
-from apollo_compile.runtime.cudagraph import CudaGraphRunner, GraphFamily
-from helpers import TOLERANCE, backward_step as step_of
+from apollo_compile.runtime.candidates import CandidateChoice
+from apollo_compile.runtime.capture import StaticInputs
+from apollo_compile.runtime.config import RunnerConfig
+from apollo_compile.runtime.instances import GraphFamily
+from helpers import TOLERANCE, backward_step as step_of, fake_cuda
 from models import HookedOnFirstCall, TwoTower, tiny_hf, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -201,28 +204,39 @@ def test_a_step_on_the_module_path_still_runs_the_update_once():
         assert float(opt.state[p]["step"]) == 3 and p.grad is None
 
 
-def writing_runner(**kw):
-    """A runner over one parameter-like input (4 elements) that its candidates write in place."""
+class TimingCapture:
+    """A capturer (runtime/capture.py's seam) whose timed replays each apply `update` and report
+    `ms` per candidate."""
+
+    def __init__(self, ms, update=lambda: None):
+        self.ms, self.update = ms, update
+
+    def capture(self, fn, inputs, pool, name, written_state=()):
+        return name, []
+
+    def time(self, graph, replays):
+        for _ in range(1 + replays):
+            self.update()
+        return next(ms for candidate, ms in self.ms.items() if graph.endswith(f"({candidate})"))
+
+
+def writing_choice(**kw):
+    """The candidate choice of a graph over one parameter-like input (4 elements) that its
+    candidates write in place; its static inputs; the parameter."""
     param = torch.zeros(4)
-    runner = CudaGraphRunner({"lanes": lambda a: a, "one_lane": lambda a: a, "quota:1=56": lambda a: a}, "g",
-                             "inference", GraphFamily(), static_input_idxs={0}, user_visible_outputs=None,
-                             written_idxs={0}, **kw)
-    runner.fixed_ptrs, runner.static_inputs = {0: param.data_ptr()}, [param]
-    return runner, param
+    config = RunnerConfig("g", "inference", static_input_idxs={0}, **{"written_idxs": {0}, **kw})
+    chooser = CandidateChoice({"lanes": lambda a: a, "one_lane": lambda a: a, "quota:1=56": lambda a: a}, config,
+                              GraphFamily())
+    return chooser, StaticInputs([param], [], {0: param.data_ptr()}), param
 
 
 def test_a_graph_that_writes_inputs_in_place_is_timed_with_its_inputs_put_back(monkeypatch):
     """NOTE: A graph that writes its inputs: each timing replay applies the update once more, so the
     inputs it writes in place are kept on the host while its candidates are timed and put back."""
-    runner, param = writing_runner(strategy=choice.ChooseFastest(), predicted="one_lane")
-
-    def measure():  # six replays of each candidate, as _measure runs them, each adding the update
-        param.add_(6.0 * len(runner.candidates))
-        runner.measured_ms.update({"lanes": 1.0, "one_lane": 2.0, "quota:1=56": 1.5})
-        return 0
-
-    monkeypatch.setattr(runner, "_measure", measure)
-    assert runner._choose_candidate() == "lanes"  # timed: the fastest, not the prediction
+    fake_cuda(monkeypatch)
+    chooser, static, param = writing_choice(strategy=choice.ChooseFastest(), predicted="one_lane")
+    capturer = TimingCapture({"lanes": 1.0, "one_lane": 2.0, "quota:1=56": 1.5}, update=lambda: param.add_(1.0))
+    assert chooser.choose(static, False, capturer) == "lanes"  # timed: the fastest, not the prediction
     assert torch.equal(param, torch.zeros(4))  # what the timing replays wrote is undone
 
 
@@ -235,18 +249,20 @@ def test_a_graph_whose_writes_do_not_fit_on_the_host_replays_the_planners_plain_
     from apollo_compile.passes.quotas import Candidate
     from apollo_compile.runtime import graph_io
 
+    fake_cuda(monkeypatch)
     quotas = SimpleNamespace(candidates=[Candidate("quota:1=56", {1: 56}, 90.0), Candidate("lanes", None, 95.0),
                                          Candidate("one_lane", None, 120.0)])
     predicted = pipeline.predicted_plain(SimpleNamespace(decisions={"quotas": quotas}))
     assert predicted == "lanes"
-    runner, param = writing_runner(strategy=choice.ChooseFastest(), predicted=predicted)
+    chooser, static, param = writing_choice(strategy=choice.ChooseFastest(), predicted=predicted)
     monkeypatch.setattr(graph_io, "available_host_bytes", lambda: 3 * param.numel() * param.element_size())
-    monkeypatch.setattr(runner, "_measure", lambda: pytest.fail("timed a graph whose writes it cannot undo"))
-    assert runner._choose_candidate() == "lanes"
-    runner.written_idxs = set()  # a graph that writes nothing is measured as before
-    monkeypatch.setattr(runner, "_measure", lambda: 0)
-    runner.measured_ms = {"lanes": 2.0, "one_lane": 1.0, "quota:1=56": 3.0}
-    assert runner._choose_candidate() == "one_lane"
+    untimed = TimingCapture({}, update=lambda: pytest.fail("timed a graph whose writes it cannot undo"))
+    assert chooser.choose(static, False, untimed) == "lanes"
+    # a graph that writes nothing is measured as before
+    chooser, static, _ = writing_choice(strategy=choice.ChooseFastest(), predicted=predicted, written_idxs=())
+    assert chooser.choose(static, False, TimingCapture({"lanes": 2.0, "one_lane": 1.0, "quota:1=56": 3.0})) == "one_lane"
+
+
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])

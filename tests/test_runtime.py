@@ -9,44 +9,6 @@ import apollo_compile
 from models import TwoTower, two_tower_inputs
 
 
-def graph_args(gm):
-    """Inputs for a graph from its placeholders' metadata (integer inputs are zeros: valid ids)."""
-    gen = torch.Generator().manual_seed(0)
-    args = []
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            v = n.meta["val"]
-            if v.dtype.is_floating_point:
-                args.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype).normal_(generator=gen))
-            else:
-                args.append(torch.zeros(v.shape, dtype=v.dtype))
-    return args
-
-
-@pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_lane_and_one_lane_runtimes_equal_the_graph(kind):
-    torch.manual_seed(0)
-    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
-    compiled(*two_tower_inputs()).backward()
-    graph = getattr(apollo_compile.last_plan(), kind)
-    assert set(graph.runtimes) == {"lanes", "one_lane"}
-    assert_runtimes_equal_the_graph(graph)
-
-
-def assert_runtimes_equal_the_graph(graph) -> None:
-    """Every runtime of a planned graph returns exactly what the graph computes on the same inputs."""
-    args = graph_args(graph.gm)
-    expected = graph.gm(*args)
-    for name, run in graph.runtimes.items():
-        got = run(list(args))
-        assert len(got) == len(expected), name
-        for g, e in zip(got, expected):
-            if isinstance(e, torch.Tensor):
-                torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-            else:
-                assert g == e
-
-
 def test_one_lane_candidate_has_no_streams_and_the_same_launch_order():
     torch.manual_seed(0)
     compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
@@ -62,13 +24,13 @@ def test_one_lane_candidate_has_no_streams_and_the_same_launch_order():
 def test_a_run_that_raised_lets_go_of_its_cross_lane_values(monkeypatch):
     """keep_alive holds values until the join; a run that raises (an OOM) never reaches it. The
     loaded runtime then joins its lanes (so a CUDA-graph capture can end) and drops what it held:
-    plans keep their runtimes, so anything left held stays allocated (1.3 GiB on the H200)."""
+    plans keep their runtimes, so anything left held stays allocated."""
     from apollo_compile.lane_plan import RuntimeSource
-    from apollo_compile.runtime.runner import _load
+    from apollo_compile.runtime.runner import load_runtime
 
     program = ("def run(args):\n    (x,) = args\n    args.clear()\n    rt.fork([1])\n"
                "    rt.keep_alive(1, x)\n    raise MemoryError('out of memory midway')\n")
-    run = _load(RuntimeSource(program, side_lanes=[1]), {}, "g", torch.device("cpu"))
+    run = load_runtime(RuntimeSource(program, side_lanes=[1]), {}, "g", torch.device("cpu"))
     rt = run.lane_runtime
     rt.cuda = True  # as on a GPU, with the CUDA calls stubbed: CPU runs keep nothing
     waits = []
@@ -116,7 +78,7 @@ def test_each_value_is_handed_over_at_its_last_reader(runtime):
     import gc
     import weakref
 
-    from apollo_compile.runtime.runner import _load
+    from apollo_compile.runtime.runner import load_runtime
 
     torch.manual_seed(0)
     compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
@@ -138,7 +100,7 @@ def test_each_value_is_handed_over_at_its_last_reader(runtime):
             return tuple(torch.zeros(1) for _ in sg.outputs)
         return run
 
-    run = _load(source, {f"subgraph_{sg.id}": fake(sg) for sg in lanes.subgraphs}, "g", torch.device("cpu"))
+    run = load_runtime(source, {f"subgraph_{sg.id}": fake(sg) for sg in lanes.subgraphs}, "g", torch.device("cpu"))
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
     run([torch.zeros(1) for _ in placeholders])
     # on the CPU keep_alive holds nothing; on CUDA it holds what crosses lanes until the join

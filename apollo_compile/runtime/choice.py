@@ -1,21 +1,22 @@
 """Which captured runtime a CUDA-graph runner replays: the strategy it is given.
 
-A graph's runner (``cudagraph.py``) holds its candidate runtimes: ``"lanes"``, ``"one_lane"`` when
-the plan has side lanes, and SM-quota splits (``"quota:1=88,2=40"``). A graph with one candidate
-replays it. Otherwise, at its capture step, the runner asks its strategy twice:
+A graph's runner holds its candidate runtimes: ``"lanes"``, ``"one_lane"`` when the plan has side
+lanes, and SM-quota splits (``"quota:1=88,2=40"``). A graph with one candidate replays it.
+Otherwise, at its capture step, its candidate choice (``candidates.py``) asks the strategy twice:
 
 1. :meth:`Strategy.unmeasured`: a candidate to replay without measuring any (and why), or None;
-2. if None, the runner captures each candidate into a pool of its own and times its replays, then
+2. if None, each candidate is captured into a pool of its own and timed, then
    :meth:`Strategy.choose` picks one from those times, each capture's pool and what was allocated
    beside the graph. The times also calibrate the performance model (``calibration.py``).
 
 Both get the :class:`GraphFacts` the runner knows then. :class:`ChooseFastest` is apollo's own rule
 (the default): a backward that reuses its saved activations replays what its forward chose by
 timing, a graph under a memory budget one lane, any other the fastest candidate where it beats one
-stream by ``min_gain``. :class:`Fixed` replays one named candidate, unmeasured. A runner
-built without a strategy (``CudaGraphRunner(..., strategy=None)``, as ``backend.py`` builds them)
-uses the one in effect when it chooses: ``with using(Fixed("one_lane")):`` around a compile and its
-calls (benchmarks, tests), else ``ChooseFastest()``.
+stream by ``min_gain``. :class:`Fixed` replays one named candidate, unmeasured. A runner whose
+``RunnerConfig.strategy`` is None (as the pipeline builds them) uses the one in effect when it
+chooses: ``with using(Fixed("one_lane")):`` around a compile and its calls (benchmarks, tests),
+else ``ChooseFastest()``. The rules' reasons: docs/design/cuda-graphs.md#memory-budget and
+docs/design/cuda-graphs.md#a-donating-backward-follows-its-forward.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class GraphFacts:
     name: str
     kind: str  # "forward" | "backward" | "inference"
     candidates: tuple[str, ...]
-    max_memory_ratio: float | None = None  # under a memory budget: concurrency's bound (`fastest`); else None
-    will_donate: bool = False  # a backward whose capture takes over saved activations (cudagraph.py, NOTE: Donation)
+    lane_memory_ratio: float | None = None  # under a memory budget: concurrency's bound (`fastest`); else None
+    will_donate: bool = False  # a backward whose capture takes over saved activations (cuda-graphs.md#donation)
     forward_chosen: str | None = None  # what the family's forward replays, once it is captured
     forward_measured: bool = False  # ... chosen by timing its candidates (not unmeasured, not its only one)
     memory_first: str | None = None  # why the memory-first rule replays one lane (`memory_first_reason`), or None
@@ -53,20 +54,18 @@ class Strategy(Protocol):
 
 
 def fastest(measured_ms: dict[str, float], min_gain: float, pool_bytes: dict[str, int | None] | None = None,
-            max_memory_ratio: float | None = None, base_bytes: int = 0) -> str:
+            lane_memory_ratio: float | None = None, base_bytes: int = 0) -> str:
     """The candidate to replay: the fastest, unless it beats the one-stream schedule by less than
-    `min_gain`. Concurrency that does not pay still costs memory (both towers' temporaries live
-    at once: the two-lane capture set the whole-run peak of a budgeted batch-64 step on the H200,
-    1.11x the one-stream call's, for a backward 0.01% faster than one lane).
+    `min_gain`: concurrency that does not pay still costs memory (both towers' temporaries live at
+    once).
 
-    With `pool_bytes` (each candidate's capture pool) and `max_memory_ratio`, a candidate whose
-    peak (`base_bytes`, what was allocated beside the graph, plus its pool) exceeds the one-stream
-    candidate's by more than that ratio is not replayed, however fast: multi-lane peak memory must
-    stay within 1.1x of one lane's (issue 3). Pools alone overstated it: the lanes' backward pool
-    of a budgeted batch-64 step was 1.21x one lane's, its step peak 1.07x (RESULTS.md, session 6).
-    A candidate whose pool is unknown is judged on time alone."""
-    if max_memory_ratio is not None and pool_bytes and pool_bytes.get("one_lane"):
-        limit = (base_bytes + pool_bytes["one_lane"]) * max_memory_ratio - base_bytes
+    With `pool_bytes` (each candidate's capture pool) and `lane_memory_ratio` (under a memory
+    budget), a candidate whose peak (`base_bytes`, what was allocated beside the graph, plus its
+    pool) exceeds the one-stream candidate's by more than that ratio is not replayed, however fast;
+    pools alone would overstate it (docs/design/cuda-graphs.md#memory-budget). A candidate whose
+    pool is unknown is judged on time alone."""
+    if lane_memory_ratio is not None and pool_bytes and pool_bytes.get("one_lane"):
+        limit = (base_bytes + pool_bytes["one_lane"]) * lane_memory_ratio - base_bytes
         measured_ms = {k: v for k, v in measured_ms.items()
                        if k == "one_lane" or pool_bytes.get(k) is None or pool_bytes[k] <= limit}
     best = min(measured_ms, key=measured_ms.get)
@@ -76,7 +75,7 @@ def fastest(measured_ms: dict[str, float], min_gain: float, pool_bytes: dict[str
     return best
 
 
-def memory_first_reason(kind: str, candidates: tuple[str, ...], max_memory_ratio: float | None,
+def memory_first_reason(kind: str, candidates: tuple[str, ...], lane_memory_ratio: float | None,
                         will_donate: bool, backward_donates: bool) -> str | None:
     """Why a graph replays one lane unmeasured under a memory budget, or None.
 
@@ -85,14 +84,10 @@ def memory_first_reason(kind: str, candidates: tuple[str, ...], max_memory_ratio
     backward is compiled at the first backward, before the forward's second call captures).
 
     The caching allocator hands a freed block only to a tensor allocated on the stream that
-    allocated it. On one lane in both graphs the backward's capture reuses every saved
-    activation; with side lanes it reuses only those made and read by the same lane, and a
-    side lane cannot take what the main lane freed (cudagraph.py, NOTE: Donation on side lanes).
-    Measuring also sets the whole run's peak, each candidate's pool held beside every saved
-    activation: with side lanes reusing their own, measuring both graphs under budget 0.5 still
-    raised a batch-64 CLIP step's whole-run peak from 3.33 to 4.18 GiB for a 3% faster step
-    (RESULTS.md, session 9)."""
-    if max_memory_ratio is None or "one_lane" not in candidates:
+    allocated it: on one lane in both graphs the backward's capture reuses every saved activation,
+    with side lanes only those made and read by the same lane; and measuring holds each
+    candidate's pool beside every saved activation (docs/design/cuda-graphs.md#memory-budget)."""
+    if lane_memory_ratio is None or "one_lane" not in candidates:
         return None
     if will_donate:
         return "under a memory budget the backward reuses its saved activations' memory on one stream"
@@ -105,14 +100,15 @@ def memory_first_reason(kind: str, candidates: tuple[str, ...], max_memory_ratio
 @dataclass(frozen=True)
 class ChooseFastest:
     """apollo's rule, the default. A donating backward replays what its forward chose by timing
-    (`follow_forward`, NOTE: A donating backward follows its forward). Under a memory budget, a graph
-    of a kind in `memory_first` whose memory-first rule applies (`GraphFacts.memory_first`) replays
-    one lane unmeasured. Otherwise every candidate is measured and the fastest replays where it
-    beats one stream by `min_gain`, within the budget's memory bound (:func:`fastest`).
+    (`follow_forward`: docs/design/cuda-graphs.md#a-donating-backward-follows-its-forward). Under a
+    memory budget, a graph of a kind in `memory_first` whose memory-first rule applies
+    (`GraphFacts.memory_first`) replays one lane unmeasured. Otherwise every candidate is measured
+    and the fastest replays where it beats one stream by `min_gain`, within the budget's memory
+    bound (:func:`fastest`).
 
-    `memory_first=("backward",)` lets the forward measure beside a donating backward (the rule
-    before session 7), `()` lets both graphs measure; `follow_forward=False` lets a donating
-    backward measure too (the rule before session 28)."""
+    `memory_first=("backward",)` lets the forward measure beside a donating backward, `()` lets
+    both graphs measure; `follow_forward=False` lets a donating backward measure too (the
+    benchmarks' variants compare these rules)."""
 
     min_gain: float = 0.01
     memory_first: tuple[str, ...] = ("forward", "backward")
@@ -129,7 +125,7 @@ class ChooseFastest:
 
     def choose(self, graph: GraphFacts, measured_ms: dict[str, float], pool_bytes: dict[str, int | None],
                base_bytes: int) -> str:
-        return fastest(measured_ms, self.min_gain, pool_bytes, graph.max_memory_ratio, base_bytes)
+        return fastest(measured_ms, self.min_gain, pool_bytes, graph.lane_memory_ratio, base_bytes)
 
 
 @dataclass(frozen=True)
@@ -151,22 +147,10 @@ class Fixed:
         return self.otherwise.choose(graph, measured_ms, pool_bytes, base_bytes)
 
 
-# [NOTE] A donating backward follows its forward: the backward's capture takes over the saved
-# activations' memory (cudagraph.py, NOTE: Donation), but timing its candidates cannot: each is
-# captured into a pool of its own while every saved activation is alive in the family's pool, so
-# measuring held one candidate's gradients and temporaries beside all of them and set the run's
-# peak. Measured on the H200 (HF CLIP B/16, batch 8, bf16, fused AdamW; session 28,
-# benchmarks/probes/whole_step_memory.py): the backward's measuring step peaked 3.19 GiB above the
-# model's copy against reduce-overhead's 2.57; the saved activations alone were 0.64 GiB of it. So
-# a donating backward replays the candidate its forward chose by timing, unmeasured. The two agree
-# wherever both were measured: lanes in both at batch 8, 32 and 128 (RESULTS.md, lanes inside the
-# CUDA graphs, sessions 8-15; forward 1.24x / backward 1.23x at batch 8) and in session 28's probe
-# (1.24x / 1.25x). A forward with one candidate, or one that chose unmeasured, gives the backward
-# nothing to follow: it measures (or its memory-first rule applies).
 DEFAULT = ChooseFastest()
 # not a contextvar: the autograd engine runs a CUDA backward on a thread of its own, where a
-# contextvar set around the training loop is unset (session 28: a backward chose by DEFAULT inside
-# `using(...)`); a process-wide stack reaches every thread that captures
+# contextvar set around the training loop is unset; a process-wide stack reaches every thread that
+# captures
 _in_effect: list[Strategy] = []
 _lock = threading.Lock()
 

@@ -3,15 +3,15 @@ eager ATen from then on, with one warning.
 
 Compiling falls back per graph (``pipeline.compile_graph``), but some failures show only when the
 generated runtime first runs: its lazily compiled kernels, or a value it never bound (a lifted
-tensor constant raised UnboundLocalError there on HF LLaVA, session 27). Nothing caught those:
-training stopped. At the first call the inputs are held weakly, so that they can be passed again
+tensor constant can raise UnboundLocalError there). Caught here, they cost a graph, not the
+training run. At the first call the inputs are held weakly, so that they can be passed again
 without holding any of them longer than the runtime would (a backward frees each saved activation
 at its last use, and AOTAutograd's list is its only holder): a failed run's traceback keeps the
 frames, and so the inputs it had not freed yet, alive while the exception is handled. The call
 is run again as eager ATen where every input is still alive and the graph writes none of its
 inputs (a partial run may have written one: running it again would apply the write twice);
 otherwise the error is raised with a note saying so. Out-of-memory errors are not retried: the
-runtime has its own account of them (``cudagraph.py``).
+runtime has its own account of them (docs/design/cuda-graphs.md#a-failed-capture).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What a captured CUDA graph reads and hands out: which inputs it can take (layouts, host
 values, shapes), the copies of its outputs, and the gradients it lends in its own memory.
 
-Helpers of the runner (``cudagraph.py``, NOTE: Outputs and the next replay says which outputs are
-copied and which are lent).
+Helpers of the runner's capture and replay (``capture.py``, ``replay.py``); which outputs are
+copied and which are lent: docs/design/cuda-graphs.md#outputs-and-the-next-replay.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ __all__ = ["Addresses", "LentOutputs", "OutputCopier", "WrittenInputs", "host_va
            "is_non_overlapping"]
 
 _use_count = torch._C._storage_Use_Count  # what CUDA-graph trees read to tell a storage's liveness
-# all(tensors[i].data_ptr() == ptrs[i] for i in indices), in C++; CUDA builds only
-_data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+# all(tensors[i].data_ptr() == ptrs[i] for i in indices), in C++ (CUDA builds only; None: a Python check)
+data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 class Addresses:
     """Where some inputs of a call must be (position -> data_ptr), and the check that they are.
 
-    Hundreds of parameters and saved activations per call, before the launch: at batch 8 on the
-    H200 everything the host does before the forward's launch is step time. CUDA builds have the
-    check CUDA-graph trees use on their hot path, in C++; elsewhere one list comparison rather than
-    a Python test each."""
+    Hundreds of parameters and saved activations per call, before the launch: at small batches
+    everything the host does before the forward's launch is step time. CUDA builds have the check
+    CUDA-graph trees use on their hot path, in C++ (`data_ptrs_equal`; tests set it to None to
+    check the other path); elsewhere one list comparison rather than a Python test each."""
 
     def __init__(self, ptrs: dict[int, int]) -> None:
         self.ptrs = ptrs
@@ -42,8 +42,8 @@ class Addresses:
     def hold(self, args: Sequence) -> bool:
         """Whether every position of `args` holds a tensor at its address."""
         try:
-            if _data_ptrs_equal is not None:
-                return _data_ptrs_equal(args, self._aligned, self.positions)
+            if data_ptrs_equal is not None:
+                return data_ptrs_equal(args, self._aligned, self.positions)
             return [args[i].data_ptr() for i in self.positions] == self._values
         except (AttributeError, TypeError, RuntimeError, IndexError):  # no longer a tensor
             return False
@@ -64,9 +64,9 @@ class OutputCopier:
     strides, planned once.
 
     Used for what a graph hands out that the next replay would overwrite and that is not lent
-    (cudagraph.py, NOTE: Outputs and the next replay): a forward's user-visible outputs, all
+    (docs/design/cuda-graphs.md#outputs-and-the-next-replay): a forward's user-visible outputs, all
     outputs of an inference graph. There may be many, and at small batches a step is bound by the
-    host (profile_step.py: 7.9 ms to issue an 8.2 ms step at batch 8), so the contiguous ones of
+    host (benchmarks/profile_step.py), so the contiguous ones of
     each dtype are copied by one ``cat`` into one allocation and handed out as views made in C++
     (``_flatten/_unflatten_dense_tensors``): no Python work per tensor. The views keep the shared
     allocation alive until the last of them dies. Other layouts are cloned one by one (``clone``
@@ -100,8 +100,8 @@ def host_values(args: Sequence) -> list[int]:
     """Positions of the inputs a CUDA graph would read only once, at capture: CPU tensors holding
     data beside device ones. A kernel takes a CPU scalar's value as a launch argument, so a replay
     keeps the captured value whatever the static buffer holds: a Python float that Dynamo has seen
-    change becomes such a 0-dim tensor (on the H200 a replayed ``loss * t`` kept the captured
-    ``t``: gradients 44% off; benchmarks/probes/scalar_input_probe.py). Empty CPU tensors (compiled
+    change becomes such a 0-dim tensor (a replayed ``loss * t`` keeps the captured ``t``:
+    benchmarks/probes/scalar_input_probe.py). Empty CPU tensors (compiled
     autograd's size carriers) hold no value. All-CPU inputs are the tests' fake graphs."""
     host = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel()]
     on_device = any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in args)
@@ -116,7 +116,7 @@ def input_shapes(args: Sequence) -> tuple:
 
 class LentOutputs:
     """Static outputs handed out in the pool's own memory, and the check that lets a replay
-    overwrite them (cudagraph.py, NOTE: Outputs and the next replay).
+    overwrite them (docs/design/cuda-graphs.md#outputs-and-the-next-replay).
 
     Built once at capture, when only the runner's static outputs hold the storages: their use
     counts then are the baseline. Each replay lends fresh aliases, which AccumulateGrad can steal
@@ -159,8 +159,7 @@ class LentOutputs:
 class WrittenInputs:
     """A copy on the host of the inputs a graph writes in place (an optimizer's update inside the
     step), so that its candidates can be timed: each timing replay applies the update once more,
-    and :meth:`restore` puts the values back afterwards (cudagraph.py, NOTE: A graph that writes its
-    inputs). Host memory, not the device's: a second copy of the parameters and optimizer state on
+    and :meth:`restore` puts the values back afterwards (docs/design/cuda-graphs.md#a-graph-that-writes-its-inputs). Host memory, not the device's: a second copy of the parameters and optimizer state on
     the GPU would set the run's peak. :meth:`keep` returns None where the copy would take more than
     `host_fraction` of the host memory available now (the caller then does not time)."""
 

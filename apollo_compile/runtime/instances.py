@@ -1,54 +1,18 @@
-"""One compiled graph, several model instances: which family of CUDA graphs a call replays.
+"""One compiled graph, several model instances: the state a family of CUDA graphs shares and
+which family a call replays.
 
-[NOTE] One graph, several model instances. Dynamo keys compiled graphs by code object, not by
-module instance, so one compiled graph serves every instance of a class that reaches it:
+Dynamo keys compiled graphs by code object, not by module instance, so one compiled graph serves
+every instance of a class that reaches it (regional compilation, an ensemble, two forwards of one
+instance before its backward). A CUDA graph reads the parameters it was captured for in place, so
+each model instance gets a :class:`GraphFamily` (a forward, its backward, a pool) and
+:class:`GraphInstances` picks the family a call replays: by the addresses of its parameters for a
+forward, by those of its saved activations for a backward. A family whose instance is gone is
+released, at once where that is safe. Why, and the limits past which a call runs un-graphed:
+docs/design/cuda-graphs.md#one-graph-several-model-instances and
+docs/design/cuda-graphs.md#a-gone-instances-memory-goes-at-once.
 
-- the repeated blocks of a model compiled block by block (regional compilation, accelerate's
-  ``compile_regions``), or of a model with a graph break inside its decoder layer, whose forward
-  then becomes a frame of its own, called once per layer with that layer's parameters;
-- a second model of the class: an ensemble, a sweep's next run, a notebook cell run again;
-- one instance twice before its backward: two views through one encoder, two forwards first.
-
-A CUDA graph reads the parameters of the instance it was captured for in place, and its saved
-activations stay valid only until its next replay. So the runner Dynamo calls dispatches. A
-forward (or a whole step's graph) replays the family (``cudagraph.GraphFamily``: a forward, its
-backward, a pool) bound to the parameters at this call's addresses whose last forward's saved
-activations are dead; where there is none, it binds a free family or a new one and captures it at
-that call (no un-graphed warm-up: the graph's first call compiled the kernels). A backward finds
-its family by its saved activations, which the family's forward wrote at addresses only it uses
-(``GraphInstances.backward_runner``), and is captured at its first call (its second where the
-graph's backward has never run); where its forward ran un-graphed, it runs un-graphed too.
-The first family keeps its runners (the ones Dynamo calls); the others get copies of them
-(``CudaGraphRunner.for_family``), which replay the first one's choice of candidate unmeasured.
-
-A family whose instance is gone (every parameter it reads is dead: weak references, whose callback
-releases it at once where it can, NOTE: A gone instance's memory goes at once) or whose parameters
-now live elsewhere (``p.data = ...``, found at the graph's next dispatch) is released: its graphs and
-pool go, and the family serves the next new instance. Limits,
-past which a call runs without the CUDA graph, with one warning that says which: MAX_FAMILIES per
-graph; MAX_PER_INSTANCE forwards of one instance awaiting their backwards; and no new captures once
-MAX_SHORT_LIVED families were released before replaying MIN_REPLAYS times (a new instance every
-step would make every step a capture).
-
-[NOTE] A gone instance's memory goes at once. Released only at the graph's next dispatch, a family
-outlived its model wherever that graph was never called again: a notebook that compiles a new model
-with other options, a sweep whose runs differ in their options (Dynamo compiles anew for another
-backend configuration). The family's static inputs (aliases of the old parameters), graphs and pool
-then stayed allocated until ``torch._dynamo.reset()``: measured on the H200 (session 51, HF SigLIP
-base at batch 8, probes/whole_step_memory.py running variants one after another), the deleted
-model's 0.76 GiB of parameters and its 1.45 GiB graph pool held through the next variant, which
-reduce-overhead's model did not. So the parameters' weak-reference callback releases the family
-itself once every parameter it reads is dead and its last forward's saved activations are too (a
-callback on their alias tries again when they die). Not while an apollo graph is being called or
-captured on any thread, nor while this thread's stream captures: a collection can run inside a
-call, whose families it would change under it, and a capture cannot free a graph. Then the
-family is released at the graph's next dispatch, as before.
-
-CUDA-graph trees record a graph per parameter set as well (a static input at another address
-re-records without counting to their limit), all in one pool whose liveness the tree tracks; here
-each family has a pool of its own, so each family's graphs hold their own temporaries. Measured
-before this (session 48, H100): three live copies of HF CLIP B/16 at batch 8, the copies after the
-first ran un-graphed at 56-59 ms a step against 15.
+Reads the calls' inputs; writes the families' bindings. The runner (``cudagraph.py``) depends on
+this module, never the other way: what it needs of a runner is the :class:`FamilyRunner` protocol.
 """
 
 from __future__ import annotations
@@ -56,21 +20,19 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from .graph_io import Addresses
+from .graph_io import Addresses, LentOutputs
+from .graph_pool import first_step_pool
 
-if TYPE_CHECKING:
-    from .cudagraph import CudaGraphRunner, GraphFamily
-
-__all__ = ["GraphInstances", "MAX_FAMILIES", "MAX_PER_INSTANCE", "MAX_SHORT_LIVED", "MIN_REPLAYS", "call_began",
-           "call_ended"]
+__all__ = ["FamilyRunner", "GraphFamily", "GraphInstances", "MAX_FAMILIES", "MAX_PER_INSTANCE", "MAX_SHORT_LIVED",
+           "MIN_REPLAYS", "call_began", "call_ended"]
 
 log = logging.getLogger("apollo_compile")
 
-MAX_FAMILIES = 128  # NOTE: One graph, several model instances
+MAX_FAMILIES = 128  # docs/design/cuda-graphs.md#one-graph-several-model-instances
 # forwards of one instance awaiting their backwards, each in a family of its own: a multi-view step
 # (SimCLR, DINO's global crops) has 2, gradient accumulation with every forward first a few, a layer
 # shared across depth (ALBERT) 12 when it is compiled on its own or breaks the graph; past this,
@@ -83,7 +45,8 @@ MIN_REPLAYS = 3
 MAX_SHORT_LIVED = 3
 
 
-_calls_underway = 0  # apollo graph calls in progress, on any thread (NOTE: A gone instance's memory goes at once)
+# apollo graph calls in progress, on any thread (docs/design/cuda-graphs.md#a-gone-instances-memory-goes-at-once)
+_calls_underway = 0
 # held while a call begins or ends, and while a callback releases families, so that no call begins
 # under a release on another thread; reentrant: a release frees tensors, whose callbacks come back here
 _calls_lock = threading.RLock()
@@ -114,13 +77,109 @@ def releasable_now() -> bool:
         return False
 
 
+class FamilyRunner(Protocol):
+    """What the families need of a graph's runner (``cudagraph.FamilyRunner``)."""
+
+    kind: str
+    family: GraphFamily
+    first_static: int | None  # where a call's first parameter is (by_address's key)
+    static_input_idxs: frozenset[int]
+    saved_idxs: tuple[int, ...] | None
+
+    def for_family(self, family: GraphFamily, warm: bool) -> FamilyRunner:
+        """This graph's runner for another family; `warm`: the runtime ran once."""
+
+    def drop_capture(self) -> None:
+        """Forget the capture, to capture again at the next call (its family was released)."""
+
+
+class GraphFamily:
+    """State shared by the CUDA graphs of one Dynamo graph (forward + backward) for one model
+    instance: one pool, so the backward reuses the forward's freed intermediates, and the
+    forward's saved outputs, which the backward reads in place."""
+
+    def __init__(self, instances: GraphInstances | None = None) -> None:
+        self.pool = None
+        self.saved_ptrs: set[int] = set()  # data_ptrs of the forward's captured outputs
+        self.pending: list[weakref.ref] = []  # aliases handed out by the last forward replay
+        self.lent: LentOutputs | None = None  # the backward's gradients, handed out in the pool
+        self.grad_owners: list[weakref.ref] = []  # the forward's parameters, whose .grad they become
+        self.input_owners: list[weakref.ref] = []  # the last forward replay's inputs that require grad
+        # data_ptr -> the forward's outputs' memory (docs/design/cuda-graphs.md#donation)
+        self.owners: dict[int, torch.UntypedStorage] = {}
+        self.backward_donates = False  # the backward may reuse saved activations (set when it is compiled)
+        self.forward_chosen: str | None = None  # the candidate the forward replays, once captured
+        self.forward_measured = False  # ... chosen by timing its candidates (choice.py)
+        self.capture_refused: str | None = None  # why the forward was not captured (capture headroom)
+        self.backward_capture_failed: str | None = None  # why; the forward then lets its graph go
+        # side lane -> its stream, the same in every graph of the family (cuda-graphs.md#donation-on-side-lanes)
+        self.side_streams: dict[int, torch.cuda.Stream] = {}
+        # the first step's own memory pool while that step runs (cuda-graphs.md#the-first-step-pool)
+        self.first_step_pool: tuple[object, torch.device] | None = None
+        self.first_step_opened = False
+        # the model instance it serves: its parameters' addresses (None: free), weak references to
+        # them, its forward's replays since bound
+        self.instances = instances if instances is not None else GraphInstances(self)
+        self.key: Addresses | None = None
+        self.served: list[weakref.ref] = []
+        self.replays = 0
+        self.runners: list[weakref.ref] = []  # its graphs' runners, which drop their captures when it is released
+
+    def open_first_step(self, args: list, kind: str) -> tuple[object, torch.device] | None:
+        """The first step's pool: opened by the family's first call, a graph of `kind` (on the
+        device of its first CUDA tensor), the same pool for the first calls after it; None once it
+        was closed, or where that kind opens none."""
+        if not self.first_step_opened:
+            self.first_step_opened = True
+            device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+            self.first_step_pool = first_step_pool(device, kind)
+        return self.first_step_pool
+
+    def close_first_step(self) -> None:
+        """No more allocations in the first step's pool; what lives in it stays valid."""
+        self.first_step_opened, self.first_step_pool = True, None
+
+    def forward_outputs_alive(self) -> bool:
+        return any(ref() is not None for ref in self.pending)
+
+    def sibling(self) -> GraphFamily:
+        """A new family of the same graph, for another model instance."""
+        other = GraphFamily(self.instances)
+        other.side_streams = self.side_streams  # the runtimes' lanes run on these streams in every family
+        other.backward_donates = self.backward_donates
+        return other
+
+    def unused(self) -> bool:
+        """Whether the instance it serves is gone (every parameter dead) or its parameters moved
+        (``p.data = ...``): no call will replay it again."""
+        if not self.served:
+            return False
+        alive = [(i, ref()) for i, ref in zip(self.key.positions, self.served)]
+        return all(p is None for _, p in alive) or any(
+            p is not None and p.data_ptr() != self.key.ptrs[i] for i, p in alive)
+
+    def release(self) -> None:
+        """Forget what the family's captures shared and every graph's capture: free, it serves the
+        next new instance, captured at its first call. The pool goes back to the driver with the
+        old graphs and tensors (release_cached_segments, before the next capture)."""
+        self.pool = None
+        self.saved_ptrs, self.pending, self.lent = set(), [], None
+        self.grad_owners, self.input_owners, self.owners = [], [], {}
+        self.forward_chosen, self.forward_measured = None, False
+        self.capture_refused = self.backward_capture_failed = None
+        self.key, self.served, self.replays = None, [], 0
+        for ref in self.runners:
+            if (runner := ref()) is not None:
+                runner.drop_capture()
+
+
 class GraphInstances:
-    """The families one compiled graph is captured for (NOTE: One graph, several model instances),
+    """The families one compiled graph is captured for (docs/design/cuda-graphs.md#one-graph-several-model-instances),
     shared by them, and the choice of which one a call replays."""
 
     def __init__(self, first: GraphFamily) -> None:
         self.families: list[GraphFamily] = [first]
-        self.copies: dict[tuple[int, str], CudaGraphRunner] = {}  # (id(family), kind) -> its runner, beyond the first's
+        self.copies: dict[tuple[int, str], FamilyRunner] = {}  # (id(family), kind) -> its runner, beyond the first's
         # the bound families by the address of their first parameter (None: a graph without any), so
         # that a call checks the few bound to it, not all: a model compiled layer by layer has one per layer
         self.by_address: dict[int | None, list[GraphFamily]] = {}
@@ -137,7 +196,7 @@ class GraphInstances:
         self.refused: str | None = None  # why the last call found no family to replay
 
     # -- which family ----------------------------------------------------------------------
-    def runner(self, family: GraphFamily, first: CudaGraphRunner) -> CudaGraphRunner:
+    def runner(self, family: GraphFamily, first: FamilyRunner) -> FamilyRunner:
         """`family`'s runner of `first`'s graph (`first`: the first family's, which Dynamo calls)."""
         if family is first.family:
             return first
@@ -147,7 +206,7 @@ class GraphInstances:
             runner = self.copies[key] = first.for_family(family, warm=first.kind in self.warm)
         return runner
 
-    def forward_runner(self, first: CudaGraphRunner, args: Sequence) -> CudaGraphRunner | None:
+    def forward_runner(self, first: FamilyRunner, args: Sequence) -> FamilyRunner | None:
         """The runner a forward (or whole-step) call replays: that of the family bound to its
         parameters whose last forward's saved activations are dead, else of a family bound to them
         here (free or new: captured at this call); None where a limit stops that (`refused` says
@@ -186,7 +245,7 @@ class GraphInstances:
                     "(runtime/instances.py)")
         return None
 
-    def backward_runner(self, first: CudaGraphRunner, args: Sequence) -> CudaGraphRunner | None:
+    def backward_runner(self, first: FamilyRunner, args: Sequence) -> FamilyRunner | None:
         """The runner a backward call replays: its forward's family's, found by the first saved
         activation whose address a family's forward wrote; None where its forward ran un-graphed."""
         self.eager_saved = [record for record in self.eager_saved if record[0]() is not None]
@@ -220,7 +279,7 @@ class GraphInstances:
 
     def _died(self, ref: weakref.ref) -> None:
         """A parameter a family reads died (or the alias of its last forward's saved activations):
-        release what is gone now where that is safe (NOTE: A gone instance's memory goes at once),
+        release what is gone now where that is safe (docs/design/cuda-graphs.md#a-gone-instances-memory-goes-at-once),
         else at the graph's next dispatch."""
         self.some_gone = True
         if self.releasing:  # a tensor this release freed: the release under way sees to it
@@ -256,7 +315,7 @@ class GraphInstances:
 
     def saved_died(self, ref: weakref.ref) -> None:
         """The alias of a forward's saved activations died: a family whose instance is gone and
-        which waited for them is released now (NOTE: A gone instance's memory goes at once)."""
+        which waited for them is released now (docs/design/cuda-graphs.md#a-gone-instances-memory-goes-at-once)."""
         if self.some_gone:
             self._died(ref)
 

@@ -40,22 +40,23 @@ def build_runtime(
     for sg in plan.subgraphs:
         sub = extract(gm, sg)
         compiled[f"subgraph_{sg.id}"] = compile_subgraph(sub, example_inputs(sg), compiler, kind, memory_first)
-    runtimes = {"lanes": _load(source, compiled, name, device, shared_streams=side_streams)}
+    runtimes = {"lanes": load_runtime(source, compiled, name, device, shared_streams=side_streams)}
     if source.one_lane is not None:
-        runtimes["one_lane"] = _load(source.one_lane, compiled, f"{name} (one lane)", device)
+        runtimes["one_lane"] = load_runtime(source.one_lane, compiled, f"{name} (one lane)", device)
     for candidate, lane_sms in (quotas or {}).items():
         try:
-            runtimes[candidate] = _load(source, compiled, f"{name} ({candidate})", device, lane_sms)
+            runtimes[candidate] = load_runtime(source, compiled, f"{name} ({candidate})", device, lane_sms)
         except Exception as e:  # a green context the driver refuses: that candidate is not measured
             warnings.warn(f"apollo: {name} is measured without candidate {candidate}: {type(e).__name__}: {e}",
                           ApolloFallbackWarning, stacklevel=2)
     return runtimes
 
 
-def _load(source: RuntimeSource, compiled: dict, name: str, device: torch.device,
+def load_runtime(source: RuntimeSource, compiled: dict, name: str, device: torch.device,
           quotas: dict[int, int] | None = None,
           shared_streams: dict[int, torch.cuda.Stream] | None = None) -> Callable[[list], list]:
-    """exec the generated program in a namespace of compiled subgraphs and a lane runtime."""
+    """exec the generated program in a namespace of compiled subgraphs and a lane runtime: the
+    boxed callable that runs it (tests load a program with stand-in subgraphs through it)."""
     recorded = sorted({op.subgraph for op in source.ops if op.kind in ("wait", "join")})
     namespace = dict(compiled, rt=LaneRuntime(source.side_lanes, recorded, device, quotas, shared_streams))
     exec(compile(source.text, f"<apollo runtime {name}>", "exec"), namespace)

@@ -9,7 +9,7 @@ runs its subgraphs in launch order.
 A forward and its backward get the same plain stream for each side lane (``shared_streams``, the
 family's): the caching allocator hands a freed block only to a tensor allocated on the stream that
 allocated it, so a saved activation a forward's side lane made can be reused by the backward's
-same lane, and only there (cudagraph.py, NOTE: Donation on side lanes).
+same lane, and only there (docs/design/cuda-graphs.md#donation-on-side-lanes).
 """
 
 from __future__ import annotations
@@ -105,11 +105,10 @@ class LaneRuntime:
         of what the run held across lanes.
 
         Under CUDA-graph capture the join lets capture end cleanly; ending it with side work
-        unjoined fails and leaves the graph's pool allocated (the H200 batch search saw 10 GiB stay
-        "allocated in private pools" for the rest of the process). Outside capture the held values
-        go once the device is idle; kept, they would stay allocated for as long as the plan that
-        holds this runtime (the likely source of the 1.3 GiB still allocated after that search's
-        OOM, once the capture was fixed)."""
+        unjoined fails and leaves the graph's pool allocated for the rest of the process (a failed
+        capture must give its memory back: docs/design/cuda-graphs.md#a-failed-capture). Outside
+        capture the held values go once the device is idle; kept, they would stay allocated for as
+        long as the plan that holds this runtime."""
         if not self.cuda:
             return
         main = torch.cuda.current_stream()

@@ -77,8 +77,8 @@ def inductor_config(host_copies: bool = False, symbolic: bool = False, memory_fi
 
     A subgraph that copies saved values to the host or back (offload pass) keeps the graph's
     order (NOTE: Host copies keep their place). It, and every subgraph of a graph compiled with a
-    memory budget (`memory_first`), frees each buffer at its last use (NOTE: Memory first frees at
-    once). A subgraph with symbolic sizes skips Inductor's FX
+    memory budget (`memory_first`: MemoryPolicy.free_at_last_use), frees each buffer at its last use
+    (NOTE: Memory first frees at once). A subgraph with symbolic sizes skips Inductor's FX
     graph cache: a cached entry's guards name the sizes' sources in the whole graph (``L['images']``),
     which a subgraph's inputs do not have, and looking one up raised KeyError (dynamic=True with a
     memory_budget, the second run on a machine)."""
@@ -94,29 +94,22 @@ def inductor_config(host_copies: bool = False, symbolic: bool = False, memory_fi
     return config.patch(**changes)
 
 
-# NOTE: Host copies keep their place
-# The partitioner puts each copy of an offloaded value to the host right after the value's last
-# forward use, so that its GPU memory is free for the rest of the forward. Inductor's
-# reorder_for_peak_memory counts a host buffer as memory like a GPU one: moving the copy frees
-# nothing in its estimate, and the order it picked put the copies late. Measured on the H200
-# (benchmarks/probes/offload_memory.py, CLIP base, batch 512, budget 0.05, session 11): the forward peaked at
-# 5.85 GiB allocated with the reordering and 2.36 GiB without it (eager per-block checkpointing
-# with save_on_cpu: 3.10), the backward at 5.81 either way.
+# [NOTE] Host copies keep their place. The partitioner puts each copy of an offloaded value to the
+# host right after the value's last forward use, so that its GPU memory is free for the rest of the
+# forward. Inductor's reorder_for_peak_memory counts a host buffer as memory like a GPU one: moving
+# the copy frees nothing in its estimate, and the order it picks puts the copies late, raising the
+# forward's peak (benchmarks/RESULTS.md, offloading). So a subgraph with host copies keeps the
+# graph's order.
 
 
-# NOTE: Memory first frees at once
-# Inductor's wrapper keeps a buffer past its last use when a later buffer of the same size, dtype
-# and device can take its memory (allow_buffer_reuse): no `del` at the last use, the storage handed
-# on under the new name at the reuse. Until then the caching allocator counts it, and in a backward
-# that recomputes block after block several such buffers wait at once. Freed at its last use, the
-# buffer goes back to the caching allocator, which serves the next one from it: the same kernels
-# run, only the wrapper's bookkeeping differs (and a CUDA-graph replay does none of it). So a graph
-# whose user asked for memory (a memory_budget, or offloading) compiles without the reuse.
-# Measured on the H200 (benchmarks/probes/offload_memory.py --inductor-config allow_buffer_reuse=False, CLIP base,
-# batch 512, budget 0.05; GiB allocated, forward / backward peak):
-#   with host copies (session 12):  2.36 / 5.22 without the reuse, 2.36 / 5.81 with it
-#                                   (eager checkpointing with save_on_cpu: 3.10 / 5.08)
-#   budget only (session 13):       6.38 / 7.70 without the reuse, 6.54 / 8.35 with it (session 11)
+# [NOTE] Memory first frees at once. Inductor's wrapper keeps a buffer past its last use when a later
+# buffer of the same size, dtype and device can take its memory (allow_buffer_reuse): no `del` at the
+# last use, the storage handed on under the new name at the reuse. Until then the caching allocator
+# counts it, and in a backward that recomputes block after block several such buffers wait at once.
+# Freed at its last use, the buffer goes back to the caching allocator, which serves the next one
+# from it: the same kernels run, only the wrapper's bookkeeping differs (and a CUDA-graph replay
+# does none of it). So a graph whose user asked for memory (a memory_budget, or offloading:
+# MemoryPolicy.free_at_last_use) compiles without the reuse (benchmarks/RESULTS.md, offloading).
 
 
 def has_symbolic_sizes(inputs: list) -> bool:
@@ -148,8 +141,8 @@ def no_donated_inputs():
     the tracing context, numbered over the whole backward's inputs, while a subgraph numbers its
     own: its input 3 may be a gradient another subgraph still reads. And a CUDA-graph capture step
     replays each candidate runtime several times before the real replay, which must still find
-    the saved activations intact. The runner reuses donated memory itself (cudagraph.py, NOTE:
-    Donation), in the final capture only."""
+    the saved activations intact. The runner reuses donated memory itself
+    (docs/design/cuda-graphs.md#donation), in the final capture only."""
     meta = fw_metadata()
     if meta is None or not getattr(meta, "bw_donated_idxs", None):
         yield
