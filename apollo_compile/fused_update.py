@@ -236,7 +236,7 @@ def written_state(gm: torch.fx.GraphModule) -> "Callable[[], list[torch.Tensor]]
     """What `gm`'s update ops write besides its inputs, the moments they find by name, as a function
     that looks them up when called (at a capture: the tensors a CUDA graph would replay); None
     where `gm` has no update op. A runner that replays the graph to time it puts these back too
-    (runtime/cudagraph.py, NOTE: A graph that writes its inputs)."""
+    (docs/design/cuda-graphs.md#a-graph-that-writes-its-inputs)."""
     where = [(n.kwargs["state"], [n.kwargs["index"]] if n.args[0] is adam_step else list(n.kwargs["index"]))
              for n in gm.graph.nodes if _update_of(n)]
     if not where:

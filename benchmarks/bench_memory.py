@@ -317,7 +317,7 @@ def ungraphed_runners(by_design: bool = False) -> list[str]:
     ``clear_plans()``: a capture that runs out of memory falls back to the runtime, correct and
     warned, and such a probe must not count as apollo training at that batch. With `by_design`,
     those apollo left un-graphed on purpose instead: too close to the memory limit to capture
-    (cudagraph.py, NOTE: A capture needs headroom), running what the probe's first step ran."""
+    (docs/design/cuda-graphs.md#capture-headroom), running what the probe's first step ran."""
     import apollo_compile
 
     out = []

@@ -11,13 +11,13 @@ may take over the saved activations the forward's same lane made); last, batch s
 between steps (Dynamo's automatic dynamic shapes: the graph with a symbolic batch replays at the
 size it was captured at and runs without its CUDA graph at the other), a second model trained
 after the first is deleted (the family of graphs captured for the first is released and captured
-again for it), and two live models trained in turn (a family each: runtime/instances.py, NOTE: One
-graph, several model instances). Every step's loss and every
+again for it), and two live models trained in turn (a family each:
+docs/design/cuda-graphs.md#one-graph-several-model-instances). Every step's loss and every
 gradient is compared with eager PyTorch on the same weights (TF32 off, so both are true fp32), and
 each runner's summary is printed: replays, the runtime it chose, calls that ran without the graph
 (0 expected), gradients it moved out of the graph's memory because they were still held (the
 lent-gradient path; > 0 only with accumulation and set_to_none=True), and the saved-activation
-memory the backward took over (cudagraph.py, NOTE: Donation).
+memory the backward took over (docs/design/cuda-graphs.md#donation).
 
     PYTHONPATH=. python benchmarks/smoke_gpu.py            # exit status 1 if anything disagrees
     PYTHONPATH=. python benchmarks/smoke_gpu.py --cpu      # the same loops on the CPU (no CUDA graphs)
@@ -123,8 +123,7 @@ def run(mode: str, device: str, steps: int = 4, config: str = "tiny", batch_size
     gone = summaries()
     # with varying sizes the symbolic graph runs un-graphed at the sizes it was not captured at;
     # a deleted instance's family is released at its deletion and serves the next; once every
-    # instance is deleted, every family is released (runtime/instances.py, NOTE: A gone instance's
-    # memory goes at once)
+    # instance is deleted, every family is released (docs/design/cuda-graphs.md#a-gone-instances-memory-goes-at-once)
     families = (instances, 0) if together else (1, instances - 1)
     ok = worst[0] <= rtol and worst[1] <= rtol and (device == "cpu" or all(
         s is not None and (varying or s["ungraphed_calls"] == 0) and s["replays"] > 0

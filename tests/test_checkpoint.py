@@ -217,8 +217,9 @@ def deepcopy_graph(gm):
         return copy.deepcopy(gm.graph)
 
 
-def capture_joint(model, monkeypatch):
-    """The joint graph of one training step, as the checkpoint pass would see it."""
+def capture_joint(model, monkeypatch, inputs=None):
+    """The joint graph of one training step (on `inputs`, default `batches(0)`), as the checkpoint
+    pass would see it."""
     captured = {}
 
     def spy(gm, ctx):
@@ -226,7 +227,7 @@ def capture_joint(model, monkeypatch):
 
     monkeypatch.setattr(pipeline, "JOINT_PASSES", [("spy", spy)])
     compiled = torch.compile(model, backend="apollo", options=EAGER)
-    compiled(*batches(0)).backward()
+    compiled(*(inputs if inputs is not None else batches(0))).backward()
     return captured["gm"]
 
 
@@ -312,11 +313,13 @@ def test_budget_sweep_is_met_exact_and_monotone(dropout, monkeypatch):
 
 
 def test_byte_budget(monkeypatch):
+    """A byte budget (at least 1 MiB, options.py) on a step whose activations are several times it."""
     torch.manual_seed(0)
-    joint = capture_joint(TwoTower(), monkeypatch)
-    decision, actual, _, _ = plan_and_partition(joint, 100_000)
-    assert decision.targets == {"*": 100_000} and decision.met
-    assert actual == decision.bytes_after and decision.peak_after <= 100_000
+    joint = capture_joint(TwoTower(width=64), monkeypatch, two_tower_inputs(batch=64, seed=0))
+    budget = 2 * 2**20
+    decision, actual, _, _ = plan_and_partition(joint, budget)
+    assert decision.targets == {"*": budget} and decision.met and decision.bytes_before > 3 * budget
+    assert actual == decision.bytes_after and decision.peak_after <= budget
 
 
 def test_dropout_under_inductor_compiles_and_recompute_changes_no_gradient():

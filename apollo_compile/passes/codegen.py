@@ -48,7 +48,7 @@ def producer_lane(plan: LanePlan, node: torch.fx.Node) -> int:
 
 def input_lanes(plan: LanePlan, placeholders: list[torch.fx.Node]) -> tuple[frozenset[int], ...]:
     """Per graph input, the lanes that read it: a backward's capture frees a saved activation on
-    the lane that made it only if no other lane reads it (cudagraph.py, NOTE: Donation on side lanes)."""
+    the lane that made it only if no other lane reads it (docs/design/cuda-graphs.md#donation-on-side-lanes)."""
     readers: dict[torch.fx.Node, set[int]] = {p: set() for p in placeholders}
     for sg in plan.subgraphs:
         for n in sg.inputs:

@@ -1,6 +1,6 @@
 """Diagnostic (device tool): does training go on after a CUDA-graph capture runs out of memory?
 
-cudagraph.py, NOTE: A capture needs headroom. With ``cudagraphs=True`` (no headroom check) at a
+docs/design/cuda-graphs.md#capture-headroom. With ``cudagraphs=True`` (no headroom check) at a
 batch whose backward capture runs out within the memory limit (budgeted CLIP, batch 1152 in
 20 GiB: RESULTS.md, "CUDA graphs near the memory limit"), step 2 is lost. The forward then lets
 its graph go once that step's tensors are dead, and the steps after it run un-graphed as step 1 did. The loop
