@@ -250,95 +250,9 @@ class Planner:
         return {o: group for group in members.values() if len(group) > 1 for o in group}
 
     def peaks(self, saved, rerun, on_gpu: bool = False) -> tuple[dict[str, int], int]:
-        """Predicted peak activation bytes of the backward, per key and over all keys.
-
-        The backward is run as the partitioner will order it (``reordering_to_mimic_autograd_
-        engine``: its own nodes in joint order, each re-running just before it the recomputed
-        values it needs that are not there yet). Saved values live from the start, recomputed
-        ops (what they hold: ``self.held``) from their re-run, each until its last reader.
-        Under a fusing compiler a fused group (:meth:`fused`) is re-run whole when one of its
-        ops is first needed, and holds every value something outside the group reads later.
-        With `on_gpu`, saved values that wait on the host (``self.on_host``) live from their first
-        reader on, where the backward copies them back (docs/design/checkpointing.md#offloaded-block-start)."""
-        order: list[torch.fx.Node] = []
-        done: set[torch.fx.Node] = set()
-        group = self.fused(rerun) if self.fuses_pointwise else {}
-        held = self.held
-        if group:
-            held = dict(held)
-            for o, members in group.items():
-                if not held[o] and (o in self.read_by_backward
-                                    or any(r in rerun and r not in members for r in self.readers.get(o, ()))):
-                    held[o] = self.nb(o)
-        pulled: set[int] = set()
-
-        def pull(n: torch.fx.Node) -> None:  # n and the recomputed values it needs, inputs first
-            stack = [(n, False)]
-            while stack:
-                x, expanded = stack.pop()
-                if x in done:
-                    continue
-                if expanded:
-                    done.add(x)
-                    order.append(x)
-                    continue
-                if x in self.fw and (x.op == "placeholder" or self.storage[x] in saved):
-                    done.add(x)  # there already: a graph input, a saved value, a view of one
-                    continue
-                stack.append((x, True))
-                if x in group and id(group[x]) not in pulled:  # the whole fused group, now
-                    pulled.add(id(group[x]))
-                    stack.extend((m, False) for m in reversed(group[x]) if m is not x and m not in done)
-                stack.extend((i, False) for i in reversed(x.all_input_nodes) if i not in done)
-
-        for n in self.backward_nodes:
-            pull(n)
-        owner: dict[torch.fx.Node, torch.fx.Node] = {}  # node -> the saved value / re-run op it holds
-        for n in order:
-            for i in n.all_input_nodes:
-                if i in self.fw and i not in owner:
-                    v = self.storage[i]
-                    if v in saved:
-                        owner[i] = v
-                    elif v.op != "placeholder" and self.op(v) in rerun:
-                        owner[i] = self.op(v)
-        last: dict[torch.fx.Node, int] = {}
-        arriving: dict[int, list[torch.fx.Node]] = {}
-        away = {v for v in saved if self.on_host(v)} if on_gpu and self.on_host else set()
-        for k, n in enumerate(order):
-            for i in n.all_input_nodes:
-                if i in owner:
-                    if owner[i] in away and owner[i] not in last:
-                        arriving.setdefault(k, []).append(owner[i])
-                    last[owner[i]] = k
-        live = self.by_key(saved - away)
-        total = sum(live.values())
-        peak, peak_total = dict(live), total
-        dying: dict[int, list[torch.fx.Node]] = {}
-        for x, k in last.items():
-            dying.setdefault(k, []).append(x)
-        for x in saved - away:
-            if x not in last:
-                dying.setdefault(-1, []).append(x)
-        for x in dying.pop(-1, ()):
-            live[self.key[x]] -= self.nb(x)
-            total -= self.nb(x)
-        for k, n in enumerate(order):
-            for x in arriving.get(k, ()):
-                live[self.key[x]] = live.get(self.key[x], 0) + self.nb(x)
-                total += self.nb(x)
-                peak[self.key[x]] = max(peak.get(self.key[x], 0), live[self.key[x]])
-                peak_total = max(peak_total, total)
-            if n in rerun and n in last:
-                live[self.key[n]] = live.get(self.key[n], 0) + held[n]
-                total += held[n]
-                peak[self.key[n]] = max(peak.get(self.key[n], 0), live[self.key[n]])
-                peak_total = max(peak_total, total)
-            for x in dying.get(k, ()):
-                size = held[x] if x in rerun else self.nb(x)
-                live[self.key[x]] -= size
-                total -= size
-        return dict(sorted(peak.items())), peak_total
+        """Predicted peak activation bytes of the backward, per key and over all keys
+        (:func:`backward_peaks`)."""
+        return backward_peaks(self, saved, rerun, on_gpu)
 
     def _move(self, ops: set[torch.fx.Node], saved: set[torch.fx.Node], rerun: set[torch.fx.Node]):
         """Bytes change per key and the values newly saved if `ops` join the recomputed set."""
@@ -478,6 +392,98 @@ class Planner:
         # model to a 1.7x higher peak: re-run early, it keeps q, k and v longer)
         tier = 2 if deterministic_attention(o) else int(self.memory_bound_first and any(self.cost[x][1] for x in ops))
         return (tier, peak_delta.get(key, 0) / us, delta[key] / us, self.order[o]), ops
+
+
+def backward_peaks(planner: Planner, saved, rerun, on_gpu: bool = False) -> tuple[dict[str, int], int]:
+    """Predicted peak activation bytes of the backward, per key and over all keys.
+
+    The backward is run as the partitioner will order it (``reordering_to_mimic_autograd_
+    engine``: its own nodes in joint order, each re-running just before it the recomputed
+    values it needs that are not there yet). Saved values live from the start, recomputed
+    ops (what they hold: ``planner.held``) from their re-run, each until its last reader.
+    Under a fusing compiler a fused group (:meth:`Planner.fused`) is re-run whole when one of its
+    ops is first needed, and holds every value something outside the group reads later.
+    With `on_gpu`, saved values that wait on the host (``planner.on_host``) live from their first
+    reader on, where the backward copies them back (docs/design/checkpointing.md#offloaded-block-start)."""
+    order: list[torch.fx.Node] = []
+    done: set[torch.fx.Node] = set()
+    group = planner.fused(rerun) if planner.fuses_pointwise else {}
+    held = planner.held
+    if group:
+        held = dict(held)
+        for o, members in group.items():
+            if not held[o] and (o in planner.read_by_backward
+                                or any(r in rerun and r not in members for r in planner.readers.get(o, ()))):
+                held[o] = planner.nb(o)
+    pulled: set[int] = set()
+
+    def pull(n: torch.fx.Node) -> None:  # n and the recomputed values it needs, inputs first
+        stack = [(n, False)]
+        while stack:
+            x, expanded = stack.pop()
+            if x in done:
+                continue
+            if expanded:
+                done.add(x)
+                order.append(x)
+                continue
+            if x in planner.fw and (x.op == "placeholder" or planner.storage[x] in saved):
+                done.add(x)  # there already: a graph input, a saved value, a view of one
+                continue
+            stack.append((x, True))
+            if x in group and id(group[x]) not in pulled:  # the whole fused group, now
+                pulled.add(id(group[x]))
+                stack.extend((m, False) for m in reversed(group[x]) if m is not x and m not in done)
+            stack.extend((i, False) for i in reversed(x.all_input_nodes) if i not in done)
+
+    for n in planner.backward_nodes:
+        pull(n)
+    owner: dict[torch.fx.Node, torch.fx.Node] = {}  # node -> the saved value / re-run op it holds
+    for n in order:
+        for i in n.all_input_nodes:
+            if i in planner.fw and i not in owner:
+                v = planner.storage[i]
+                if v in saved:
+                    owner[i] = v
+                elif v.op != "placeholder" and planner.op(v) in rerun:
+                    owner[i] = planner.op(v)
+    last: dict[torch.fx.Node, int] = {}
+    arriving: dict[int, list[torch.fx.Node]] = {}
+    away = {v for v in saved if planner.on_host(v)} if on_gpu and planner.on_host else set()
+    for k, n in enumerate(order):
+        for i in n.all_input_nodes:
+            if i in owner:
+                if owner[i] in away and owner[i] not in last:
+                    arriving.setdefault(k, []).append(owner[i])
+                last[owner[i]] = k
+    live = planner.by_key(saved - away)
+    total = sum(live.values())
+    peak, peak_total = dict(live), total
+    dying: dict[int, list[torch.fx.Node]] = {}
+    for x, k in last.items():
+        dying.setdefault(k, []).append(x)
+    for x in saved - away:
+        if x not in last:
+            dying.setdefault(-1, []).append(x)
+    for x in dying.pop(-1, ()):
+        live[planner.key[x]] -= planner.nb(x)
+        total -= planner.nb(x)
+    for k, n in enumerate(order):
+        for x in arriving.get(k, ()):
+            live[planner.key[x]] = live.get(planner.key[x], 0) + planner.nb(x)
+            total += planner.nb(x)
+            peak[planner.key[x]] = max(peak.get(planner.key[x], 0), live[planner.key[x]])
+            peak_total = max(peak_total, total)
+        if n in rerun and n in last:
+            live[planner.key[n]] = live.get(planner.key[n], 0) + held[n]
+            total += held[n]
+            peak[planner.key[n]] = max(peak.get(planner.key[n], 0), live[planner.key[n]])
+            peak_total = max(peak_total, total)
+        for x in dying.get(k, ()):
+            size = held[x] if x in rerun else planner.nb(x)
+            live[planner.key[x]] -= size
+            total -= size
+    return dict(sorted(peak.items())), peak_total
 
 
 @dataclass
