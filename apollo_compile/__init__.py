@@ -18,7 +18,7 @@ from .options import ApolloOptions, ApolloOptionsError
 from .placement import ModalityPlacement, place_modalities
 from .plan import GraphPlan, ModelPlan, clear_plans, last_plan, plans
 from .report.explain import Report, explain
-from .whole_step import compile_step
+from .step.whole_step import compile_step
 
 __version__ = "0.1.0"
 __all__ = [

@@ -22,7 +22,8 @@ import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import RestartAnalysis
 
-from . import pipeline, whole_step
+from . import pipeline
+from .step import whole_step
 from .passes import checkpoint
 from . import plan as plan_store
 from .devices import DEVICE_SPECS, detect_device_spec

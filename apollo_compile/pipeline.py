@@ -43,12 +43,12 @@ import torch
 import torch.fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 
-from . import calibration
+from .perf import calibration
 from .report import dump, logs
 from .annotations import KEY, info
 from .devices import DeviceSpec
 from .fallback import ApolloFallbackWarning, warn_fallback
-from .fused_update import written_state
+from .ops.fused_update import written_state
 from .nodes import graph_outputs
 from .options import ApolloOptions
 from .passes import (attention_masks, casts, checkpoint, codegen, cost, gradients, lanes, main_allocated, memory,

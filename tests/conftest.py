@@ -26,7 +26,7 @@ def _verify_every_pass(monkeypatch):
 @pytest.fixture(autouse=True)
 def _no_calibration_from_disk(monkeypatch, tmp_path):
     """Plans must not depend on performance-model fits a GPU run left in this machine's cache."""
-    from apollo_compile import calibration
+    from apollo_compile.perf import calibration
 
     monkeypatch.setenv("APOLLO_CALIBRATION_FILE", str(tmp_path / "calibration.json"))
     calibration.reset()

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from apollo_compile import calibration
+from apollo_compile.perf import calibration
 from apollo_compile.pipeline import quota_candidates
 from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.passes import quotas as Q
-from apollo_compile.perf_model import PerfModel, quota_name
+from apollo_compile.perf.model import PerfModel, quota_name
 from apollo_compile.pipeline import GraphContext
 from helpers import H200, make_plan, two_tower_plan
 

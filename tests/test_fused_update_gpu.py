@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("decoupled,amsgrad,maximize,weight_decay",
                          [(True, False, False, 0.01), (False, True, True, 0.05), (True, True, False, 0.0)])
 def test_the_triton_update_is_torchs_fused_update(shape, dtype, decoupled, amsgrad, maximize, weight_decay):
-    from apollo_compile.fused_update import AdamMoments, adam_step
+    from apollo_compile.ops.fused_update import AdamMoments, adam_step
 
     g = torch.Generator(device="cuda").manual_seed(0)
     p = torch.randn(shape, device="cuda", generator=g).to(dtype)
@@ -50,7 +50,7 @@ def test_the_triton_update_is_torchs_fused_update(shape, dtype, decoupled, amsgr
 def test_the_triton_update_reads_a_bf16_gradient_as_its_float32_copy(shape):
     """passes/gradients.py, NOTE: The update reads the gradient as it was computed: a float32
     parameter's update from a bf16 gradient is its update from that gradient cast to float32."""
-    from apollo_compile.fused_update import AdamMoments, adam_step
+    from apollo_compile.ops.fused_update import AdamMoments, adam_step
 
     g = torch.Generator(device="cuda").manual_seed(0)
     p = torch.randn(shape, device="cuda", generator=g)
@@ -82,7 +82,7 @@ def test_the_step_with_the_update_inside_trains_like_eager_on_the_gpu(options, l
 
     sys.path.insert(0, str(Path(__file__).parent))
     import apollo_compile
-    from apollo_compile import fused_update
+    from apollo_compile.ops import fused_update
     from models import TwoTower, two_tower_inputs
 
     if lists:

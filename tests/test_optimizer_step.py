@@ -28,7 +28,7 @@ import apollo_compile
 from apollo_compile import ApolloFallbackWarning
 from apollo_compile.annotations import info
 from apollo_compile.nodes import readers_of, written_inputs
-from apollo_compile.optimizer_step import InGraphAdam
+from apollo_compile.step.optimizer_step import InGraphAdam
 from apollo_compile.runtime import choice
 from apollo_compile.runtime.candidates import CandidateChoice
 from apollo_compile.runtime.capture import StaticInputs
@@ -108,7 +108,7 @@ def test_the_update_inside_the_step_trains_like_eager(compiler, update, foreach_
     """With `foreach_numel` None, the default: every parameter of the test model is small, so on the
     CPU they share an adam_step_foreach per tower (fused_update.py, NOTE: Small parameters share a
     launch); with SPLIT the weights get an adam_step each."""
-    from apollo_compile import fused_update
+    from apollo_compile.ops import fused_update
 
     if foreach_numel is not None:
         monkeypatch.setattr(fused_update, "FOREACH_NUMEL", foreach_numel)
@@ -300,7 +300,8 @@ def test_each_update_runs_as_soon_as_its_gradient_is_complete(monkeypatch):
     reader of what it overwrites, and the live values at the graph's peak are fewer (measured: 0.13
     MB against 0.75 MB in program order, where every gradient and every new parameter and moment
     lived until the writes at the end)."""
-    from apollo_compile import fused_update, pipeline
+    from apollo_compile import pipeline
+    from apollo_compile.ops import fused_update
     from apollo_compile.passes.modality import traced_from_autograd
 
     monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 0)  # an op per parameter, as a large model's weights
@@ -471,7 +472,7 @@ def test_the_step_counters_are_one_tensor_advanced_by_one_op(monkeypatch):
     one add_, written back beside it (passes/updates.py) before the last gradient (with an update op
     per parameter, as a large model's weights); state["step"] of each parameter is a view into it,
     and the counters end as eager's (train_with_update_inside)."""
-    from apollo_compile import fused_update
+    from apollo_compile.ops import fused_update
 
     monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 0)
     torch.manual_seed(0)
@@ -511,7 +512,7 @@ def test_a_groups_indices_are_one_guard():
     opt = adamw(model)
     compiled = apollo_compile.compile_step(step_of(model), optimizer=opt, options=EAGER)
     compiled(*two_tower_inputs(seed=0))
-    entry = get_entries(apollo_compile.whole_step.CompiledStep._with_update.__code__)[0]  # the newest first
+    entry = get_entries(apollo_compile.step.whole_step.CompiledStep._with_update.__code__)[0]  # the newest first
     on_indices = [line for line in str(entry.guard_manager).splitlines() if "['counters']" in line]
     per_index = [line for line in on_indices if "][1][" in line]  # an item of the indices: one per parameter
     assert on_indices and not per_index and len(on_indices) < 20 < len(params), per_index or on_indices
@@ -524,7 +525,7 @@ def test_the_update_ops_find_the_moments_by_name():
     always comes with new step-counter tensors, which a captured CUDA graph writes in place: its
     runner then finds that input moved and runs the graph un-graphed, so no capture replays moments
     that were laid out again."""
-    from apollo_compile.fused_update import AdamMoments, adam_step_foreach
+    from apollo_compile.ops.fused_update import AdamMoments, adam_step_foreach
 
     torch.manual_seed(0)
     p, grad = torch.randn(3, 2), torch.randn(3, 2)
@@ -606,7 +607,7 @@ def test_each_update_is_one_fused_op(monkeypatch):
     in the graph (Inductor generates no kernel for it), which reads the learning rate and its own
     step counter, except the small parameters (NOTE: Small parameters share a launch), which share
     an apollo::adam_step_foreach per tower; no other op reads the counters or the learning rate."""
-    from apollo_compile import fused_update
+    from apollo_compile.ops import fused_update
 
     monkeypatch.setattr(fused_update, "FOREACH_NUMEL", SPLIT)
     torch.manual_seed(0)
@@ -633,7 +634,7 @@ def test_a_list_update_is_split_by_tower():
     """passes/update_lists.py: the small parameters' one list update (all of the test model's) becomes
     one per tower, each on its tower's lane after that tower's last gradient; the lanes are those of
     an update op per parameter."""
-    from apollo_compile import fused_update
+    from apollo_compile.ops import fused_update
     from apollo_compile.passes.modality import traced_from_autograd
 
     def plan(foreach_numel):
@@ -720,7 +721,7 @@ def test_the_update_reads_a_weights_gradient_as_the_matmul_made_it(monkeypatch):
     """passes/gradients.py, NOTE: The update reads the gradient as it was computed: under bf16
     autocast each weight's update op reads its matmul's bf16 output, not a float32 copy of it, and
     the step trains exactly as with the copies (a bf16 value is exact in float32)."""
-    from apollo_compile import fused_update
+    from apollo_compile.ops import fused_update
     from apollo_compile.passes import gradients
 
     monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 0)  # an update op per parameter, as large weights get
@@ -919,7 +920,7 @@ def test_inductor_reads_a_weight_before_its_update_writes_it(fixed, monkeypatch)
     eager in one step, 5x the tolerance). Inductor's graph cache is off: a cached kernel compiled
     without the lowering would hide it. If the unfixed case stops raising, torch has fixed the order
     (torch 2.13 has not): fused_update.register_inductor_lowering can then go."""
-    from apollo_compile import fused_update
+    from apollo_compile.ops import fused_update
     from torch._inductor.lowering import lowerings
 
     monkeypatch.setattr(fused_update, "FOREACH_NUMEL", 0)  # the layer norm's weight updated by an op of its own

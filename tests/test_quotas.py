@@ -9,11 +9,11 @@ import torch
 import torch.fx
 
 from apollo_compile.annotations import KEY, NodeInfo
-from apollo_compile import perf_model as M
+from apollo_compile.perf import model as M
 from apollo_compile.lane_plan import Subgraph
 from apollo_compile.passes import quotas as Q
 from apollo_compile.passes.quotas import Candidate, plan_quotas
-from apollo_compile.perf_model import PerfModel, SubgraphStats, fit_power_law
+from apollo_compile.perf.model import PerfModel, SubgraphStats, fit_power_law
 from helpers import H200, make_plan, two_tower_plan
 
 

@@ -21,7 +21,8 @@ from expecttest import assert_expected_inline
 from torch import nn
 
 import apollo_compile
-from apollo_compile import ApolloFallbackWarning, ApolloOptionsError, whole_step
+from apollo_compile import ApolloFallbackWarning, ApolloOptionsError
+from apollo_compile.step import whole_step
 from apollo_compile.annotations import info
 from apollo_compile.nodes import deterministic_attention, storage_node
 from helpers import TOLERANCE, backward_step

@@ -6,3 +6,4 @@ apollo_compile is imported. Adding an op: a module here, and one import line bel
 """
 
 from . import mm_into  # noqa: F401  apollo::mm_into, a matmul written into a given buffer
+from . import fused_update  # noqa: F401  apollo::adam_step and adam_step_foreach, the optimizer's update in a step

@@ -30,7 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..annotations import info
 from ..devices import DeviceSpec
-from ..fused_update import state_bytes
+from ..ops.fused_update import state_bytes
 from ..nodes import input_nodes, is_library_kernel, is_library_kernel_name, meta_value, op_name, tensors
 from ..shapes import concrete_int as _int
 from ..shapes import concrete_numel as _numel

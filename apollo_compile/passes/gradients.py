@@ -28,7 +28,7 @@ import torch.fx
 
 from torch._guards import detect_fake_mode
 
-from ..fused_update import adam_step, adam_step_foreach
+from ..ops.fused_update import adam_step, adam_step_foreach
 from ..nodes import meta_tensor
 
 aten = torch.ops.aten

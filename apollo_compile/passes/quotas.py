@@ -6,7 +6,7 @@ Reads ``ctx.decisions["lanes"]`` (a :class:`LanePlan`), ``ctx.device`` and the c
 runtime to measure. "No quota" is always a candidate: DESIGN.md measured fixed splits losing to
 plain streams, so a quota is only ever proposed, never imposed.
 
-The model (:class:`~apollo_compile.perf_model.PerfModel`: a subgraph's time on ``q`` SMs, a lane
+The model (:class:`~apollo_compile.perf.model.PerfModel`: a subgraph's time on ``q`` SMs, a lane
 plan on plain streams or under quotas, and their fits) is ``perf_model.py``; the pass builds it
 from DESIGN.md's priors as refitted on this device by what the runner measured (``calibration.py``).
 Side lanes get quotas of multiples of 8 SMs, lane 0 none (perf_model.py, "Quotas: lane 0 runs on
@@ -33,10 +33,10 @@ from functools import cmp_to_key
 import networkx as nx
 import torch.fx
 
-from ..calibration import defaults
+from ..perf.calibration import defaults
 from ..devices import DeviceSpec
 from ..lane_plan import LanePlan
-from ..perf_model import PerfModel, Schedule, quota_name
+from ..perf.model import PerfModel, Schedule, quota_name
 
 __all__ = ["MIN_GAIN", "Candidate", "QuotaDecision", "concurrent_lanes", "plan_candidates", "plan_quotas", "run"]
 

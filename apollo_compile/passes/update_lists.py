@@ -35,7 +35,7 @@ import torch
 import torch.fx
 
 from ..annotations import KEY, info
-from ..fused_update import adam_step_foreach, kernel_lists
+from ..ops.fused_update import adam_step_foreach, kernel_lists
 from . import modality, updates
 
 # one launch of torch's multi-tensor kernel (module docstring, [NOTE]), as ATen's

@@ -26,8 +26,8 @@ import statistics
 
 import torch
 
-from .devices import DeviceSpec
-from .perf_model import parse_quota_name
+from ..devices import DeviceSpec
+from .model import parse_quota_name
 
 log = logging.getLogger("apollo_compile")
 

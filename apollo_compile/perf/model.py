@@ -31,10 +31,10 @@ from typing import Any, Hashable, Iterable
 import numpy as np
 import torch.fx
 
-from .annotations import info
-from .devices import DeviceSpec
-from .lane_plan import LanePlan, Subgraph
-from .nodes import is_library_kernel_name, op_name
+from ..annotations import info
+from ..devices import DeviceSpec
+from ..lane_plan import LanePlan, Subgraph
+from ..nodes import is_library_kernel_name, op_name
 
 __all__ = [
     "Fit", "PerfModel", "Schedule", "SubgraphStats", "fit_power_law", "parse_quota_name", "quota_name", "tiles",

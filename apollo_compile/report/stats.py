@@ -15,7 +15,7 @@ import torch.fx
 
 from ..annotations import info
 from ..devices import DEVICE_SPECS
-from ..perf_model import parse_quota_name
+from ..perf.model import parse_quota_name
 from ..plan import GraphPlan
 
 

@@ -32,8 +32,8 @@ from typing import Any, Sequence
 
 import torch
 
-from . import fused_update
-from .fused_update import AdamMoments, adam_step, adam_step_foreach, fused_kernel_devices, register_inductor_lowering
+from ..ops import fused_update
+from ..ops.fused_update import AdamMoments, adam_step, adam_step_foreach, fused_kernel_devices, register_inductor_lowering
 
 __all__ = ["InGraphAdam", "unsupported_reason"]
 

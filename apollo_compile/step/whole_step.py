@@ -34,9 +34,9 @@ from typing import Any, Callable
 import torch
 import torch._dynamo
 
-from .fallback import ApolloFallbackWarning
+from ..fallback import ApolloFallbackWarning
 from .optimizer_step import InGraphAdam, unsupported_reason
-from .options import COMPILE_STEP_ONLY, STEP, STEP_OPTIMIZER, ApolloOptions, ApolloOptionsError, check_path
+from ..options import COMPILE_STEP_ONLY, STEP, STEP_OPTIMIZER, ApolloOptions, ApolloOptionsError, check_path
 
 log = logging.getLogger("apollo_compile")
 
