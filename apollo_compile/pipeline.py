@@ -435,7 +435,7 @@ def quota_candidates(ctx: GraphContext) -> dict[str, dict[int, int]]:
     can make green contexts; without them, one warning and none."""
     cands = ctx.decisions["quotas"].candidates
     plain = min((c.predicted_us for c in cands if c.quotas is None), default=None)
-    # only a split predicted to beat plain streams is captured and timed (calibration.py says why)
+    # only a split predicted to beat plain streams is captured and timed (perf/calibration.py says why)
     wanted = {c.name: c.quotas for c in cands
               if c.quotas and (plain is None or c.predicted_us < plain * (1 - MIN_GAIN))}
     if wanted:

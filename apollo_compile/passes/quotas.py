@@ -7,9 +7,9 @@ runtime to measure. "No quota" is always a candidate: DESIGN.md measured fixed s
 plain streams, so a quota is only ever proposed, never imposed.
 
 The model (:class:`~apollo_compile.perf.model.PerfModel`: a subgraph's time on ``q`` SMs, a lane
-plan on plain streams or under quotas, and their fits) is ``perf_model.py``; the pass builds it
-from DESIGN.md's priors as refitted on this device by what the runner measured (``calibration.py``).
-Side lanes get quotas of multiples of 8 SMs, lane 0 none (perf_model.py, "Quotas: lane 0 runs on
+plan on plain streams or under quotas, and their fits) is ``perf/model.py``; the pass builds it
+from DESIGN.md's priors as refitted on this device by what the runner measured (``perf/calibration.py``).
+Side lanes get quotas of multiples of 8 SMs, lane 0 none (perf/model.py, "Quotas: lane 0 runs on
 the full device").
 
 Planner (:func:`plan_quotas`)

@@ -1,2 +1,2 @@
 """The performance model (``model.py``: a subgraph's time alone, on a lane beside others, under an SM
-quota) and its calibration from the times the CUDA-graph runners measure (``calibration.py``)."""
+quota) and its calibration from the times the CUDA-graph runners measure (``perf/calibration.py``)."""

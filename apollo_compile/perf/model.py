@@ -2,7 +2,7 @@
 or under quotas. Pure Python, no GPU. The reasoning and the measurements behind every constant:
 docs/design/performance-model.md.
 
-The quotas pass (``passes/quotas.py``) plans its candidate runtimes with it; ``calibration.py``
+The quotas pass (``passes/quotas.py``) plans its candidate runtimes with it; ``perf/calibration.py``
 refits its interference parameters from what the CUDA-graph runner measured. Candidate names that
 carry quotas (``"quota:1=88,2=44"``: :func:`quota_name`, :func:`parse_quota_name`) are defined
 here, where the model reads them back when it calibrates.

@@ -7,7 +7,7 @@ Otherwise, at its capture step, its candidate choice (``candidates.py``) asks th
 1. :meth:`Strategy.unmeasured`: a candidate to replay without measuring any (and why), or None;
 2. if None, each candidate is captured into a pool of its own and timed, then
    :meth:`Strategy.choose` picks one from those times, each capture's pool and what was allocated
-   beside the graph. The times also calibrate the performance model (``calibration.py``).
+   beside the graph. The times also calibrate the performance model (``perf/calibration.py``).
 
 Both get the :class:`GraphFacts` the runner knows then. :class:`ChooseFastest` is apollo's own rule
 (the default): a backward that reuses its saved activations replays what its forward chose by
