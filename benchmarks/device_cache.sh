@@ -18,10 +18,10 @@ case "${1:-}" in
   save)
     out="${OUT:?OUT is not set: run this on the device machine}"
     [ -d "$cache_dir" ] || { echo "no cache at $cache_dir"; exit 0; }
-    # xz on every core: single-threaded, saving a ~300 MB cache took ~280 s of a 600 s call (session 5)
+    # xz on every core: single-threaded, saving a ~300 MB cache took ~280 s of a 600 s call
     XZ_OPT="-T0" tar -C "$(dirname "$cache_dir")" -cJf /tmp/inductor_cache.tar.xz "$(basename "$cache_dir")"
     size=$(stat -c %s /tmp/inductor_cache.tar.xz)
-    if [ "$size" -gt $((4 * 15 * 1000 * 1000)) ]; then  # carry takes 64 MiB (67.1 MB) with the tree (1.7 MB in session 33)
+    if [ "$size" -gt $((4 * 15 * 1000 * 1000)) ]; then  # carry takes 64 MiB (67.1 MB) with the tree
       echo "cache archive is $((size / 1000000)) MB: too large to bring back, not saved"; exit 0
     fi
     split -b 15000000 -d /tmp/inductor_cache.tar.xz "$out/inductor_cache.tar.xz.part"
