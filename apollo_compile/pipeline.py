@@ -319,14 +319,14 @@ def partition(joint_module, joint_inputs, *, num_fwd_outputs, ctx: GraphContext,
 
 
 def fallback_compile(gm: torch.fx.GraphModule, example_inputs, kind: str, compiler: str,
-                     memory_first: bool = False) -> Callable:
-    """Compile one ATen graph without apollo's planning: Inductor, else eager ATen. `memory_first`:
+                     free_at_last_use: bool = False) -> Callable:
+    """Compile one ATen graph without apollo's planning: Inductor, else eager ATen. `free_at_last_use`:
     free each buffer at its last use (``MemoryPolicy.free_at_last_use``)."""
     if compiler == "inductor":
         try:
             from torch._inductor.compile_fx import compile_fx_inner
 
-            with inductor_config(host_copies=has_host_copies(gm), memory_first=memory_first):
+            with inductor_config(host_copies=has_host_copies(gm), free_at_last_use=free_at_last_use):
                 return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward",
                                         is_inference=kind == "inference")
         except Exception as e:  # pragma: no cover - Inductor unavailable

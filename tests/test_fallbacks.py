@@ -480,7 +480,7 @@ def _break_subgraph_compilation(monkeypatch):
     # so patching apollo_compile.runtime.subgraphs.compile_subgraph would not reach it.
     from apollo_compile.runtime import runner
 
-    def broken(sub, inputs, compiler, kind, memory_first=False):
+    def broken(sub, inputs, compiler, kind, free_at_last_use=False):
         raise RuntimeError("synthetic compiler failure")
 
     monkeypatch.setattr(runner, "compile_subgraph", broken)

@@ -167,7 +167,7 @@ def test_host_copies_keep_their_place_in_inductor():
         assert torch._inductor.config.allow_buffer_reuse is False
         assert torch._inductor.config.fallback_random is True
     before = (torch._inductor.config.reorder_for_peak_memory, torch._inductor.config.allow_buffer_reuse)
-    with subgraphs.inductor_config(memory_first=True):  # a budget without copies keeps the reordering
+    with subgraphs.inductor_config(free_at_last_use=True):  # a budget without copies keeps the reordering
         assert torch._inductor.config.allow_buffer_reuse is False
         assert torch._inductor.config.reorder_for_peak_memory == before[0]
     with subgraphs.inductor_config():

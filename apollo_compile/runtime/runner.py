@@ -28,18 +28,18 @@ def build_runtime(
     device: torch.device,
     quotas: dict[str, dict[int, int]] | None = None,
     side_streams: dict[int, torch.cuda.Stream] | None = None,
-    memory_first: bool = False,
+    free_at_last_use: bool = False,
 ) -> dict[str, Callable[[list], list]]:
     """Boxed callables (take a list of inputs, clear it) that run the graph's plan: "lanes", and
     "one_lane" when the plan has side lanes, and one per SM-quota candidate in `quotas` (name ->
     lane -> SMs: the lane program with its side lanes on green-context streams). All call the same
     compiled subgraphs. `side_streams` (lane -> stream, filled as needed) is shared with the other
     graphs of the family, so a lane runs on the same stream in the forward and the backward.
-    `memory_first`: the subgraphs free each buffer at its last use (subgraphs.inductor_config)."""
+    `free_at_last_use`: the subgraphs free each buffer at its last use (subgraphs.inductor_config)."""
     compiled = {}
     for sg in plan.subgraphs:
         sub = extract(gm, sg)
-        compiled[f"subgraph_{sg.id}"] = compile_subgraph(sub, example_inputs(sg), compiler, kind, memory_first)
+        compiled[f"subgraph_{sg.id}"] = compile_subgraph(sub, example_inputs(sg), compiler, kind, free_at_last_use)
     runtimes = {"lanes": load_runtime(source, compiled, name, device, shared_streams=side_streams)}
     if source.one_lane is not None:
         runtimes["one_lane"] = load_runtime(source.one_lane, compiled, f"{name} (one lane)", device)

@@ -67,7 +67,7 @@ def example_inputs(sg: Subgraph) -> list:
     return [n.meta.get("val") for n in sg.inputs] + [n.meta["val"] for n in sg.main_allocated]
 
 
-def inductor_config(host_copies: bool = False, symbolic: bool = False, memory_first: bool = False):
+def inductor_config(host_copies: bool = False, symbolic: bool = False, free_at_last_use: bool = False):
     """The Inductor settings apollo compiles with: random ops stay ATen calls on torch's generator.
 
     Inductor otherwise lowers ``rand`` only after its joint-graph pass rewrote it to seeded
@@ -77,8 +77,8 @@ def inductor_config(host_copies: bool = False, symbolic: bool = False, memory_fi
 
     A subgraph that copies saved values to the host or back (offload pass) keeps the graph's
     order (NOTE: Host copies keep their place). It, and every subgraph of a graph compiled with a
-    memory budget (`memory_first`: MemoryPolicy.free_at_last_use), frees each buffer at its last use
-    (NOTE: Memory first frees at once). A subgraph with symbolic sizes skips Inductor's FX
+    memory budget or offloading (`free_at_last_use`, MemoryPolicy.free_at_last_use), frees each
+    buffer at its last use (NOTE: Memory first frees at once). A subgraph with symbolic sizes skips Inductor's FX
     graph cache: a cached entry's guards name the sizes' sources in the whole graph (``L['images']``),
     which a subgraph's inputs do not have, and looking one up raised KeyError (dynamic=True with a
     memory_budget, the second run on a machine)."""
@@ -87,7 +87,7 @@ def inductor_config(host_copies: bool = False, symbolic: bool = False, memory_fi
     changes: dict = {"fallback_random": True}
     if host_copies:
         changes["reorder_for_peak_memory"] = False
-    if host_copies or memory_first:
+    if host_copies or free_at_last_use:
         changes["allow_buffer_reuse"] = False
     if symbolic:
         changes["fx_graph_cache"] = False
@@ -156,7 +156,7 @@ def no_donated_inputs():
 
 
 def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kind: str,
-                     memory_first: bool = False) -> Callable[[list], tuple]:
+                     free_at_last_use: bool = False) -> Callable[[list], tuple]:
     if compiler == "eager":
         def run_boxed(args: list) -> tuple:
             inputs = list(args)
@@ -174,7 +174,7 @@ def compile_subgraph(sub: torch.fx.GraphModule, inputs: list, compiler: str, kin
     isolate = contextlib.nullcontext()
     if torch._guards.TracingContext.try_get() is not None:
         isolate = torch._guards.TracingContext.report_output_strides()
-    with isolate, no_donated_inputs(), inductor_config(host_copies=has_host_copies(sub), memory_first=memory_first,
+    with isolate, no_donated_inputs(), inductor_config(host_copies=has_host_copies(sub), free_at_last_use=free_at_last_use,
                                                        symbolic=has_symbolic_sizes(inputs)):
         return compile_fx_inner(
             sub,
