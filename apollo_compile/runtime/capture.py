@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -33,6 +32,7 @@ from .graph_io import LentOutputs, is_non_overlapping
 from .graph_pool import (allocation_streams, borrowed, clear_cublas_workspaces, donations_safe_on_lanes, in_graph_pool,
                          pool_bytes, unowned)
 from .instances import GraphFamily
+from .process_wide import ProcessWide
 from .replay import CapturedGraph
 
 __all__ = ["Capturer", "CudaCapture", "DEFAULT", "Donation", "StaticInputs", "capture_graph", "donatable",
@@ -70,31 +70,19 @@ class CudaCapture:
 
 
 DEFAULT: Capturer = CudaCapture()
-# a process-wide stack, not a contextvar: the autograd engine captures a backward on a thread of its own
-_in_effect: list[Capturer] = []
-_lock = threading.Lock()
+_capturers: ProcessWide[Capturer] = ProcessWide()
 
 
 def in_effect() -> Capturer:
     """The capturer a runner whose config names none uses: the innermost :func:`using`'s, else
     :data:`DEFAULT`."""
-    return _in_effect[-1] if _in_effect else DEFAULT
+    return _capturers.innermost(DEFAULT)
 
 
-@contextlib.contextmanager
-def using(capturer: Capturer) -> Iterator[Capturer]:
+def using(capturer: Capturer) -> contextlib.AbstractContextManager[Capturer]:
     """Runners without a capturer of their own capture and time with `capturer` inside this block,
     on every thread."""
-    with _lock:
-        _in_effect.append(capturer)
-    try:
-        yield capturer
-    finally:
-        with _lock:
-            for i in range(len(_in_effect) - 1, -1, -1):
-                if _in_effect[i] is capturer:
-                    del _in_effect[i]
-                    break
+    return _capturers.using(capturer)
 
 
 @dataclass

@@ -22,9 +22,10 @@ docs/design/cuda-graphs.md#a-donating-backward-follows-its-forward.
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Protocol
+
+from .process_wide import ProcessWide
 
 __all__ = ["ChooseFastest", "Fixed", "GraphFacts", "Strategy", "fastest", "in_effect", "memory_first_reason", "using"]
 
@@ -148,31 +149,17 @@ class Fixed:
 
 
 DEFAULT = ChooseFastest()
-# not a contextvar: the autograd engine runs a CUDA backward on a thread of its own, where a
-# contextvar set around the training loop is unset; a process-wide stack reaches every thread that
-# captures
-_in_effect: list[Strategy] = []
-_lock = threading.Lock()
+_strategies: ProcessWide[Strategy] = ProcessWide()
 
 
 def in_effect() -> Strategy:
     """The strategy a runner built without one uses: the innermost :func:`using`'s, else
     :data:`DEFAULT`."""
-    return _in_effect[-1] if _in_effect else DEFAULT
+    return _strategies.innermost(DEFAULT)
 
 
-@contextlib.contextmanager
-def using(strategy: Strategy) -> Iterator[Strategy]:
+def using(strategy: Strategy) -> contextlib.AbstractContextManager[Strategy]:
     """Runners without a strategy of their own choose with `strategy` inside this block, on every
     thread (the backward's included: they choose at their capture step, so the block must hold
     the graph's second call)."""
-    with _lock:
-        _in_effect.append(strategy)
-    try:
-        yield strategy
-    finally:
-        with _lock:
-            for i in range(len(_in_effect) - 1, -1, -1):
-                if _in_effect[i] is strategy:
-                    del _in_effect[i]
-                    break
+    return _strategies.using(strategy)
