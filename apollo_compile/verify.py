@@ -6,8 +6,9 @@ also check that a deliberately broken pass is caught.
 - after every pass of every stage: the graph is well formed (``torch.fx.Graph.lint``);
 - after ``modality``: every node has a modality label;
 - after ``cost``: every node has a bound in {"compute", "memory", "-"} and non-negative costs;
-- after ``lanes``: every compute node is in exactly one subgraph, subgraph inputs come from
-  placeholders or earlier subgraphs, and the subgraph DAG is acyclic and ordered by ``order``;
+- after ``lanes``: every compute node is in exactly one subgraph, no subgraph is empty (codegen
+  would launch it and another lane wait for it), subgraph inputs come from placeholders or
+  earlier subgraphs, and the subgraph DAG is acyclic and ordered by ``order``;
 - after ``memory``: buffers that may be live at the same time never share bytes.
 """
 
@@ -54,6 +55,8 @@ def _check_lanes(nodes: list[torch.fx.Node], plan) -> list[str]:
     errors = []
     members: dict[torch.fx.Node, int] = {}
     for sg in plan.subgraphs:
+        if not sg.nodes:
+            errors.append(f"subgraph {sg.id}: no nodes")
         for n in sg.nodes:
             if n in members:
                 errors.append(f"{n.name}: in subgraphs {members[n]} and {sg.id}")
