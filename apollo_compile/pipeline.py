@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import logging
@@ -484,6 +485,11 @@ def cudagraphed(gm: torch.fx.GraphModule, runtimes: dict[str, Callable], graph_n
     # returned in the graph's memory, reclaimed before the next replay, never copied per step
     lent = {i for i, o in enumerate(graph_outputs(gm)) if isinstance(o, torch.fx.Node) and info(o).backward} \
         if kind == "inference" else set()
+    if kind == "inference" and any(info(n).backward for n in gm.graph.nodes if n.op == "call_function"):
+        # a whole step captures near the memory limit too: a failed capture completes its step
+        # un-graphed, and with the backward (and the update) inside, no eager code allocates after a
+        # capture that fits (docs/design/cuda-graphs.md#capture-headroom)
+        memory = dataclasses.replace(memory, capture_headroom=None)
     config = RunnerConfig(graph_name, kind, static_input_idxs=static_idxs, user_visible_outputs=user_visible,
                           donated_idxs=donated, lent_outputs=lent, written_idxs=written, saved_idxs=saved,
                           symbolic=symbolic, predicted=predicted_plain(ctx), written_state=written_state(gm),

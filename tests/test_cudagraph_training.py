@@ -156,6 +156,16 @@ def test_cudagraphs_true_reaches_the_runner_as_capture_near_the_limit(runners, c
     assert [r.config.memory.capture_headroom is None for r in runners] == [near_limit, near_limit]
 
 
+def test_a_whole_step_is_captured_regardless_of_headroom(runners):
+    """docs/design/cuda-graphs.md#capture-headroom: a whole step has nothing eager beside its graph,
+    and a capture that runs out completes its step un-graphed (tested below); the module path's
+    graphs keep the rule (the test above)."""
+    _, _, _, _, compiled = adamw_inside_the_step()
+    compiled(*two_tower_inputs(seed=0))
+    (runner,) = runners
+    assert runner.kind == "inference" and runner.config.memory.capture_headroom is None
+
+
 def test_replay_host_time_leaves_out_the_capturing_call(runners):
     """Capturing and measuring candidates take seconds on a GPU; counted as a replay, they would
     make `replay_host_ms` read far more than a replay's launch takes."""
