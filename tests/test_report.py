@@ -3,7 +3,6 @@ headless Chromium when one is installed), the Chrome trace and the command line.
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import importlib.util
 import json
@@ -21,12 +20,9 @@ import torch
 import apollo_compile
 from apollo_compile import pipeline
 from apollo_compile.annotations import info
-from apollo_compile.plan import ModelPlan
 from apollo_compile.report import dump, html_page
 from apollo_compile.report.cli import load_function, parse_option
-from apollo_compile.report.explain import Report
-from apollo_compile.report.stats import (TOP_OPS_RANKING, describe_candidate, largest_ops, predicted_timeline,
-                                         shown_edges, shown_order)
+from apollo_compile.report.stats import TOP_OPS_RANKING, describe_candidate, largest_ops, predicted_timeline
 from apollo_compile.report.svg import node_layout
 from models import MLP, GraphBreakModel, TwoTower, two_tower_inputs
 
@@ -208,34 +204,6 @@ def test_a_cpu_plan_says_why_measured_and_compute_columns_are_empty(two_tower, h
     page = report.to_html()
     assert page.count('class="note device-note"') == 1 and "fill in on a GPU only" in page
     assert "planned for the CPU" not in str(h200_report) and "device-note" not in h200_report.to_html()
-
-
-def test_an_empty_subgraph_is_neither_drawn_nor_counted(two_tower):
-    """A subgraph left without nodes (each recomputed where it is read) runs nothing: the report
-    shows no box, bar, arena column or trace event for it, and a dependency through it stays drawn."""
-    _, report = two_tower
-    gp = report.graphs[1]
-    lp = gp.lanes
-    a, b = next(iter(lp.dag.edges))
-    empty = dataclasses.replace(lp.subgraphs[0], id=len(lp.subgraphs), nodes=[], inputs=[], outputs=[],
-                                main_allocated=[])
-    dag = lp.dag.copy()
-    dag.remove_edge(a, b)
-    dag.add_edge(a, empty.id)
-    dag.add_edge(empty.id, b)
-    order = list(lp.order)
-    order.insert(order.index(a) + 1, empty.id)
-    with_empty = dataclasses.replace(lp, subgraphs=[*lp.subgraphs, empty], dag=dag, order=order)
-    plan = dataclasses.replace(gp, decisions={**gp.decisions, "lanes": with_empty})
-    edited = Report([ModelPlan("edited", graphs={"backward": plan})])
-    assert shown_order(with_empty) == list(lp.order) and (a, b) in shown_edges(with_empty)
-    assert edited.stats()[0].subgraphs == len(lp.subgraphs)
-    page = edited.to_html()
-    assert f'id="sg-{gp.name}-{a}"' in page and f'id="sg-{gp.name}-{empty.id}"' not in page
-    assert f'-sg{empty.id}"' not in page and f"sg {empty.id}" not in page
-    xs = [e for e in edited.to_trace()["traceEvents"] if e["ph"] == "X"]
-    assert sorted(e["args"]["subgraph"] for e in xs) == sorted(sg.id for sg in lp.subgraphs)
-    assert all(empty.id not in e["args"]["waits_for"] for e in xs)
 
 
 # ---- HTML ------------------------------------------------------------------------------------

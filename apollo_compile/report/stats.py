@@ -1,5 +1,5 @@
 """What the report shows of a plan, apart from how it is drawn: per-graph statistics, the predicted
-timeline, the subgraphs shown, each subgraph's costliest ops, the runtime candidates and the notes
+timeline, each subgraph's costliest ops, the runtime candidates and the notes
 that explain them. The text table (:mod:`.text`), the page (:mod:`.html_page`), its drawings
 (:mod:`.svg`) and the trace (:mod:`.trace`) all read these, so none imports another's internals.
 """
@@ -17,34 +17,6 @@ from ..annotations import info
 from ..devices import DEVICE_SPECS
 from ..perf.model import parse_quota_name
 from ..plan import GraphPlan
-
-
-def shown_order(lanes) -> list[int]:
-    """The ids of the subgraphs the report shows, in launch order: those with at least one node.
-
-    A subgraph is left empty when every node of it is recomputed where it is read (the lanes
-    pass's cut, ``passes/boundary.py``); it runs no op, so the report draws and counts none.
-    """
-    return [i for i in lanes.order if lanes.subgraphs[i].nodes]
-
-
-def shown_edges(lanes) -> list[tuple[int, int]]:
-    """The DAG's edges between shown subgraphs (:func:`shown_order`); a path through an empty
-    subgraph is one edge, so no dependency drops out of the drawing with it."""
-    shown = set(shown_order(lanes))
-    edges = set()
-    for a in shown:
-        stack, seen = list(lanes.dag.successors(a)), set()
-        while stack:
-            b = stack.pop()
-            if b in seen:
-                continue
-            seen.add(b)
-            if b in shown:
-                edges.add((a, b))
-            else:
-                stack.extend(lanes.dag.successors(b))
-    return sorted(edges)
 
 
 def predicted_timeline(lanes) -> dict[int, tuple[float, float]]:
@@ -100,7 +72,7 @@ def graph_stats(gp: GraphPlan) -> GraphStats:
     return GraphStats(
         name=gp.name, kind=gp.kind, device=gp.device,
         lanes=dict(sorted(lanes.lanes.items())) if lanes is not None else {},
-        subgraphs=len(shown_order(lanes)) if lanes is not None else 0,
+        subgraphs=len(lanes.order) if lanes is not None else 0,
         serial_us=serial, concurrent_us=concurrent, waits=waits,
         arena_bytes=mem.arena_bytes if mem is not None else None,
         total_bytes=mem.total_bytes if mem is not None else None,

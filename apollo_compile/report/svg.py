@@ -20,8 +20,7 @@ import torch.fx
 from . import dump
 from ..annotations import info
 from ..plan import GraphPlan
-from .stats import (dominant_modality, format_bytes, format_flops, largest_ops, op_cost, predicted_timeline,
-                    shown_edges, shown_order)
+from .stats import (dominant_modality, format_bytes, format_flops, largest_ops, op_cost, predicted_timeline)
 
 __all__ = ["GREY", "arena_svg", "is_drawn", "node_layout", "node_svg", "slug", "subgraph_svg", "timeline_svg"]
 
@@ -135,7 +134,7 @@ def timeline_svg(gp: GraphPlan, gname: str, measured: dict[int, tuple[float, flo
         out.append(_text(8, y + 13, label + suffix, "lane-name"))
         out.append(_text(8, y + 25, mods, "lane-mods"))
     # cross-lane dependencies of the predicted schedule
-    for a, b in shown_edges(lp):
+    for a, b in sorted(lp.dag.edges):
         if lp.lane_of(a) == lp.lane_of(b):
             continue
         x1, x2 = left + pred[a][1] * scale, left + pred[b][0] * scale
@@ -143,11 +142,10 @@ def timeline_svg(gp: GraphPlan, gname: str, measured: dict[int, tuple[float, flo
         y2 = y_of[("predicted", lp.lane_of(b))] + row_h / 2
         out.append(f'<path class="dep" d="M{x1:.1f},{y1:.1f} C{x1 + 18:.1f},{y1:.1f} {x2 - 18:.1f},{y2:.1f} '
                    f'{x2:.1f},{y2:.1f}" marker-end="url(#arrow-{gname})"/>')
-    shown = set(shown_order(lp))
     for kind, label, lane, times in rows:
         for sg_id, (start, end) in sorted(times.items()):
             sg = lp.subgraphs[sg_id]
-            if sg_id not in shown or (lane is not None and sg.lane != lane):
+            if lane is not None and sg.lane != lane:
                 continue
             y = y_of[(kind, lane)] + 5
             x, w = left + start * scale, max((end - start) * scale, 1.5)
@@ -177,7 +175,7 @@ def timeline_svg(gp: GraphPlan, gname: str, measured: dict[int, tuple[float, flo
 
 def arena_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
     lp, mem = gp.lanes, gp.memory
-    order = shown_order(lp)
+    order = list(lp.order)
     pos = {sg_id: i for i, sg_id in enumerate(order)}
     n_cols = len(order) + 1  # + the graph's outputs
     sg_color = _sg_colors(gp, colors)
@@ -242,7 +240,7 @@ def subgraph_svg(gp: GraphPlan, gname: str, colors: dict[str, str]) -> str:
     node counts and top ops (:func:`~.stats.largest_ops`, each with the FLOPs or
     bytes that set its roofline time); arrows are DAG edges, dashed where they cross lanes (a wait)."""
     lp = gp.lanes
-    order, edges = shown_order(lp), shown_edges(lp)
+    order, edges = list(lp.order), sorted(lp.dag.edges)
     preds: dict[int, list[int]] = {sg_id: [] for sg_id in order}
     for a, b in edges:
         preds[b].append(a)

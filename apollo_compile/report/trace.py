@@ -11,7 +11,7 @@ from typing import Any
 
 from . import dump
 from .model import ReportData
-from .stats import dominant_modality, largest_ops, op_cost, predicted_timeline, shown_edges, shown_order
+from .stats import dominant_modality, largest_ops, op_cost, predicted_timeline
 
 __all__ = ["render_trace"]
 
@@ -28,17 +28,14 @@ def render_trace(report: ReportData) -> dict[str, Any]:
         rows = [("predicted", predicted_timeline(lp), 0)]
         if report.measured.get(gp.name):
             rows.append(("measured", report.measured[gp.name], 1000))
-        shown = set(shown_order(lp))
         waits_for: dict[int, list[int]] = {}
-        for a, b in shown_edges(lp):
+        for a, b in sorted(lp.dag.edges):
             waits_for.setdefault(b, []).append(a)
         for cat, times, tid_base in rows:
             for lane, mods in sorted(lp.lanes.items()):
                 events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid_base + lane,
                                "args": {"name": f"lane {lane} {cat}: {', '.join(mods)}"}})
             for sg_id, (start, end) in sorted(times.items(), key=lambda kv: kv[1]):
-                if sg_id not in shown:
-                    continue
                 sg = lp.subgraphs[sg_id]
                 events.append({
                     "name": f"sg {sg_id} {dominant_modality(sg.nodes) or ''}".strip(), "cat": cat, "ph": "X",
