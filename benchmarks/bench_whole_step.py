@@ -63,6 +63,8 @@ VARIANT_HELP = {
     "apollo-regional": "the same with apollo",
     "apollo-budget": "apollo with memory_budget=--budget",
     "apollo-step-opt-budget": "apollo-step-opt with memory_budget=--budget",
+    "apollo-step-opt-mb2": "apollo-step-opt with micro_batches=2: the batch in 2 slices inside the one graph",
+    "apollo-step-opt-mb4": "apollo-step-opt with micro_batches=4",
     "inductor-ro-amb": "reduce-overhead with Inductor's activation_memory_budget=--budget",
     "inductor-ro-hf-ckpt": "reduce-overhead on the model with its own gradient checkpointing on (HF, timm)",
     "apollo-side-grads-own": "apollo with a backward's side lanes allocating their own gradients "
@@ -199,7 +201,8 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 
 
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
-                 "apollo-step-opt-budget", "apollo-step-opt-first-step-pool")
+                 "apollo-step-opt-budget", "apollo-step-opt-first-step-pool", "apollo-step-opt-mb2",
+                 "apollo-step-opt-mb4")
 
 
 def updates_inside(variant: str) -> bool:
@@ -240,6 +243,8 @@ class WholeStep:
         else:
             self.optimizer = optimizer if updates_inside(variant) else None  # its update in the graph
             inside = {"optimizer": optimizer} if self.optimizer is not None else {}
+            if "-mb" in variant:  # the step's gradients are the micro-batches' mean: the batch's own
+                inside["micro_batches"] = int(variant.rsplit("-mb", 1)[1])
             self.step = apollo_compile.compile_step(step, options=step_options(variant, options, budget), **inside)
             self.trace_backward = False  # compile_step turns it on itself
 
