@@ -20,6 +20,7 @@ from collections import Counter
 import networkx as nx
 import pytest
 import torch
+import torch.nn.functional as F
 from expecttest import assert_expected_inline
 
 import apollo_compile
@@ -156,6 +157,55 @@ def test_hugging_face_llava_trains_like_eager_accumulation(k):
     compiled = train_both(model, llava_batch, k, forward, weight_decay=0.0)
     assert compiled.fallback_reason is None
     assert_one_chain_per_micro_batch(micro_batched_graph(k), k)
+
+
+class TokenModel(torch.nn.Module):
+    """A tiny language model whose loss is a token sum over a count it is given, as Hugging Face's
+    ``num_items_in_batch`` makes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, ids, labels, num_items):
+        logits = self.head(torch.tanh(self.embed(ids)))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum") / num_items
+
+
+def test_a_token_mean_over_the_whole_batch_takes_its_count_over_k():
+    """The documented recipe for a token-mean loss with ignored tokens (docs/whole-step.md#micro-batches):
+    the step divides its token sum by the full batch's count over k, a 0-d tensor every micro-batch
+    gets unchanged; the average over micro-batches is then the full batch's token mean, trained here
+    beside the unsplit eager step, though the micro-batches hold 3 and 8 of the 11 counted tokens."""
+    torch.manual_seed(0)
+    model, k = TokenModel(), 2
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
+
+    def step(ids, labels, num_items):
+        loss = model(ids, labels, num_items)
+        loss.backward()
+        return loss.detach()
+
+    compiled = apollo_compile.compile_step(step, optimizer=opt, micro_batches=k, options=EAGER)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, 32, (4, 5), generator=g)
+        labels = ids.roll(-1, dims=1)
+        labels[:2, 1:] = -100  # micro-batch 0 counts 3 tokens, micro-batch 1 counts 8
+        labels[1, 1] = 3
+        labels[2:, 0] = -100
+        count = (labels != -100).sum()
+        loss = compiled(ids, labels, count / k)
+        ref_loss = F.cross_entropy(ref.head(torch.tanh(ref.embed(ids))).flatten(0, 1), labels.flatten(),
+                                   ignore_index=-100)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {i} {name}: {m}")
 
 
 def test_micro_batched_lanes_listing():
