@@ -25,7 +25,7 @@ from expecttest import assert_expected_inline
 
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning, ApolloOptionsError
-from apollo_compile.annotations import FUSION, info
+from apollo_compile.annotations import info
 from apollo_compile.step import micro_batches, whole_step
 from helpers import TOLERANCE, backward_step
 from models import TwoTower, two_tower_inputs

@@ -19,6 +19,7 @@ a tuple of the k values (docs/whole-step.md#micro-batches).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -101,6 +102,15 @@ def _combine(outs: list[Any]) -> Any:
     return pytree.tree_unflatten(combined, spec)
 
 
+def _marked(i: int) -> Any:
+    """Marks what is traced inside as micro-batch i's (``node.meta["custom"]``). A torch without
+    ``torch.fx.traceback.annotate`` marks nothing: the step trains the same, its micro-batches on
+    one lane."""
+    if not hasattr(fx_traceback, "annotate"):
+        return contextlib.nullcontext()
+    return fx_traceback.annotate({MICRO_BATCH_KEY: i})
+
+
 def split(fn: Callable, k: int, params: Callable[[], list[torch.Tensor]]) -> Callable:
     """`fn` run on k micro-batches, for tracing as one graph (module docstring); `params()` gives
     the parameters whose gradients are averaged."""
@@ -114,7 +124,7 @@ def split(fn: Callable, k: int, params: Callable[[], list[torch.Tensor]]) -> Cal
                 p.grad = None
         outs = []
         for i in range(k):
-            with fx_traceback.annotate({MICRO_BATCH_KEY: i}):  # the seeds of micro-batch i's chain
+            with _marked(i):  # the seeds of micro-batch i's chain
                 a, kw = pytree.tree_map(functools.partial(_slice, i=i, k=k), (args, kwargs))
             outs.append(fn(*a, **kw))
         with torch.no_grad():
