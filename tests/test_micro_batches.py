@@ -13,6 +13,7 @@ eps=1e-3 keeps it at noise while every real gradient still moves its parameter.
 
 from __future__ import annotations
 
+import collections
 import copy
 import warnings
 from collections import Counter
@@ -275,6 +276,8 @@ def test_a_batch_that_does_not_cut_evenly_raises_before_tracing():
         step(two_tower_inputs(batch=8)[0], two_tower_inputs(batch=4)[1])
     with pytest.raises(ApolloOptionsError, match="needs a tensor argument with a batch dimension"):
         step(torch.tensor(1.0), None)
+    with pytest.raises(ApolloOptionsError, match="argument 0 is a UserDict; pass dict"):
+        step(collections.UserDict(images=images), tokens)
     assert not apollo_compile.plans() or all("inference" not in p.graphs for p in apollo_compile.plans())
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -62,6 +63,9 @@ def batch_size(args: tuple, kwargs: dict, k: int) -> int:
     by `k`; :class:`ApolloOptionsError` naming the argument that is not."""
     size, first = None, None
     for name, value in _leaves(args, kwargs):
+        if isinstance(value, Mapping):  # a dict-like class pytree cannot look into (a BatchEncoding)
+            raise ApolloOptionsError(f"apollo.compile_step: micro_batches={k} slices the tensors in lists, tuples and "
+                                     f"dicts, but {name} is a {type(value).__name__}; pass dict(...) of it, or **it")
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
         n = value.shape[0]
