@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
+import sys
 import warnings
 from collections import Counter
 
@@ -158,6 +160,50 @@ def test_hugging_face_llava_trains_like_eager_accumulation(k):
     compiled = train_both(model, llava_batch, k, forward, weight_decay=0.0)
     assert compiled.fallback_reason is None
     assert_one_chain_per_micro_batch(micro_batched_graph(k), k)
+
+
+def test_hugging_face_paligemma_trains_like_eager_accumulation():
+    """PaliGemma (a SigLIP vision tower, its projector, Gemma), called as Hugging Face models are,
+    ``model(**batch)``: every tensor of the batch dict (ids, mask, token types, labels, pixels) is
+    sliced. benchmarks/probes/hf_zoo.py builds it and its batches (labels ignore the image tokens);
+    weight_decay=0 as for LLaVA."""
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                                    "probes"))
+    import hf_zoo
+
+    if not hasattr(transformers, hf_zoo.MODEL_CLASSES["paligemma"]):
+        pytest.skip(f"transformers {transformers.__version__} has no {hf_zoo.MODEL_CLASSES['paligemma']}")
+    build, inputs = hf_zoo.MODELS["paligemma"]()
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+
+    def step(**batch):
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach()
+
+    model = build()
+    ref = copy.deepcopy(model)
+    adamw = {"lr": 1e-2, "eps": 1e-3, "weight_decay": 0.0}
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), **adamw), torch.optim.AdamW(ref.parameters(), **adamw)
+    compiled = apollo_compile.compile_step(step, optimizer=opt, micro_batches=2, options=EAGER)
+    for i in range(3):
+        batch = inputs(i)
+        loss = compiled(**batch)
+        rows = batch["input_ids"].shape[0] // 2
+        losses = []
+        for j in range(2):
+            ref_loss = ref(**{name: x[j * rows:(j + 1) * rows] for name, x in batch.items()}).loss
+            (ref_loss / 2).backward()
+            losses.append(ref_loss.detach())
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss, torch.stack(losses).mean(), **TOL)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"step {i} {name}: {m}")
+    assert compiled.fallback_reason is None
+    assert_one_chain_per_micro_batch(micro_batched_graph(2), 2)
 
 
 class TokenModel(torch.nn.Module):
