@@ -123,6 +123,21 @@ def test_two_tower_trains_like_eager_accumulation(k):
     assert {f"{tower}@mb{i}" for tower in ("vision", "text") for i in range(k)} <= modalities
 
 
+def test_batches_of_other_sizes_keep_one_chain_per_micro_batch():
+    """A second batch size recompiles the step with a dynamic batch dimension: the slices' sizes
+    are then computed in the graph from the batch's, read by every micro-batch, and must not join
+    the chains (modality.py, rule 5)."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    train_both(TwoTower(layers=1), lambda i: two_tower_inputs(batch=(8, 12, 16)[i], seed=i), 2,
+               lambda m, inputs: m(*inputs))
+    graphs = [p.inference for p in apollo_compile.plans() if "inference" in p.graphs]
+    assert len(graphs) == 2, [p.name for p in apollo_compile.plans()]
+    for graph in graphs:
+        assert graph.decisions["modality"]["micro_batches"] == 2
+        assert_one_chain_per_micro_batch(graph, 2)
+
+
 def tiny_llava():
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "LlavaForConditionalGeneration"):

@@ -417,10 +417,16 @@ def _fill(gm: torch.fx.GraphModule, skip: set[torch.fx.Node] = frozenset()) -> N
 
 
 def micro_batch_of(node: torch.fx.Node) -> int | None:
-    """The micro-batch whose slice of the batch `node` is, or None."""
+    """The micro-batch whose slice of the batch `node` is, or None (also for the sizes traced
+    while slicing, which every micro-batch's slice reads)."""
     custom = node.meta.get("custom")
     mark = custom.get(MICRO_BATCH_KEY) if isinstance(custom, dict) else None
-    return mark if isinstance(mark, int) and node.op in COMPUTE else None
+    return mark if isinstance(mark, int) and node.op in COMPUTE and _is_tensor(node) else None
+
+
+def _is_size(node: torch.fx.Node) -> bool:
+    """A symbolic size or number (``sym_size``, its arithmetic), not data."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
 def _by_micro_batch(gm: torch.fx.GraphModule) -> int:
@@ -428,13 +434,15 @@ def _by_micro_batch(gm: torch.fx.GraphModule) -> int:
     so the towers cannot tell them apart; the dataflow can: a node that only micro-batch i's slices
     reach (its forward, and its backward, which reads its activations) becomes ``<label>@mb<i>``,
     one that several reach a join, ``fusion``. A node none reaches (an ``empty_like`` of a
-    parameter for its ``.grad``, a step counter) follows its users, ``fusion`` where they disagree.
+    parameter for its ``.grad``, a step counter, a size) follows its users, ``fusion`` where they
+    disagree (a dynamic batch's size, read by every slice: a few host-side ops on the main lane).
     Returns the number of micro-batches (0 without them; docs/design/whole-step.md#micro-batches)."""
     nodes = list(gm.graph.nodes)
     seeds = {n: 1 << i for n in nodes if (i := micro_batch_of(n)) is not None}
     if len(set(seeds.values())) < 2:
         return 0
-    reach = _reach(nodes, seeds, set())
+    # a size read by several micro-batches (a dynamic batch's) joins nothing: it is not followed
+    reach = _reach(nodes, seeds, {n for n in nodes if _is_size(n)})
     for n, m in reach.items():
         if n.op not in COMPUTE:
             continue
