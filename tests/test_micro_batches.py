@@ -29,6 +29,7 @@ from expecttest import assert_expected_inline
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning, ApolloOptionsError
 from apollo_compile.annotations import info
+from apollo_compile.report.explain import Report
 from apollo_compile.step import micro_batches, whole_step
 from helpers import TOLERANCE, backward_step
 from models import TwoTower, two_tower_inputs
@@ -183,8 +184,9 @@ def test_hugging_face_paligemma_trains_like_eager_accumulation():
     sliced. benchmarks/probes/hf_zoo.py builds it and its batches (labels ignore the image tokens);
     weight_decay=0 as for LLaVA."""
     transformers = pytest.importorskip("transformers")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-                                    "probes"))
+    probes = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes")
+    if probes not in sys.path:
+        sys.path.insert(0, probes)
     import hf_zoo
 
     if not hasattr(transformers, hf_zoo.MODEL_CLASSES["paligemma"]):
@@ -281,6 +283,8 @@ def test_micro_batched_lanes_listing():
                                        options={**EAGER, "device": "H200"})
     step(*two_tower_inputs(batch=4))
     graph = micro_batched_graph(2)
+    report = str(Report(apollo_compile.plans()))  # what apollo_compile's report shows of the lanes
+    assert "lane 1: text@mb0 | lane 2: fusion@mb0 | lane 3: vision@mb1" in report, report
     counts = Counter((info(n).lane, info(n).modality, "backward" if info(n).backward else "forward")
                      for n in graph.gm.graph.nodes if n.op == "call_function")
     listing = "\n".join(f"lane {lane}  {modality:<12} {part:<8} {n} ops"
