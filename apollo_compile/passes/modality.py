@@ -18,6 +18,9 @@ module, a wrapper, a function that calls a global model, or the whole training s
    labelled afresh from its backward users, a recomputed loss would take one tower's label.
 4. Whatever is still unlabelled takes the label of its inputs, then of its users, ``fusion`` where
    they disagree.
+5. **Micro-batches** (``compile_step(..., micro_batches=k)``): a node that one micro-batch's slices
+   of the batch alone reach is that micro-batch's, ``<label>@mb<i>``; one that several reach (the
+   gradients' sums, the mean loss) is a join, ``fusion`` (:func:`_by_micro_batch`).
 
 A tower's name is for people: the longest module path its forward nodes share, else the module most
 of its nodes ran in, else its input's name; the ``modalities`` option (module-path prefix -> name)
@@ -46,6 +49,10 @@ from .cost import node_flops
 # another only at their join, far smaller than either (SigLIP 2's patch grid resizes the position
 # embeddings and is no tower; docs/design/modality.md#feeder-of-one).
 MIN_TOWER_SHARE = 0.1
+
+# node.meta["custom"][MICRO_BATCH_KEY] = i: a slice of the batch for micro-batch i
+# (step/micro_batches.py), carried by torch from the Dynamo graph to the ATen graph
+MICRO_BATCH_KEY = "apollo_micro_batch"
 
 _SUBSCRIPT = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 _ROOT = re.compile(r"^(?:[LG]\[['\"][^'\"\]]+['\"]\]|L__self__|self)")
@@ -409,6 +416,47 @@ def _fill(gm: torch.fx.GraphModule, skip: set[torch.fx.Node] = frozenset()) -> N
                                   if user.op != "output" and user not in skip)
 
 
+def micro_batch_of(node: torch.fx.Node) -> int | None:
+    """The micro-batch whose slice of the batch `node` is, or None (also for the sizes traced
+    while slicing, which every micro-batch's slice reads)."""
+    custom = node.meta.get("custom")
+    mark = custom.get(MICRO_BATCH_KEY) if isinstance(custom, dict) else None
+    return mark if isinstance(mark, int) and node.op in COMPUTE and _is_tensor(node) else None
+
+
+def _is_size(node: torch.fx.Node) -> bool:
+    """A symbolic size or number (``sym_size``, its arithmetic), not data."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def _by_micro_batch(gm: torch.fx.GraphModule) -> int:
+    """Rule 5: each micro-batch's chain a branch of its own. Micro-batches share the parameters,
+    so the towers cannot tell them apart; the dataflow can: a node that only micro-batch i's slices
+    reach (its forward, and its backward, which reads its activations) becomes ``<label>@mb<i>``,
+    one that several reach a join, ``fusion``. A node none reaches (an ``empty_like`` of a
+    parameter for its ``.grad``, a step counter, a size) follows its users, ``fusion`` where they
+    disagree (a dynamic batch's size, read by every slice: a few host-side ops on the main lane).
+    Returns the number of micro-batches (0 without them; docs/design/whole-step.md#micro-batches)."""
+    nodes = list(gm.graph.nodes)
+    seeds = {n: 1 << i for n in nodes if (i := micro_batch_of(n)) is not None}
+    if len(set(seeds.values())) < 2:
+        return 0
+    # a size read by several micro-batches (a dynamic batch's) joins nothing: it is not followed
+    reach = _reach(nodes, seeds, {n for n in nodes if _is_size(n)})
+    for n, m in reach.items():
+        if n.op not in COMPUTE:
+            continue
+        if m & (m - 1):
+            info(n).modality = FUSION
+        else:
+            info(n).modality = f"{info(n).modality or FUSION}@mb{m.bit_length() - 1}"
+    for n in reversed(nodes):
+        if n.op in COMPUTE and n not in reach:
+            users = [u for u in n.users if u.op != "output"]
+            info(n).modality = _merge(info(u).modality for u in users) if users else FUSION
+    return len(set(seeds.values()))
+
+
 def run(gm: torch.fx.GraphModule, ctx) -> dict:
     from_forward = getattr(ctx, "forward_modalities", None) or {}
     nodes = list(gm.graph.nodes)
@@ -429,13 +477,15 @@ def run(gm: torch.fx.GraphModule, ctx) -> dict:
         _by_module_paths(gm, ctx.options.modalities)
     else:
         _by_dataflow(gm, ctx.kind, backward, getattr(ctx, "forward_inputs", None))
+    micro_batches = _by_micro_batch(gm)
     _fill(gm)
     for node in nodes:  # a node nothing labels: outputs, a graph with no data input
         ann = info(node)
         if ann.modality is None:
             ann.modality = _merge(info(arg).modality for arg in node.all_input_nodes) or FUSION
     counts = Counter(info(n).modality for n in nodes if n.op not in ("placeholder", "output"))
-    return {"nodes": dict(sorted(counts.items())), "recomputed": sum(info(n).recomputed for n in nodes)}
+    out = {"nodes": dict(sorted(counts.items())), "recomputed": sum(info(n).recomputed for n in nodes)}
+    return out | {"micro_batches": micro_batches} if micro_batches else out
 
 
 def labels_of(gm: torch.fx.GraphModule, ctx) -> dict[torch.fx.Node, str]:

@@ -35,6 +35,7 @@ import torch
 import torch._dynamo
 
 from ..fallback import ApolloFallbackWarning
+from .micro_batches import MicroBatchedStep, check_micro_batches
 from .optimizer_step import InGraphAdam, unsupported_reason
 from ..options import COMPILE_STEP_ONLY, STEP, STEP_OPTIMIZER, ApolloOptions, ApolloOptionsError, check_path
 
@@ -259,7 +260,7 @@ def _both(ours: Callable, theirs: Callable | None) -> Callable:
 
 
 def compile_step(fn: Callable | None = None, *, optimizer: torch.optim.Optimizer | None = None,
-                 **torch_compile_kwargs: Any) -> Callable:
+                 micro_batches: int = 1, **torch_compile_kwargs: Any) -> Callable:
     """``torch.compile(fn, backend="apollo", **torch_compile_kwargs)`` with ``loss.backward()``
     traced into the same graph: the user's whole step (forward, backward, gradients) is one
     compiled artifact. Usable as ``compile_step(fn, options={...})`` or as a decorator,
@@ -269,10 +270,11 @@ def compile_step(fn: Callable | None = None, *, optimizer: torch.optim.Optimizer
     gradients land in ``.grad`` as eager autograd leaves them: assigned where ``.grad`` is None,
     accumulated where it exists. With `optimizer` (Adam, AdamW) each call also runs its step and
     ``zero_grad(set_to_none=True)``, inside the same graph (see the module docstring); otherwise
-    keep the optimizer outside.
+    keep the optimizer outside. With ``micro_batches=k`` (and `optimizer`) each call runs `fn` on k
+    slices of the batch inside the one graph, the gradients averaged (``micro_batches.py``).
     Options are validated here, before anything is traced."""
     if fn is None:
-        return functools.partial(compile_step, optimizer=optimizer, **torch_compile_kwargs)
+        return functools.partial(compile_step, optimizer=optimizer, micro_batches=micro_batches, **torch_compile_kwargs)
     if not callable(fn):
         raise TypeError(f"apollo.compile_step: expected the step function, got {type(fn).__name__}")
     backend = torch_compile_kwargs.pop("backend", "apollo")
@@ -287,4 +289,7 @@ def compile_step(fn: Callable | None = None, *, optimizer: torch.optim.Optimizer
     reason = None if backward_tracing_supported() else (
         f"this PyTorch's Dynamo cannot trace loss.backward() into the graph (torch._dynamo.config.{TRACE_FLAG} "
         "is missing)")
+    if check_micro_batches(micro_batches, optimizer) > 1:
+        return MicroBatchedStep(fn, micro_batches, optimizer,
+                                lambda split: CompiledStep(split, torch_compile_kwargs, reason, optimizer))
     return CompiledStep(fn, torch_compile_kwargs, reason, optimizer)
