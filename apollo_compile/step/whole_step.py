@@ -36,6 +36,7 @@ import torch._dynamo
 
 from ..fallback import ApolloFallbackWarning
 from .optimizer_step import InGraphAdam, unsupported_reason
+from .stand_ins import needed as stand_ins_needed, whole_step_stand_ins
 from ..options import COMPILE_STEP_ONLY, STEP, STEP_OPTIMIZER, ApolloOptions, ApolloOptionsError, check_path
 
 log = logging.getLogger("apollo_compile")
@@ -147,6 +148,7 @@ class CompiledStep:
         self.parts: Callable | None = None  # the module path, once a call has run on it
         self.first_call_reason: str | None = None  # why the first call did not trace whole, if it did not
         self.fallback_reason = fallback_reason  # why the step runs on the module path, once it does for good
+        self.stand_ins = stand_ins_needed()  # in place while the whole step is traced and run (stand_ins.py)
         if fallback_reason is not None:
             self._fall_back(fallback_reason, stacklevel=4)
         functools.update_wrapper(self, fn)
@@ -185,7 +187,7 @@ class CompiledStep:
             if self.update is not None:
                 self.update.prepare()
             try:
-                with torch._dynamo.config.patch(**{TRACE_FLAG: True}):
+                with torch._dynamo.config.patch(**{TRACE_FLAG: True}), whole_step_stand_ins(self.stand_ins):
                     _tracing.update(whole=not self.user_fullgraph, updates=self.update is not None)
                     try:
                         out = self.whole(*args, **kwargs)
