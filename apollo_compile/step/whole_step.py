@@ -35,6 +35,7 @@ import torch
 import torch._dynamo
 
 from ..fallback import ApolloFallbackWarning
+from .eager_update import list_kernels
 from .optimizer_step import InGraphAdam, unsupported_reason
 from .stand_ins import needed as stand_ins_needed, whole_step_stand_ins
 from ..options import COMPILE_STEP_ONLY, STEP, STEP_OPTIMIZER, ApolloOptions, ApolloOptionsError, check_path
@@ -218,22 +219,52 @@ class CompiledStep:
         return out
 
     def _step_outside(self) -> None:
-        """The optimizer's step where it is not inside the graph: eagerly, after the compiled part."""
+        """The optimizer's step where it is not inside the graph: eagerly, after the compiled part,
+        with torch's list kernels on an accelerator (eager_update.py, NOTE: The eager update uses
+        list kernels)."""
         if self.optimizer is not None:
-            self.optimizer.step()
+            with list_kernels(self.optimizer, self.update is not None):
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
 
 def _why(e: BaseException) -> str:
     """The first line of what Dynamo raised (of the backend's own error, for a failed backend),
-    with Dynamo's first hint where it gives one: what the user can change."""
+    where in the user's code it was (:func:`_where`) and Dynamo's first hint where it gives one:
+    what the user can change."""
     inner = getattr(e, "inner_exception", None)
     lines = [line.strip() for line in str(inner if inner is not None else e).strip().splitlines() if line.strip()]
     why = lines[0] if lines else type(e).__name__
     if inner is not None:
         why = f"{type(inner).__name__}: {why}"
+    where = _where(e, lines)
+    if where:
+        why = f"{why}, at {where}"
     hint = next((line for line in lines if line.startswith("Hint:")), None)
     return why if hint is None else f"{why}; Dynamo's {hint[0].lower()}{hint[1:]}"
+
+
+def _where(e: BaseException, lines: list[str]) -> str | None:
+    """``file:line in function`` of the user's code where tracing stopped: the innermost frame of
+    Dynamo's ``real_stack`` (an ``Unsupported``), else the ``Caused by: ... # file:line in fn``
+    a symbolic-shapes error names; None where neither is given. The file is cut to its package's
+    path (``transformers/utils/output_capturing.py``)."""
+    stack = getattr(e, "real_stack", None)
+    if stack:
+        frame = stack[-1]
+        return f"{_short(frame.filename)}:{frame.lineno} in {frame.name}"
+    caused = next((line for line in lines if line.startswith("Caused by:") and "  # " in line), None)
+    if caused is None:
+        return None
+    return caused.split("  # ", 1)[1].split(" (", 1)[0].strip() or None
+
+
+def _short(filename: str) -> str:
+    """`filename` from its package on (below ``site-packages``), else its last two components."""
+    parts = filename.replace("\\", "/").split("/")
+    if "site-packages" in parts:
+        return "/".join(parts[len(parts) - parts[::-1].index("site-packages"):])
+    return "/".join(parts[-2:])
 
 
 # what torch.compile takes out of `options` itself: the rest is the backend's
