@@ -104,10 +104,11 @@ def test_the_checks_stand_in_is_traced_kept_and_put_back(forced_stand_ins):
         loss.backward()
         return loss.detach()
 
-    compiled = apollo_compile.compile_step(step, optimizer=opt, options=EAGER)
+    with pytest.warns(ApolloFallbackWarning, match="SGD's update"):  # it runs after the graph, said once
+        compiled = apollo_compile.compile_step(step, optimizer=opt, options=EAGER)
     assert set(compiled.stand_ins) == set(stand_ins.STAND_INS)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ApolloFallbackWarning)  # SGD's update runs after the graph, said once
+        warnings.simplefilter("error", ApolloFallbackWarning)
         for i in range(3):
             loss = compiled(*_placeholder_inputs(i))
             assert torch._check_tensor_all is own
@@ -249,9 +250,9 @@ def test_on_the_module_path_the_update_uses_list_kernels_and_trains_like_eager(k
         loss.backward()
         return loss.detach()
 
-    compiled = apollo_compile.compile_step(step, optimizer=opt, options=EAGER)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ApolloFallbackWarning)
+        warnings.simplefilter("ignore", ApolloFallbackWarning)  # SGD's update outside, the graph break
+        compiled = apollo_compile.compile_step(step, optimizer=opt, options=EAGER)
         for i in range(3):
             x = torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
             compiled(x)
