@@ -19,8 +19,10 @@ With ``optimizer=`` (Adam or AdamW), each call is ``fn(...)``, ``optimizer.step(
 what reads the gradients (clipping, logging their norm) goes inside `fn`, after
 ``loss.backward()``. AOTAutograd then keeps the writes into the parameters and the optimizer's
 state inside the graph (``keep_inference_input_mutations``). Another optimizer, or a step on the
-module path, runs ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` eagerly after the
-compiled part, with one warning. Design: docs/design/whole-step.md#the-whole-step-as-one-graph.
+module path, runs ``optimizer.step()`` (with torch's list kernels: ``eager_update.py``) and
+``zero_grad(set_to_none=True)`` eagerly after the compiled part, with one warning. While the whole
+step is traced and run, ``stand_ins.py``'s traceable stand-ins are in place.
+Design: docs/design/whole-step.md#the-whole-step-as-one-graph.
 """
 
 from __future__ import annotations
