@@ -177,7 +177,8 @@ def test_which_groups_step_with_list_kernels(cpu_has_list_kernels):
     assert eager_update.settings(torch.optim.SGD(_params(), lr=0.1), False) == [{"foreach": True}]  # None
     assert eager_update.settings(torch.optim.RMSprop(_params(), lr=0.1), False) == [{"foreach": True}]
     # Adam whose update apollo traces: the graph's own kernel
-    assert eager_update.settings(torch.optim.AdamW(_params(), foreach=False), True) == [{"fused": True, "foreach": False}]
+    fused = [{"fused": True, "foreach": False}]
+    assert eager_update.settings(torch.optim.AdamW(_params(), foreach=False), True) == fused
     assert eager_update.settings(torch.optim.AdamW(_params(), foreach=False), False) == [{"foreach": True}]
     # already fast, or not torch's to change
     assert eager_update.settings(torch.optim.SGD(_params(), lr=0.1, foreach=True), False) == [{}]
