@@ -180,6 +180,8 @@ def test_which_groups_step_with_list_kernels(cpu_has_list_kernels):
     fused = [{"fused": True, "foreach": False}]
     assert eager_update.settings(torch.optim.AdamW(_params(), foreach=False), True) == fused
     assert eager_update.settings(torch.optim.AdamW(_params(), foreach=False), False) == [{"foreach": True}]
+    capturable = torch.optim.AdamW(_params(), foreach=False, capturable=True)
+    assert eager_update.settings(capturable, True) == [{"foreach": True}]
     # already fast, or not torch's to change
     assert eager_update.settings(torch.optim.SGD(_params(), lr=0.1, foreach=True), False) == [{}]
     assert eager_update.settings(torch.optim.Adam(_params(), fused=True), True) == [{}]

@@ -44,8 +44,8 @@ def settings(optimizer: torch.optim.Optimizer, in_graph_update: bool) -> list[di
     [NOTE] The eager update uses list kernels. A torch optimizer (its own class, not a subclass,
     which may step otherwise) whose group is neither differentiable nor already fused or foreach,
     with every parameter on a device of :func:`list_kernel_devices`, steps with:
-    - ``fused=True`` for Adam / AdamW whose update apollo traces (`in_graph_update`) when every
-      step counter lies on its parameter's device: the kernel the graph's update runs
+    - ``fused=True`` for Adam / AdamW whose update apollo traces (`in_graph_update`), not built
+      ``capturable``, when every step counter lies on its parameter's device: the kernel the graph's update runs
       (``ops/fused_update.py``), so a call on the module path updates as a call in one graph does,
       and the counters ``InGraphAdam`` lays out on the device are read by the kernel, not by an
       ``.item()`` per parameter as the foreach and loop paths read them;
@@ -62,7 +62,8 @@ def settings(optimizer: torch.optim.Optimizer, in_graph_update: bool) -> list[di
         if (not params or group.get("differentiable") or group.get("fused") or group.get("foreach")
                 or not kinds <= devices):
             out.append({})
-        elif adam and in_graph_update and kinds <= fused_devices and _counters_on_device(optimizer, params):
+        elif (adam and in_graph_update and not group.get("capturable") and kinds <= fused_devices
+              and _counters_on_device(optimizer, params)):
             out.append({"fused": True, "foreach": False})
         else:
             out.append({"foreach": True})
