@@ -19,8 +19,10 @@ With ``optimizer=`` (Adam or AdamW), each call is ``fn(...)``, ``optimizer.step(
 what reads the gradients (clipping, logging their norm) goes inside `fn`, after
 ``loss.backward()``. AOTAutograd then keeps the writes into the parameters and the optimizer's
 state inside the graph (``keep_inference_input_mutations``). Another optimizer, or a step on the
-module path, runs ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` eagerly after the
-compiled part, with one warning. Design: docs/design/whole-step.md#the-whole-step-as-one-graph.
+module path, runs ``optimizer.step()`` (with torch's list kernels: ``eager_update.py``) and
+``zero_grad(set_to_none=True)`` eagerly after the compiled part, with one warning. While the whole
+step is traced and run, ``stand_ins.py``'s traceable stand-ins are in place.
+Design: docs/design/whole-step.md#the-whole-step-as-one-graph.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ import torch
 import torch._dynamo
 
 from ..fallback import ApolloFallbackWarning
+from .eager_update import list_kernels
 from .micro_batches import MicroBatchedStep, check_micro_batches
 from .optimizer_step import InGraphAdam, unsupported_reason
+from .stand_ins import needed as stand_ins_needed, whole_step_stand_ins
 from ..options import COMPILE_STEP_ONLY, STEP, STEP_OPTIMIZER, ApolloOptions, ApolloOptionsError, check_path
 
 log = logging.getLogger("apollo_compile")
@@ -148,6 +152,7 @@ class CompiledStep:
         self.parts: Callable | None = None  # the module path, once a call has run on it
         self.first_call_reason: str | None = None  # why the first call did not trace whole, if it did not
         self.fallback_reason = fallback_reason  # why the step runs on the module path, once it does for good
+        self.stand_ins = stand_ins_needed()  # in place while the whole step is traced and run (stand_ins.py)
         if fallback_reason is not None:
             self._fall_back(fallback_reason, stacklevel=4)
         functools.update_wrapper(self, fn)
@@ -186,7 +191,7 @@ class CompiledStep:
             if self.update is not None:
                 self.update.prepare()
             try:
-                with torch._dynamo.config.patch(**{TRACE_FLAG: True}):
+                with torch._dynamo.config.patch(**{TRACE_FLAG: True}), whole_step_stand_ins(self.stand_ins):
                     _tracing.update(whole=not self.user_fullgraph, updates=self.update is not None)
                     try:
                         out = self.whole(*args, **kwargs)
@@ -217,22 +222,52 @@ class CompiledStep:
         return out
 
     def _step_outside(self) -> None:
-        """The optimizer's step where it is not inside the graph: eagerly, after the compiled part."""
+        """The optimizer's step where it is not inside the graph: eagerly, after the compiled part,
+        with torch's list kernels on an accelerator (eager_update.py, NOTE: The eager update uses
+        list kernels)."""
         if self.optimizer is not None:
-            self.optimizer.step()
+            with list_kernels(self.optimizer, self.update is not None):
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
 
 def _why(e: BaseException) -> str:
     """The first line of what Dynamo raised (of the backend's own error, for a failed backend),
-    with Dynamo's first hint where it gives one: what the user can change."""
+    where in the user's code it was (:func:`_where`) and Dynamo's first hint where it gives one:
+    what the user can change."""
     inner = getattr(e, "inner_exception", None)
     lines = [line.strip() for line in str(inner if inner is not None else e).strip().splitlines() if line.strip()]
     why = lines[0] if lines else type(e).__name__
     if inner is not None:
         why = f"{type(inner).__name__}: {why}"
+    where = _where(e, lines)
+    if where:
+        why = f"{why}, at {where}"
     hint = next((line for line in lines if line.startswith("Hint:")), None)
     return why if hint is None else f"{why}; Dynamo's {hint[0].lower()}{hint[1:]}"
+
+
+def _where(e: BaseException, lines: list[str]) -> str | None:
+    """``file:line in function`` of the user's code where tracing stopped: the innermost frame of
+    Dynamo's ``real_stack`` (an ``Unsupported``), else the ``Caused by: ... # file:line in fn``
+    a symbolic-shapes error names; None where neither is given. The file is cut to its package's
+    path (``transformers/utils/output_capturing.py``)."""
+    stack = getattr(e, "real_stack", None)
+    if stack:
+        frame = stack[-1]
+        return f"{_short(frame.filename)}:{frame.lineno} in {frame.name}"
+    caused = next((line for line in lines if line.startswith("Caused by:") and "  # " in line), None)
+    if caused is None:
+        return None
+    return caused.split("  # ", 1)[1].split(" (", 1)[0].strip() or None
+
+
+def _short(filename: str) -> str:
+    """`filename` from its package on (below ``site-packages``), else its last two components."""
+    parts = filename.replace("\\", "/").split("/")
+    if "site-packages" in parts:
+        return "/".join(parts[len(parts) - parts[::-1].index("site-packages"):])
+    return "/".join(parts[-2:])
 
 
 # what torch.compile takes out of `options` itself: the rest is the backend's
