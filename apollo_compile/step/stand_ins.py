@@ -1,16 +1,14 @@
 """Traceable stand-ins that ``compile_step`` puts in place only while Dynamo traces and runs a whole step.
 
-A stand-in replaces a torch function that this PyTorch's Dynamo cannot trace under
-``fullgraph=True`` by one that computes the same thing in ops Dynamo traces. :func:`whole_step_stand_ins`
-sets them on the ``torch`` module on entry and puts the originals back on exit; ``CompiledStep``
-enters it around each call of the whole step only (its trace, its guards and its run), so the
-module path, eager code and every other ``torch.compile`` see torch's own functions. The compiled
-graph holds the stand-in's ops, not a call to it, and Dynamo's guard on the name holds on every
-call because the stand-in is in place on every call. Not thread-safe: another thread compiling
-during a whole step's call sees the stand-ins too (as it would any ``torch._dynamo.config.patch``).
-
-Where this PyTorch's Dynamo handles a function itself, no stand-in is set for it (:data:`STAND_INS`
-says when). Design: docs/design/whole-step.md#traceable-stand-ins.
+A stand-in replaces a torch function by one that checks or computes the same thing in ops a whole
+step's graph can hold and a CUDA graph can capture. :func:`whole_step_stand_ins` sets them on the
+``torch`` module on entry and puts the originals back on exit; ``CompiledStep`` enters it around
+each call of the whole step only (its trace, its guards and its run), so the module path, eager
+code and every other ``torch.compile`` see torch's own functions. The compiled graph holds the
+stand-in's ops, not a call to it, and Dynamo's guard on the name holds on every call because the
+stand-in is in place on every call. Not thread-safe: another thread compiling during a whole
+step's call sees the stand-ins too (as it would any ``torch._dynamo.config.patch``).
+Design: docs/design/whole-step.md#traceable-stand-ins.
 """
 
 from __future__ import annotations
@@ -24,44 +22,44 @@ __all__ = ["STAND_INS", "check_tensor_all", "check_tensor_all_with", "needed", "
 
 
 def check_tensor_all(cond: torch.Tensor, message: Any = None) -> None:
-    """``torch._check_tensor_all(cond)`` as torch 2.13's Dynamo traces it: every element of the
-    bool tensor `cond` is true, checked at run time (a ``.item()`` and a runtime assertion in the
-    graph). The message is not kept: under tracing torch's own handler keeps only a message
-    defined inside the compiled region, and Hugging Face passes none there."""
+    """``torch._check_tensor_all(cond)``: every element of the bool tensor `cond` is true, checked
+    where `cond` lives, without the host reading it (NOTE: A check on the device)."""
     _check_all(cond)
 
 
 def check_tensor_all_with(error_type: type[Exception], cond: torch.Tensor, message: Any = None) -> None:
-    """``torch._check_tensor_all_with``: :func:`check_tensor_all`. A failed runtime assertion of a
-    compiled graph raises a RuntimeError whatever the error type (torch 2.13's handler's too)."""
+    """``torch._check_tensor_all_with``: :func:`check_tensor_all`. A failed check raises a
+    RuntimeError whatever the error type, as a compiled graph's runtime assertion does."""
     _check_all(cond)
 
 
+FAILED = "torch._check_tensor_all failed inside apollo's whole step"
+
+
 def _check_all(cond: torch.Tensor) -> None:
-    """[NOTE] A tensor check is an int, not a bool. torch 2.11's Dynamo inlines
-    ``torch._check_tensor_all`` and the bool it reads with ``.item()`` stays a pending unbacked
-    symbol, which the next op of the graph trips over (``PendingUnbackedSymbolNotFound``: HF
-    LLaVA's image-placeholder check before ``masked_scatter``). Read as an int (0 or 1) and
-    compared, the value binds at its ``.item()`` and the comparison is a runtime assertion that
-    AOTAutograd keeps (a bool's ``Eq(u0, 1)`` it drops). Neither touches what the model computes."""
+    """[NOTE] A check on the device. Dynamo traces ``torch._check_tensor_all`` (Hugging Face's
+    image-placeholder check before ``masked_scatter``) as a ``.item()`` and an assertion on the
+    host (torch 2.13), or not at all (torch 2.11: the bool it reads stays a pending unbacked
+    symbol, ``PendingUnbackedSymbolNotFound``). Either way the host would wait for the GPU in
+    mid-step, which a CUDA graph cannot capture. ``torch._assert_async`` checks on the device: on
+    the CPU it raises a RuntimeError at once; on CUDA a failed check is a device-side assertion
+    (the CUDA context is lost, as with an out-of-range index), reported at the next sync. The
+    message is a fixed one: torch's may be a callable, which the op cannot take."""
     if not isinstance(cond, torch.Tensor) or cond.dtype != torch.bool:
         raise TypeError(f"cond must be a bool tensor, got {cond!r}")
-    torch._check(cond.all().int().item() == 1)
+    torch._assert_async(cond.all(), FAILED)
 
 
-# torch's name -> (the stand-in, the name under which Dynamo registers a handler of its own)
-STAND_INS: dict[str, tuple[Callable, str]] = {
-    "_check_tensor_all": (check_tensor_all, "torch._check_tensor_all"),
-    "_check_tensor_all_with": (check_tensor_all_with, "torch._check_tensor_all_with"),
+# torch's name -> the stand-in
+STAND_INS: dict[str, Callable] = {
+    "_check_tensor_all": check_tensor_all,
+    "_check_tensor_all_with": check_tensor_all_with,
 }
 
 
 def needed() -> dict[str, Callable]:
-    """The stand-ins this PyTorch needs: those whose function its Dynamo has no handler for."""
-    import torch._dynamo.trace_rules as rules
-
-    handled = getattr(rules, "manual_torch_name_rule_map", {})
-    return {name: fn for name, (fn, qualname) in STAND_INS.items() if qualname not in handled and hasattr(torch, name)}
+    """The stand-ins for the functions this PyTorch has (every one: NOTE: A check on the device)."""
+    return {name: fn for name, fn in STAND_INS.items() if hasattr(torch, name)}
 
 
 @contextlib.contextmanager
