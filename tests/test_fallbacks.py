@@ -272,8 +272,8 @@ def test_subgraphs_bind_the_symbols_of_a_symbolic_head_count(dynamic):
 
 
 def test_a_symint_input_binds_the_symbol_it_was_passed_as_not_its_replacement():
-    """benchmarks/clip.py's tiny model at a second batch size (automatic dynamic shapes, Inductor's
-    subgraphs): Dynamo passes the batch size as a SymInt s52 that the shape environment knows to
+    """benchmarks/clip.py's model (one layer a tower: the loss is what matters) at a second batch
+    size (automatic dynamic shapes, Inductor's subgraphs): Dynamo passes the batch size as a SymInt s52 that the shape environment knows to
     equal s34, and a subgraph holding only the loss's arange(s34) took that SymInt alone. Inductor
     binds a forward's SymInt input by its placeholder expression (s52), not by the replaced one, so
     its code read an unbound s34: NameError at the graph's first call, and the forward fell back to
@@ -285,9 +285,12 @@ def test_a_symint_input_binds_the_symbol_it_was_passed_as_not_its_replacement():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import clip
 
+    config = clip.CLIPConfig(image_size=16, patch_size=8, vision_width=32, vision_layers=1, vision_heads=2,
+                             context_length=8, vocab_size=64, text_width=32, text_layers=1, text_heads=2,
+                             embed_dim=16)
     apollo_compile.clear_plans()
-    batches = [clip.make_batch(b, "cpu", "tiny", seed=b) for b in (4, 3, 3)]
-    messages = train_like_eager(clip.build("tiny", device="cpu", seed=0), batches, {"subgraph_compiler": "inductor"})
+    batches = [clip.make_batch(b, "cpu", config, seed=b) for b in (4, 3, 3)]
+    messages = train_like_eager(clip.build(config, device="cpu", seed=0), batches, {"subgraph_compiler": "inductor"})
     assert messages == [], messages
     assert_apollo_ran(apollo_compile.last_plan())
 
