@@ -75,12 +75,17 @@ class CompiledAutogradStep:
         return compiled_autograd(self.backward_compiler)
 
 
-def compile_variant(name: str, model: nn.Module) -> Callable[..., torch.Tensor]:
+def compile_variant(name: str, model: nn.Module, options: dict | None = None) -> Callable[..., torch.Tensor]:
+    """`model` compiled as variant `name` says; `options` (apollo's, e.g. the tests' eager subgraph
+    compiler) go to every apollo compile of the variant."""
+    options = dict(options or {})
+    if options and not name.startswith("apollo"):
+        raise ValueError(f"variant {name!r} compiles without apollo: it takes no apollo options")
     if name in COMPILED_AUTOGRAD_VARIANTS:
         base = name.removesuffix("-ca")
-        backward = (torch.compile(backend="apollo") if base == "apollo"
+        backward = (torch.compile(backend="apollo", options=options) if base == "apollo"
                     else torch.compile(mode="reduce-overhead"))
-        return CompiledAutogradStep(compile_variant(base, model), backward)
+        return CompiledAutogradStep(compile_variant(base, model, options), backward)
     if name == "eager":
         return model
     if name == "inductor":
@@ -90,8 +95,8 @@ def compile_variant(name: str, model: nn.Module) -> Callable[..., torch.Tensor]:
     if name in ("apollo", "apollo-1lane"):
         import apollo_compile  # noqa: F401  (importing registers backend="apollo")
 
-        options = {"max_lanes": 1} if name == "apollo-1lane" else {}
-        return torch.compile(model, backend="apollo", options=options)
+        extra = {"max_lanes": 1} if name == "apollo-1lane" else {}
+        return torch.compile(model, backend="apollo", options={**options, **extra})
     raise ValueError(f"unknown variant {name!r}")
 
 

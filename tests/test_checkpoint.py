@@ -328,11 +328,11 @@ def test_dropout_under_inductor_compiles_and_recompute_changes_no_gradient():
     ops failed to lower in apollo's subgraphs, and such models fell back to eager ATen), and a
     budget that recomputes changes no gradient: the backward uses the forward's masks. (The masks
     are not eager's: Inductor decomposes dropout into rand < p where eager draws bernoulli; the
-    eager-compiler tests above check equality with eager.)"""
+    eager-compiler tests above check equality with eager.) One layer a tower: each has its dropouts."""
     from helpers import TOLERANCE
 
     torch.manual_seed(0)
-    base = TwoTower(dropout=0.3)
+    base = TwoTower(width=16, embed=8, layers=1, dropout=0.3)
     results = []
     for options in ({}, {"memory_budget": 0.2}):
         torch._dynamo.reset()

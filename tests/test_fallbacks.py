@@ -210,12 +210,14 @@ def test_dynamic_true_with_a_budget_compiles_again_from_inductors_cache():
     """dynamic=True with a memory_budget, compiled twice: the second compile finds the first's
     subgraphs in Inductor's FX graph cache, whose guards name sources of the whole graph
     (L['images']) that a subgraph lacks; looking them up raised KeyError and the backward fell
-    back. Subgraphs with symbolic sizes now skip that cache (subgraphs.inductor_config)."""
+    back. Subgraphs with symbolic sizes now skip that cache (subgraphs.inductor_config). One layer
+    a tower: any subgraph with symbolic sizes meets the cache."""
     for attempt in range(2):
         torch._dynamo.reset()
         torch.manual_seed(0)
         apollo_compile.clear_plans()
-        messages = train_like_eager(TwoTower(), two_tower_batches(4, 6), {"memory_budget": 0.5}, dynamic=True)
+        messages = train_like_eager(TwoTower(width=16, embed=8, layers=1), two_tower_batches(4, 6),
+                                    {"memory_budget": 0.5}, dynamic=True)
         assert messages == [], (attempt, messages)
         assert_apollo_ran(apollo_compile.last_plan())
 
@@ -272,8 +274,8 @@ def test_subgraphs_bind_the_symbols_of_a_symbolic_head_count(dynamic):
 
 
 def test_a_symint_input_binds_the_symbol_it_was_passed_as_not_its_replacement():
-    """benchmarks/clip.py's tiny model at a second batch size (automatic dynamic shapes, Inductor's
-    subgraphs): Dynamo passes the batch size as a SymInt s52 that the shape environment knows to
+    """benchmarks/clip.py's model (one layer a tower: the loss is what matters) at a second batch
+    size (automatic dynamic shapes, Inductor's subgraphs): Dynamo passes the batch size as a SymInt s52 that the shape environment knows to
     equal s34, and a subgraph holding only the loss's arange(s34) took that SymInt alone. Inductor
     binds a forward's SymInt input by its placeholder expression (s52), not by the replaced one, so
     its code read an unbound s34: NameError at the graph's first call, and the forward fell back to
@@ -285,9 +287,12 @@ def test_a_symint_input_binds_the_symbol_it_was_passed_as_not_its_replacement():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import clip
 
+    config = clip.CLIPConfig(image_size=16, patch_size=8, vision_width=32, vision_layers=1, vision_heads=2,
+                             context_length=8, vocab_size=64, text_width=32, text_layers=1, text_heads=2,
+                             embed_dim=16)
     apollo_compile.clear_plans()
-    batches = [clip.make_batch(b, "cpu", "tiny", seed=b) for b in (4, 3, 3)]
-    messages = train_like_eager(clip.build("tiny", device="cpu", seed=0), batches, {"subgraph_compiler": "inductor"})
+    batches = [clip.make_batch(b, "cpu", config, seed=b) for b in (4, 3, 3)]
+    messages = train_like_eager(clip.build(config, device="cpu", seed=0), batches, {"subgraph_compiler": "inductor"})
     assert messages == [], messages
     assert_apollo_ran(apollo_compile.last_plan())
 

@@ -129,7 +129,7 @@ def test_dropout_with_offloading_matches_eager_with_same_seed(every_value):
 
 def test_dynamic_shapes_offload_at_the_traced_sizes(every_value):
     # sizes are symbolic: the size threshold reads their hints (the traced inputs' sizes)
-    model = TwoTower()
+    model = TwoTower(width=16, embed=8, layers=1)
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend="apollo", dynamic=True,
                              options={"offload_activations": True, "memory_budget": 0.5})

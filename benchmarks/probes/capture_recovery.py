@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: the loop alone, no CUDA graphs (the tests check the script runs)")
     p.add_argument("--out", default=None, help="also write the per-step records here as JSON")
+    p.add_argument("--apollo-options", type=json.loads, default={},
+                   help='JSON options added to backend="apollo"\'s, e.g. \'{"subgraph_compiler": "eager"}\'')
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
     apollo_compile.clear_plans()
     model = clip.build(args.config, device=args.device)
     options = {"precision": "bf16", "memory_budget": args.budget,
-               "cudagraphs": True if args.cudagraphs == "true" and cuda else "auto"}
+               "cudagraphs": True if args.cudagraphs == "true" and cuda else "auto", **args.apollo_options}
     step_fn = torch.compile(model, backend="apollo", options=options, dynamic=False)
     batch = clip.make_batch(args.batch, args.device, args.config)
 
