@@ -19,6 +19,7 @@ import torch
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning
 from apollo_compile.annotations import info
+from apollo_compile.report.explain import Report
 from apollo_compile.nodes import is_random, nbytes, storage_node, written_inputs
 from helpers import TOLERANCE, assert_same_loss_and_grads, backward_step
 from models import TwoTower, two_tower_inputs
@@ -115,6 +116,9 @@ def test_a_budget_recomputes_in_the_whole_step_and_trains_like_eager(inside):
         if (s.args[0] if s.target is operator.getitem else s).name in rerun:
             assert all(position[u.name] < first_backward for u in n.users), n.name
     assert saved_bytes_at_backward(plan.gm) < plain  # by liveness over the graph that runs, not the plan
+    text = str(Report([p for p in apollo_compile.plans() if p.inference is plan]))
+    assert (f"recomputed: {plan.name}: {len(decision.recomputed)} forward ops re-run in the backward "
+            f"({len(decision.copies)} nodes copied into the backward)") in text
     assert [n for n in plan.gm.graph.nodes if info(n).saved]
     if inside:  # each write into a parameter comes after every copy that reads it (the updates pass)
         for n in nodes:
@@ -161,7 +165,8 @@ def test_a_per_modality_budget_recomputes_that_tower_only():
 
 
 def test_the_copies_reach_inductor(monkeypatch):
-    """Nothing after the pass merges a copy back into its original: Inductor's post-grad passes
+    """Under Inductor the step trains like eager, and nothing after the pass merges a copy back
+    into its original: Inductor's post-grad passes
     (the last FX passes before lowering) still hold the copies of the matmuls, norms and attention
     it re-runs (a pointwise copy may be fused into its reader there, as intended)."""
     from torch._inductor import compile_fx
@@ -179,7 +184,11 @@ def test_the_copies_reach_inductor(monkeypatch):
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
     torch.manual_seed(0)
     model = TwoTower(layers=1)
-    apollo_compile.compile_step(backward_step(model), options={"memory_budget": 0.5})(*two_tower_inputs())
+    ref = copy.deepcopy(model)
+    loss = apollo_compile.compile_step(backward_step(model), options={"memory_budget": 0.5})(*two_tower_inputs())
+    ref_loss = ref(*two_tower_inputs())
+    ref_loss.backward()
+    assert_same_loss_and_grads(loss, ref_loss.detach(), model, ref, TOLERANCE["inductor"], 0)
     plan = step_plan()
     assert plan.fallback is None
     decision = plan.decisions["recompute"]

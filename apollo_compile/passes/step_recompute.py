@@ -101,8 +101,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> StepRecomputeDecision | None:
 def _pinned(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], forward: set[torch.fx.Node],
             later: list[torch.fx.Node]) -> frozenset[torch.fx.Node]:
     """Forward ops the backward never re-runs: those whose values the graph returns (alive to its
-    end anyway), and those reading a graph input the graph writes before the last later node that
-    reads a forward value (a copy there would read the written value)."""
+    end anyway), those reading a graph input the graph writes before the last later node that
+    reads a forward value (a copy there would read the written value), and those whose sizes
+    depend on values (``nonzero``: the copy would bind the same unbacked symbol twice)."""
     pinned = set()
     for o in graph_outputs(gm):
         if isinstance(o, torch.fx.Node):
@@ -113,6 +114,7 @@ def _pinned(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], forward: set[t
                default=-1)
     early_writes = {x for n in nodes[:last] for x in written_inputs(n)}
     pinned |= {n for x in early_writes for n in x.users if n in forward}
+    pinned |= {n for n in forward if n.meta.get("unbacked_bindings")}  # a copy would bind its symbols again
     return frozenset(pinned)
 
 
