@@ -22,7 +22,7 @@ from apollo_compile.annotations import info
 from apollo_compile.report.explain import Report
 from apollo_compile.nodes import is_random, nbytes, storage_node, written_inputs
 from helpers import TOLERANCE, assert_same_loss_and_grads, backward_step
-from models import TwoTower, two_tower_inputs
+from models import TwoTower, tiny_hf, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
 PARAMS = dict(rtol=1e-4, atol=5e-5)  # parameters after in-graph AdamW steps (module docstring)
@@ -197,3 +197,24 @@ def test_the_copies_reach_inductor(monkeypatch):
     lowered = set().union(*seen)
     assert {n.name for n in heavy} <= lowered
     assert {decision.copies[n.name] for n in heavy} <= lowered  # the originals too: both run
+
+
+def test_a_hugging_face_clip_step_under_a_budget_matches_eager():
+    """HF CLIP's whole step (its own contrastive loss, attention masks, a class token) recomputes
+    under a budget and its loss and gradients are eager's."""
+    model = tiny_hf("clip")
+    ref = copy.deepcopy(model)
+
+    def step(ids, pixels):
+        out = model(input_ids=ids, pixel_values=pixels, return_loss=True)
+        out.loss.backward()
+        return out.loss.detach()
+
+    g = torch.Generator().manual_seed(0)
+    ids, pixels = torch.randint(0, 99, (4, 7), generator=g), torch.randn(4, 3, 16, 16, generator=g)
+    loss = apollo_compile.compile_step(step, options={**EAGER, "memory_budget": 0.4})(ids, pixels)
+    ref_loss = ref(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+    ref_loss.backward()
+    assert_same_loss_and_grads(loss, ref_loss.detach(), model, ref, TOLERANCE["eager"], 0)
+    decision = step_plan().checkpoint
+    assert decision.copies and decision.peak_after < decision.peak_before
