@@ -92,7 +92,8 @@ def partitioner_offloads() -> bool:
 
 # Where each option takes effect, in one place. "module": torch.compile(model, backend="apollo"),
 # whose forward and backward graphs pass the joint stage (pipeline.py); "step": compile_step's
-# whole step, one inference graph that no joint stage sees; "step+optimizer": compile_step(...,
+# whole step, one inference graph that no joint stage sees (a memory budget is planned on it:
+# passes/step_recompute.py); "step+optimizer": compile_step(...,
 # optimizer=), the optimizer's update inside that graph. An option given where it does not apply
 # is refused with the reason below (check_path), not ignored.
 MODULE, STEP, STEP_OPTIMIZER = "module", "step", "step+optimizer"
@@ -106,7 +107,7 @@ OPTION_PATHS: dict[str, tuple[str, ...]] = {
     "cudagraphs": _EVERYWHERE,
     "strict": _EVERYWHERE,
     "precision": _EVERYWHERE,
-    "memory_budget": (MODULE,),
+    "memory_budget": _EVERYWHERE,
     "offload_activations": (MODULE,),
     "optimizer_update": (STEP_OPTIMIZER,),
 }
@@ -114,8 +115,6 @@ OPTION_PATHS: dict[str, tuple[str, ...]] = {
 COMPILE_STEP_ONLY = tuple(key for key, paths in OPTION_PATHS.items() if MODULE not in paths)
 _MODULE_PATH = "compile the model instead: torch.compile(model, backend='apollo', options={{{!r}: ...}})"
 _NOT_HERE = {
-    "memory_budget": "a whole step's graph does not plan recomputation yet (the checkpoint pass runs on the "
-                     "joint graph of the module path); for a memory budget, " + _MODULE_PATH.format("memory_budget"),
     "offload_activations": "a whole step's graph does not offload activations yet (the offload pass runs on the "
                            "joint graph of the module path); to offload, " + _MODULE_PATH.format("offload_activations"),
     "optimizer_update": "it chooses how the optimizer's update inside the graph is computed, and only "
@@ -152,8 +151,9 @@ class ApolloOptions:
             Default ``None``: the user's dtypes and autocast are left as they are.
         memory_budget: activation memory kept without recomputation: a fraction (0, 1] of what
             the plain partition saves, a number of bytes (an int of at least 1 MiB), or a
-            per-modality dict of fractions such as ``{"vision": 0.3, "text": 1.0}`` (checkpoint
-            pass; module path only, :data:`OPTION_PATHS`). Default ``None``.
+            per-modality dict of fractions such as ``{"vision": 0.3, "text": 1.0}`` (the checkpoint
+            pass on the module path; on ``compile_step``'s one graph the step recompute pass, from
+            that graph's own backward peak). Default ``None``.
         offload_activations: keep the large values saved for the backward in host memory between
             their last forward use and their first backward use (offload pass; PyTorch >= 2.9).
             Frees GPU memory for a larger batch at the price of two PCIe copies per value per

@@ -9,7 +9,8 @@ Stages, in the order a training step's graphs meet them (:data:`STAGES`):
   compiles subgraphs), then ``JOINT_PASSES`` (recompute tags for ``memory_budget``, offload marks).
 - ``partition``: PyTorch's min-cut partitioner, into forward and backward graphs (a whole step or a
   graph without gradients is one inference graph).
-- ``graph``: each ATen graph, ``GRAPH_PASSES`` (towers, cost, lanes, quotas, memory, the runtime).
+- ``graph``: each ATen graph, ``GRAPH_PASSES`` (towers, cost, lanes, quotas, memory, the runtime;
+  a whole step's recomputation for ``memory_budget``, which no joint stage sees).
 - ``runtime``: each lane's subgraphs compiled (Inductor or eager ATen), the lane program built.
 - ``cuda_graph``: on CUDA, a ``CudaGraphRunner`` configured once here (:func:`cudagraphed`) that
   chooses a candidate, captures and replays it (docs/design/cuda-graphs.md).
@@ -53,7 +54,7 @@ from .ops.fused_update import written_state
 from .nodes import graph_outputs
 from .options import ApolloOptions
 from .passes import (attention_masks, casts, checkpoint, codegen, cost, gradients, lanes, main_allocated, memory,
-                     modality, offload, quotas, sync_free, update_lists, updates)
+                     modality, offload, quotas, step_recompute, sync_free, update_lists, updates)
 from .passes.quotas import MIN_GAIN
 from .plan import GraphPlan, ModelPlan
 from .runtime.config import MemoryPolicy, RunnerConfig
@@ -85,9 +86,11 @@ JOINT_PASSES: list[tuple[str, Pass]] = [
 GRAPH_PASSES: list[tuple[str, Pass]] = [
     ("sync_free", sync_free.run),  # ops that report an output size to the host, where it is known: capturable
     ("gradients", gradients.run),  # whole step: a new .grad is the gradient itself, not a copy
+    ("recompute", step_recompute.run),  # whole step, memory_budget: the backward re-runs chosen forward ops
     ("updates", updates.run),  # whole step with its optimizer: each update right after its gradient
     ("modality", modality.run),  # label every node by tower: vision, text, ..., fusion for joins
     ("update_lists", update_lists.run),  # whole step: a list update split by tower, cut into launch-sized parts
+    ("recomputed", step_recompute.label),  # whole step: its re-run copies marked, and its saved values
     ("saved", checkpoint.mark_saved),  # forward values handed to the backward (with a memory_budget)
     ("offload", offload.label),  # the copies of offloaded saved values, to the host and back
     ("cost", cost.run),          # FLOPs, bytes, compute/memory bound, roofline time per node
@@ -388,6 +391,8 @@ def compile_graph(
         except PassError as e:
             graph_plan.gm = e.work if e.work is not None else gm  # the dump shows how far it got
             raise
+        if kind == "inference":  # a whole step's recomputation, as a forward shows its joint graph's
+            graph_plan.checkpoint = ctx.decisions.get("recompute")
         graph_plan.compile_s["passes"] = time.perf_counter() - start
         start = time.perf_counter()
         try:

@@ -26,7 +26,7 @@ class GraphPlan:
     fallback: str | None = None  # why this graph did not run apollo's runtime, if it did not
     runtimes: dict[str, Any] = field(default_factory=dict)  # "lanes" (and "one_lane") callables
     runner_ref: Any = None  # weakref to the CUDA-graph runner (see `runner`)
-    checkpoint: Any = None  # a forward's: the checkpoint pass's decision on its joint graph (memory_budget)
+    checkpoint: Any = None  # memory_budget: a forward's joint graph's checkpoint decision, a whole step's recompute decision
     compile_s: dict[str, float] = field(default_factory=dict)  # "passes", "subgraphs": where compiling went
 
     @property

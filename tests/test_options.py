@@ -100,24 +100,30 @@ def test_every_option_says_where_it_applies():
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"memory_budget": 0.5}, r"option 'memory_budget' does not apply to compile_step: a whole step's graph does not "
-                             r"plan recomputation yet .* torch.compile\(model, backend='apollo', options=\{'memory_budget'"),
     ({"offload_activations": True}, r"option 'offload_activations' does not apply to compile_step: .* "
                                     r"torch.compile\(model, backend='apollo'"),
     ({"optimizer_update": "inductor"}, r"option 'optimizer_update' does not apply to compile_step: .* "
                                        r"only compile_step\(\.\.\., optimizer=\.\.\.\) puts the update there"),
 ])
 def test_compile_step_refuses_what_it_would_ignore(options, match):
-    """A whole step is one inference graph: the joint stage (recomputation, offloading) never sees it."""
+    """A whole step is one inference graph: the joint stage (offloading) never sees it."""
     with pytest.raises(ApolloOptionsError, match=match):
         compile_step(lambda x: x, options=options)
+
+
+def test_compile_step_takes_a_memory_budget():
+    """A whole step plans its recomputation in its own graph (passes/step_recompute.py)."""
+    assert "step" in OPTION_PATHS["memory_budget"] and "step+optimizer" in OPTION_PATHS["memory_budget"]
+    compile_step(lambda x: x, options={"memory_budget": 0.5})
+    opt = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
+    compile_step(lambda x: x, optimizer=opt, options={"memory_budget": {"vision": 0.3}})
 
 
 def test_compile_step_with_an_optimizer_refuses_module_path_options():
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ApolloOptionsError, match=r"'memory_budget' does not apply to compile_step\(\.\.\., optimizer"):
-        compile_step(lambda x: x, optimizer=opt, options={"memory_budget": 0.5})
+    with pytest.raises(ApolloOptionsError, match=r"'offload_activations' does not apply to compile_step\(\.\.\., optimizer"):
+        compile_step(lambda x: x, optimizer=opt, options={"offload_activations": True})
     compile_step(lambda x: x, optimizer=opt, options={"optimizer_update": "inductor"})  # its path: accepted
 
 

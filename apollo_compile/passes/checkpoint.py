@@ -47,7 +47,8 @@ from .recompute_planner import GLOBAL, Planner
 
 log = logging.getLogger("apollo_compile")
 
-__all__ = ["CheckpointDecision", "attention_recomputed_as_is", "mark_saved", "num_fwd_outputs", "run"]
+__all__ = ["CheckpointDecision", "attention_recomputed_as_is", "choose", "mark_saved", "num_fwd_outputs",
+           "record", "run", "targets_of"]
 
 MEMORY_BOUND_FIRST = True  # order rule 2's tiers; False: bytes freed per microsecond alone
 
@@ -196,7 +197,9 @@ def _cse(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _targets(budget: Any, before: dict[str, int], total: int) -> dict[str, int]:
+def targets_of(budget: Any, before: dict[str, int], total: int) -> dict[str, int]:
+    """Peak activation bytes a budget allows, per key: of the plain peak `total` (or per modality,
+    of `before`), or the byte count itself."""
     if isinstance(budget, Mapping):
         return {m: int(frac * before.get(m, 0)) for m, frac in sorted(budget.items())}
     if isinstance(budget, float) or budget == 1:
@@ -240,7 +243,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
     _, plain_rerun = planner.close(start)
     before, peak_before = planner.peaks(plain_saved, plain_rerun)
     bytes_before = sum(planner.by_key(plain_saved).values())
-    targets = _targets(budget, before, peak_before)
+    targets = targets_of(budget, before, peak_before)
 
     decision = CheckpointDecision(budget=budget, targets=targets, bytes_before=bytes_before, bytes_after=bytes_before,
                                   peak_before=peak_before, peak_after=peak_before,
@@ -249,50 +252,65 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
     if all(before.get(k, 0) <= t for k, t in targets.items()):
         return decision  # the plain partition fits: leave it as it is
 
-    rerun, saved, met, (after, peak_after) = planner.walk(start, targets)
-    if not per_modality:
-        # per-block checkpointing, relaxed back toward the budget where it has room: below the
-        # walk's reach, taken if it peaks lower; within it, if it re-runs less (predicted time)
-        block_saved, block_rerun = planner.close(start | planner.block_plan())
-        block_after, block_peak = planner.peaks(block_saved, block_rerun)
-        block_met = all(block_after.get(k, 0) <= t for k, t in targets.items())
-        relaxed = 0
-        if block_met:
-            kept = len(block_rerun)
-            block_rerun, block_saved, (block_after, block_peak) = planner.relax(block_rerun, targets)
-            relaxed = kept - len(block_rerun)
-        if met:
-            better = block_met and planner.extra_us(block_rerun, plain_rerun) < planner.extra_us(rerun, plain_rerun)
-        else:
-            better = block_peak < peak_after
-        if better:
-            saved, rerun, after, peak_after, met = block_saved, block_rerun, block_after, block_peak, block_met
-            decision.per_block, decision.relaxed = True, relaxed
-            if on_host is not None:
-                decision.block_start = "min-cut"
-                offloaded = _offloaded_block_start(planner, start, saved, rerun, targets, met)
-                if offloaded is not None:
-                    saved, rerun, after, peak_after, met = offloaded
-                    decision.block_start = "nothing"
-    _tag(gm, planner, num_fwd, rerun)
-    added = rerun - plain_rerun
-    decision.bytes_after = sum(planner.by_key(saved).values())
-    decision.peak_after_by_modality, decision.peak_after = after, peak_after
-    decision.recomputed = _names(rerun)
-    decision.added = _names(added)
-    decision.saved = _names(saved)
-    decision.extra_us = planner.extra_us(rerun, plain_rerun)
-    decision.met = met
-    decision.tagged = True
-    if not met:
+    state = choose(planner, start, plain_rerun, targets, per_modality, decision)
+    _tag(gm, planner, num_fwd, state[1])
+    record(decision, planner, plain_rerun, state)
+    if not decision.met:
         log.warning("apollo: memory_budget %r not reached for %s: predicted peak %d of %d activation bytes "
                     "(%d saved; random ops are never recomputed, so their outputs and inputs stay, "
                     "and recomputing more would hold a larger group at once)",
                     budget, ctx.name, decision.peak_after, peak_before, decision.bytes_after)
     log.info("apollo: %s checkpoint: predicted peak activations %d -> %d bytes (saved %d -> %d), "
              "%d ops recomputed, +%.1f us", ctx.name, peak_before, decision.peak_after, bytes_before,
-             decision.bytes_after, len(added), decision.extra_us)
+             decision.bytes_after, len(decision.added), decision.extra_us)
     return decision
+
+
+def choose(planner: Planner, start: set[torch.fx.Node], plain_rerun: set[torch.fx.Node], targets: dict[str, int],
+           per_modality: bool, decision: CheckpointDecision):
+    """The state a budget of `targets` takes, from the re-runs `start` (the plain partition's
+    `plain_rerun`): the greedy walk's, or, for one budget over all modalities, per-block
+    checkpointing relaxed back toward it: below the walk's reach, taken if it peaks lower; within
+    it, if it re-runs less (predicted time). Writes ``per_block``, ``relaxed`` and ``block_start``
+    on `decision`; returns (saved values, re-run ops, peaks per key, peak, met)."""
+    rerun, saved, met, (after, peak_after) = planner.walk(start, targets)
+    if per_modality:
+        return saved, rerun, after, peak_after, met
+    block_saved, block_rerun = planner.close(start | planner.block_plan())
+    block_after, block_peak = planner.peaks(block_saved, block_rerun)
+    block_met = all(block_after.get(k, 0) <= t for k, t in targets.items())
+    relaxed = 0
+    if block_met:
+        kept = len(block_rerun)
+        block_rerun, block_saved, (block_after, block_peak) = planner.relax(block_rerun, targets)
+        relaxed = kept - len(block_rerun)
+    if met:
+        better = block_met and planner.extra_us(block_rerun, plain_rerun) < planner.extra_us(rerun, plain_rerun)
+    else:
+        better = block_peak < peak_after
+    if better:
+        saved, rerun, after, peak_after, met = block_saved, block_rerun, block_after, block_peak, block_met
+        decision.per_block, decision.relaxed = True, relaxed
+        if planner.on_host is not None:
+            decision.block_start = "min-cut"
+            offloaded = _offloaded_block_start(planner, start, saved, rerun, targets, met)
+            if offloaded is not None:
+                saved, rerun, after, peak_after, met = offloaded
+                decision.block_start = "nothing"
+    return saved, rerun, after, peak_after, met
+
+
+def record(decision: CheckpointDecision, planner: Planner, plain_rerun: set[torch.fx.Node], state) -> None:
+    """Write the state :func:`choose` returned on `decision`: bytes and peaks after, what is re-run."""
+    saved, rerun, after, peak_after, met = state
+    decision.bytes_after = sum(planner.by_key(saved).values())
+    decision.peak_after_by_modality, decision.peak_after = after, peak_after
+    decision.recomputed = _names(rerun)
+    decision.added = _names(rerun - plain_rerun)
+    decision.saved = _names(saved)
+    decision.extra_us = planner.extra_us(rerun, plain_rerun)
+    decision.met = met
+    decision.tagged = True
 
 
 def _offloaded_block_start(planner: Planner, start: set[torch.fx.Node], saved: set[torch.fx.Node],

@@ -85,12 +85,15 @@ def materialized(op: torch.fx.Node) -> bool:
 
 def block_of(node: torch.fx.Node) -> str | None:
     """``vision.blocks.3`` for a node of ``vision.blocks.3.mlp.0``: the outermost repeated block
-    (module list or sequential entry) it is in, if any."""
+    (module list or sequential entry) it is in, if any. An index after a Python attribute is no
+    block: a model a compiled function reaches through its closure, as ``compile_step``'s does
+    (``fn.__closure__.0.cell_contents.vision.blocks.3``)."""
     path = modality.innermost_path(node)
     if not path:
         return None
     parts = path.split(".")
-    first = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    first = next((i for i, part in enumerate(parts) if part.isdigit() and not (i and parts[i - 1].startswith("__"))),
+                 None)
     return ".".join(parts[:first + 1]) if first is not None else None
 
 
@@ -122,20 +125,26 @@ class Planner:
     A *value* is a non-view forward node (a plain op's output, or a getitem of a multi-output
     op); its *op* is the node that runs (the getitem's producer). A state is the set ``R`` of
     forward ops the backward re-runs; the values it saves follow from it.
+
+    A whole step's graph (passes/step_recompute.py) has no tangents and no forward outputs to
+    count: it passes `forward`, the nodes before its backward (then `num_fwd` is unused, and every
+    other op is the backward's, in graph order), and `pinned`, forward ops never re-run (their
+    values live to the graph's end anyway).
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, num_fwd: int, spec, labels: dict[torch.fx.Node, str],
+    def __init__(self, gm: torch.fx.GraphModule, num_fwd: int | None, spec, labels: dict[torch.fx.Node, str],
                  per_modality: bool, fuses_pointwise: bool = False, on_host=None,
-                 memory_bound_first: bool = True) -> None:
+                 memory_bound_first: bool = True, forward: set[torch.fx.Node] | None = None,
+                 pinned: frozenset[torch.fx.Node] = frozenset()) -> None:
         self.gm = gm
         self.on_host = on_host  # value -> whether the partition keeps it on the host if saved (offload)
         self.memory_bound_first = memory_bound_first  # the checkpoint pass's MEMORY_BOUND_FIRST (rule 2)
-        self.fw = _forward_nodes(gm, num_fwd)
+        self.fw = _forward_nodes(gm, num_fwd) if forward is None else set(forward)
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.key = {n: (labels.get(n) or "fusion") if per_modality else GLOBAL for n in gm.graph.nodes}
         self.cost: dict[torch.fx.Node, tuple[float, bool]] = {}
         for n in self.fw:
-            if n.op == "call_function" and not is_view(n) and n.target is not operator.getitem:
+            if n.op == "call_function" and not is_view(n) and n.target is not operator.getitem and n not in pinned:
                 c = node_cost(n, spec)
                 self.cost[n] = (c[4], _heavy(n, c[3]))
         self.inputs = {o: self.storages(o.all_input_nodes) for o in self.cost}
@@ -148,7 +157,8 @@ class Planner:
             if n.op in ("placeholder", "output") or n in self.fw:
                 continue
             direct.extend(i for i in n.all_input_nodes if i in self.fw)
-        direct.extend(o for o in outputs[num_fwd:] if isinstance(o, torch.fx.Node) and o in self.fw)
+        if forward is None:
+            direct.extend(o for o in outputs[num_fwd:] if isinstance(o, torch.fx.Node) and o in self.fw)
         self.direct = self.storages(direct)
         self.readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # op -> ops reading one of its values
         for o, values in self.inputs.items():
@@ -159,7 +169,7 @@ class Planner:
         # run when a later node needs them; the forward value each node's memory is
         tangent_users = [u for n in gm.graph.find_nodes(op="placeholder") if "tangents" in str(n.target)
                          for u in n.users]
-        first = min((self.order[u] for u in tangent_users), default=0)
+        first = min((self.order[u] for u in tangent_users), default=0) if forward is None else 0
         self.backward_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n not in self.fw
                                and (self.order[n] >= first or n.target is torch.ops.aten.copy_.default)]
         self.storage = {n: storage_node(n) for n in self.fw}

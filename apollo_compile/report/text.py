@@ -2,7 +2,8 @@
 
 One row per planned graph (lanes, subgraphs, predicted serial and concurrent times, waits,
 memory, node counts), then each graph's lanes and modalities, its costliest ops, its runtime
-candidates, and the notes that explain them, each note once.
+candidates, what a memory budget re-runs in its backward, and the notes that explain them, each
+note once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from .model import ReportData
 from .stats import (TOP_OPS_RANKING, candidate_rows, candidates_note, device_notes, format_bytes, format_flops,
                     largest_ops)
 
-__all__ = ["render_text"]
+__all__ = ["recomputed_text", "render_text"]
 
 
 def _lanes_text(lanes: dict[int, list[str]]) -> str:
@@ -29,6 +30,16 @@ def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
 
 def _wrap(text: str) -> list[str]:
     return textwrap.wrap(text, width=110, initial_indent="  ", subsequent_indent="  ")
+
+
+def recomputed_text(decision) -> str:
+    """What a memory budget re-runs in a graph's backward (a forward's joint-graph checkpoint
+    decision, or a whole step's recompute decision), and the predicted peak it buys."""
+    copies = getattr(decision, "copies", None)
+    made = f" ({len(copies)} nodes copied into the backward)" if copies else ""
+    return (f"{len(decision.recomputed)} forward ops re-run in the backward{made}; predicted peak activations "
+            f"{format_bytes(decision.peak_before)} -> {format_bytes(decision.peak_after)} "
+            f"(memory_budget {decision.budget!r}, {'met' if decision.met else 'not met'})")
 
 
 def render_text(report: ReportData) -> str:
@@ -74,6 +85,9 @@ def render_text(report: ReportData) -> str:
     for note in device_notes(devices):
         lines.append("note:")
         lines += _wrap(note)
+    for gp in report.graphs:
+        if gp.checkpoint is not None and gp.checkpoint.tagged:
+            lines.append(f"recomputed: {gp.name}: {recomputed_text(gp.checkpoint)}")
     for s in stats:
         if s.fallback:
             lines.append(f"fallback: {s.name}: {s.fallback}")
