@@ -360,21 +360,39 @@ def test_data_dependent_code_in_the_step_falls_back_and_trains_like_eager():
     assert "data-dependent" in compiled.fallback_reason, compiled.fallback_reason
 
 
-def test_code_only_a_first_call_runs_leaves_the_later_steps_whole():
-    """The first call runs on the module path; the second traces the step whole, with no warning
-    (whole_step.py, NOTE: Code only a first call runs)."""
+@pytest.fixture
+def graphed(monkeypatch):
+    """The `cudagraphs` option each graph the backend compiles is given, in order."""
+    from apollo_compile import backend
+
+    seen: list = []
+    original = backend.use_cudagraphs
+
+    def use_cudagraphs(opts, example_inputs, name):
+        seen.append(opts.cudagraphs)
+        return original(opts, example_inputs, name)
+
+    monkeypatch.setattr(backend, "use_cudagraphs", use_cudagraphs)
+    return seen
+
+
+def test_code_only_a_first_call_runs_leaves_the_later_steps_whole(graphed):
+    """The first call runs on the module path, without CUDA graphs (they would never replay); the
+    second traces the step whole, with no warning (whole_step.py, NOTE: Code only a first call runs)."""
     torch.manual_seed(0)
     apollo_compile.clear_plans()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
         compiled = train_both(HookedOnFirstCall(layers=1), lambda i: two_tower_inputs(seed=i), EAGER, steps=3)
+    assert graphed[0] is False and graphed[-1] == "auto"  # the first call's graphs, the whole step's
     assert compiled.fallback_reason is None and compiled.parts is None and not compiled.retry
     assert "Unsupported context manager" in compiled.first_call_reason
     assert [sorted(p.graphs) for p in apollo_compile.plans()][-1] == ["inference"]
     assert len(whole_step_plans()[-1].inference.decisions["lanes"].lanes) >= 2
 
 
-def test_what_fails_on_the_second_call_too_warns_once():
+def test_what_fails_on_the_second_call_too_warns_once(graphed):
+    """The module path it stays on for good is compiled again, with CUDA graphs as the user set them."""
     torch.manual_seed(0)
     lock = threading.Lock()
 
@@ -388,6 +406,7 @@ def test_what_fails_on_the_second_call_too_warns_once():
     mine = [w for w in caught if issubclass(w.category, ApolloFallbackWarning) and "compile_step" in str(w.message)]
     assert len(mine) == 1, [str(w.message) for w in caught]
     assert "Unsupported context manager" in compiled.fallback_reason
+    assert not compiled.parts_first_call_only and graphed[0] is False and graphed[-1] == "auto"
 
 
 class CheckpointedWithNoise(TwoTower):
@@ -422,7 +441,8 @@ def test_a_step_whose_graph_cannot_be_compiled_takes_the_module_path():
     assert len(mine) == 1 and "compile_step" in mine[0], mine
     assert "WholeStepNotCompiled" in compiled.fallback_reason and "RNG" in compiled.fallback_reason
     module_path = [p.graphs for p in apollo_compile.plans() if "backward" in p.graphs]  # apollo's, not eager's
-    assert [len(g["backward"].lanes.lanes) for g in module_path] == [2]
+    # the first call's (without CUDA graphs), then the one it stays on (NOTE: Code only a first call runs)
+    assert [len(g["backward"].lanes.lanes) for g in module_path] == [2, 2]
 
 
 class Checkpointed(nn.Module):

@@ -150,6 +150,7 @@ class CompiledStep:
         self.whole = torch.compile(traced, backend="apollo", **{**torch_compile_kwargs, "options": options,
                                                                  "fullgraph": True})
         self.parts: Callable | None = None  # the module path, once a call has run on it
+        self.parts_first_call_only = False  # compiled for the first call alone (_module_path)
         self.first_call_reason: str | None = None  # why the first call did not trace whole, if it did not
         self.fallback_reason = fallback_reason  # why the step runs on the module path, once it does for good
         self.stand_ins = stand_ins_needed()  # in place while the whole step is traced and run (stand_ins.py)
@@ -163,14 +164,20 @@ class CompiledStep:
         the module path is compiled, but no reason to stay on it is known yet."""
         return self.parts is not None and self.fallback_reason is None
 
-    def _module_path(self) -> Callable:
-        if self.parts is None:
-            self.parts = torch.compile(self.fn, backend="apollo", **{**self.kwargs, "options": _options(self.kwargs)})
+    def _module_path(self, first_call_only: bool = False) -> Callable:
+        """The step compiled as forward and backward graphs. `first_call_only`: for the first call
+        alone (NOTE: Code only a first call runs), so without CUDA graphs: a graph captured for it
+        (a micro-batched step calls it once per micro-batch) would never replay and would keep its
+        memory for the rest of the run."""
+        if self.parts is None or (self.parts_first_call_only and not first_call_only):
+            options = _options(self.kwargs) | ({"cudagraphs": False} if first_call_only else {})
+            self.parts = torch.compile(self.fn, backend="apollo", **{**self.kwargs, "options": options})
+            self.parts_first_call_only = first_call_only
         return self.parts
 
     def _fall_back(self, reason: str, stacklevel: int = 3) -> None:
         self.fallback_reason = reason
-        self._module_path()
+        self._module_path()  # for good: compiled again where the first call's was without CUDA graphs
         warnings.warn(f"apollo.compile_step: {getattr(self.fn, '__qualname__', self.fn)} runs as forward and "
                       f"backward graphs with the autograd engine between them, not as one graph, because {reason}: "
                       "training stays correct, the step is slower. Keep optimizer.step() and Python-side work "
@@ -210,7 +217,7 @@ class CompiledStep:
                 reason = f"it does not trace as one graph ({_why(e)})"
                 if self.parts is None:  # once more at the next call (NOTE: Code only a first call runs)
                     self.first_call_reason = reason
-                    self._module_path()
+                    self._module_path(first_call_only=True)
                 else:
                     self._fall_back(reason)
         if not backward_tracing_supported():
