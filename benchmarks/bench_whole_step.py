@@ -12,8 +12,9 @@ Models, with random weights from their configurations (nothing is downloaded):
 
 Variants (VARIANT_HELP says what each is): the model compiled as a module (eager, inductor,
 inductor-ro, apollo, apollo-1lane, regional compilation), the whole step compiled as one graph
-(inductor-ro-step, apollo-step, apollo-step-opt with the optimizer's update inside), and the
-memory-saving choices at ``--budget`` (apollo's ``memory_budget``, Inductor's
+(inductor-ro-step, apollo-step, apollo-step-opt with the optimizer's update inside, apollo-step-opt-mb2
+and -mb4 with the batch in micro-batches inside that graph), gradient accumulation over the same
+micro-batches one call each on the module (apollo-accum2, -accum4), and the memory-saving choices at ``--budget`` (apollo's ``memory_budget``, Inductor's
 ``activation_memory_budget``, Hugging Face gradient checkpointing).
 
 A step is ``zero_grad(set_to_none=True)``, the forward and loss under bf16 autocast, ``backward()``,
@@ -65,6 +66,9 @@ VARIANT_HELP = {
     "apollo-step-opt-budget": "apollo-step-opt with memory_budget=--budget",
     "apollo-step-opt-mb2": "apollo-step-opt with micro_batches=2: the batch in 2 slices inside the one graph",
     "apollo-step-opt-mb4": "apollo-step-opt with micro_batches=4",
+    "apollo-accum2": "apollo on the module, the batch in 2 micro-batches one call each (gradient accumulation, "
+                     "each loss / 2), then AdamW: what apollo-step-opt-mb2 does in one graph",
+    "apollo-accum4": "apollo-accum2 with 4 micro-batches",
     "inductor-ro-amb": "reduce-overhead with Inductor's activation_memory_budget=--budget",
     "inductor-ro-hf-ckpt": "reduce-overhead on the model with its own gradient checkpointing on (HF, timm)",
     "apollo-side-grads-own": "apollo with a backward's side lanes allocating their own gradients "
@@ -263,8 +267,33 @@ def compiled_loss(variant: str, name: str, model: nn.Module, device: torch.devic
     if variant in STEP_VARIANTS:
         f = WholeStep(variant, name, model, device, args.amp, dict(args.apollo_options), optimizer, budget)
         return f, f
+    if variant.startswith("apollo-accum"):
+        compiled = compile_variant("apollo", model, dict(args.apollo_options), budget)
+        f = Accumulated(loss_fn(name, compiled), int(variant.removeprefix("apollo-accum")), device, args.amp)
+        return compiled, f
     compiled = compile_variant(variant, model, dict(args.apollo_options), budget)
     return compiled, loss_fn(name, compiled)
+
+
+class Accumulated:
+    """Gradient accumulation as users write it: `f` (batch -> loss) on k slices of dimension 0,
+    one call each, each loss divided by k before its backward, so the gradients are the
+    micro-batches' mean (compile_step's micro_batches= in one graph does the same). Returns the
+    mean loss; runs its backwards itself."""
+
+    runs_backward = True
+
+    def __init__(self, f: Callable, k: int, device: torch.device, amp: bool) -> None:
+        self.f, self.k, self.device, self.amp = f, k, device, amp
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        total = None
+        for piece in zip(*(t.chunk(self.k) for t in batch)):
+            with common.autocast(self.device, self.amp):
+                loss = self.f(*piece)
+            (loss / self.k).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total / self.k
 
 
 def with_backward(f: Callable, device: torch.device, amp: bool) -> Callable:
