@@ -21,6 +21,8 @@
 #   run(command="bash benchmarks/h200_session.sh llava",         carry=[".device_cache"]) # HF LLaVA (ViT-B/16 + 8-layer Llama), batch 8:
 #       eager, Inductor's default mode, apollo as a module and compile_step, with the optimizer inside too (reduce-overhead
 #       fails on it: benchmarks/RESULTS.md#hf-llava-bench_whole_step; its step is one graph from its second call, whole_step.py's NOTE)
+#   run(command="bash benchmarks/h200_session.sh micro-batches", carry=[".device_cache"]) # HF LLaVA: compile_step unsplit
+#       against micro_batches=2 and 4 in one graph and against accumulation one call each ("micro-batches 16": at batch 16)
 #   run(command="bash benchmarks/h200_session.sh memory",        carry=[".device_cache"]) # memory table, batch 64: precision, budgets, eager checkpointing, Inductor's budget
 #   run(command="bash benchmarks/h200_session.sh offload",       carry=[".device_cache"]) # offloading's step time, batch 64, against eager + save_on_cpu
 #   run(command="bash benchmarks/h200_session.sh edge-budget",   carry=[".device_cache"]) # largest batch in 20 GiB: budget 0.05 against eager per-block checkpointing
@@ -111,6 +113,12 @@ case "${1:-}" in
   llava)     # every graph replayed as a CUDA graph? the runners' summaries say (disabled, ungraphed_calls)
              timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch 8 --steps 20 \
                --variants ${VARIANTS:-eager inductor apollo apollo-step apollo-step-opt} --out "$OUT/llava" ;;
+  micro-batches)  # HF LLaVA in micro-batches: compile_step unsplit, with micro_batches=2 and 4 in its one graph, and
+             # the same micro-batches accumulated one call each on the module, at the batches named (default 8)
+             shift
+             timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch "${@:-8}" --steps 20 --warmup 3 \
+               --variants ${VARIANTS:-apollo-step-opt apollo-step-opt-mb2 apollo-accum2 apollo-step-opt-mb4} \
+               --out "$OUT/micro-batches" ;;
   memory)    # the memory table at batch 64: whole-run peak against eager fp32, time against apollo's fastest
              timeout 520 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
                eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.5 \
