@@ -313,6 +313,21 @@ def test_a_memory_budget_bounds_what_concurrency_may_cost(runners):
         assert runners and all(r.config.memory.lane_memory_ratio == ratio for r in runners), options
 
 
+def test_a_whole_step_under_a_budget_measures_its_lanes(runners):
+    """A whole step's graph donates nothing (its backward is inside it), so the memory-first rule
+    does not apply: under a budget it measures its candidates, lanes among them, each bounded by
+    lane_memory_ratio (docs/design/cuda-graphs.md#memory-budget)."""
+    from helpers import backward_step
+
+    torch.manual_seed(0)
+    compiled = apollo_compile.compile_step(backward_step(TwoTower()),
+                                           options={"subgraph_compiler": "eager", "memory_budget": 0.5})
+    compiled(*two_tower_inputs(seed=0))
+    (runner,) = runners
+    assert runner.kind == "inference" and runner.config.memory.lane_memory_ratio == LANE_MEMORY_RATIO
+    assert {"lanes", "one_lane"} <= set(runner.candidates) and runner.chooser.memory_first_reason(will_donate=False) is None
+
+
 def test_under_a_budget_both_graphs_replay_one_lane_unmeasured_in_real_training(runners, monkeypatch):
     """The forward learns that its backward reuses the saved activations from the family: the
     backward is compiled at the first backward, before the forward's second call captures. Under a
