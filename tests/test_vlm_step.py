@@ -27,7 +27,7 @@ from torch import nn
 
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning
-from apollo_compile.step import eager_update, stand_ins, whole_step
+from apollo_compile.step import eager_update, stand_ins
 
 EAGER = {"subgraph_compiler": "eager"}
 
@@ -83,13 +83,7 @@ def _placeholder_inputs(seed, images=2):
     return torch.randn(images, 6, generator=g), ids
 
 
-@pytest.fixture
-def forced_stand_ins(monkeypatch):
-    """The stand-ins in place (as on every torch: stand_ins.needed)."""
-    monkeypatch.setattr(whole_step, "stand_ins_needed", lambda: dict(stand_ins.STAND_INS))
-
-
-def test_the_checks_stand_in_is_traced_kept_and_put_back(forced_stand_ins):
+def test_the_checks_stand_in_is_traced_kept_and_put_back():
     """With the stand-in the step is one graph and trains like eager; the check still raises on
     inputs whose counts disagree; torch's own function is back after every call."""
     own = torch._check_tensor_all
