@@ -23,6 +23,8 @@
 #       fails on it: benchmarks/RESULTS.md#hf-llava-bench_whole_step; its step is one graph from its second call, whole_step.py's NOTE)
 #   run(command="bash benchmarks/h200_session.sh micro-batches", carry=[".device_cache"]) # HF LLaVA: compile_step unsplit
 #       against micro_batches=2 and 4 in one graph and against accumulation one call each ("micro-batches 16": at batch 16)
+#   run(command="bash benchmarks/h200_session.sh micro-batch-kernels 8", carry=[".device_cache"]) # the same, kernels and
+#       timeline per step (probes/step_kernels.py): how much the micro-batches' chains overlap
 #   run(command="bash benchmarks/h200_session.sh memory",        carry=[".device_cache"]) # memory table, batch 64: precision, budgets, eager checkpointing, Inductor's budget
 #   run(command="bash benchmarks/h200_session.sh offload",       carry=[".device_cache"]) # offloading's step time, batch 64, against eager + save_on_cpu
 #   run(command="bash benchmarks/h200_session.sh edge-budget",   carry=[".device_cache"]) # largest batch in 20 GiB: budget 0.05 against eager per-block checkpointing
@@ -119,6 +121,13 @@ case "${1:-}" in
              timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch "${@:-8}" --steps 20 --warmup 3 \
                --variants ${VARIANTS:-apollo-step-opt apollo-step-opt-mb2 apollo-accum2 apollo-step-opt-mb4} \
                --out "$OUT/micro-batches" ;;
+  micro-batch-kernels)  # why micro-batches win or lose: each variant's kernels per step, and its timeline (span,
+             # busy, summed kernel time, busiest stream: how much the chains overlap), probes/step_kernels.py; batch $2
+             TORCH_LOGS=apollo_compile timeout 500 python benchmarks/probes/step_kernels.py --models hf-llava --batch "${2:-8}" --steps 5 --warmup 3 \
+               --variants ${VARIANTS:-apollo-step-opt apollo-step-opt-mb2} --out "$OUT/micro-batch-kernels" \
+               > "$OUT/micro_batch_kernels.txt" 2>&1
+             status=$?; grep -E "^--- |^\| |lanes|chose|candidate" "$OUT/micro_batch_kernels.txt" | cut -c1-400 | tail -c 11000
+             bash benchmarks/device_cache.sh save; exit $status ;;
   memory)    # the memory table at batch 64: whole-run peak against eager fp32, time against apollo's fastest
              timeout 520 python benchmarks/bench_memory.py --batch 64 --skip-search --steps 10 --variants eager-fp32 \
                eager-bf16 eager-bf16-ckpt inductor-budget-0.5 apollo-bf16 apollo-bf16-budget-0.5 \
@@ -173,7 +182,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|module-memory MODEL [BATCH]|regional MODEL [BATCH...]|first-step-pool|first-step-pool-interleaved [siglip]|llava|memory|offload|edge-budget|edge-offload|edge-offload-x|large-batch|profile|host|step-host|step-memory|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|module-memory MODEL [BATCH]|regional MODEL [BATCH...]|first-step-pool|first-step-pool-interleaved [siglip]|llava|micro-batches [BATCH...]|micro-batch-kernels [BATCH]|memory|offload|edge-budget|edge-offload|edge-offload-x|large-batch|profile|host|step-host|step-memory|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?
