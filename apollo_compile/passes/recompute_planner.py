@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx
@@ -299,13 +300,15 @@ class Planner:
                 out[k] = out.get(k, 0) + n
         return out
 
-    def walk(self, start: set[torch.fx.Node], targets: dict[str, int]):
+    def walk(self, start: set[torch.fx.Node], targets: dict[str, int],
+             admit: Callable[[torch.fx.Node], bool] | None = None):
         """Greedy moves from `start` until every target is met; returns the final state, or, when
         the moves run out first, the state with the lowest predicted peak on the way: (re-run ops,
         saved values, met, its :meth:`peaks`).
 
         Moves are ranked and admitted on the groups estimate (:meth:`_best_move`, cheap); the
-        predicted peak that decides when to stop is the simulated backward's (:meth:`peaks`)."""
+        predicted peak that decides when to stop is the simulated backward's (:meth:`peaks`).
+        `admit` (an op -> bool), if given, refuses every move with an op it refuses."""
         recompute = set(start)
         saved, rerun = self.close(recompute)
         best = None
@@ -324,13 +327,31 @@ class Planner:
                 if o not in self.cost or not recomputable(o) or self.key[o] not in over:
                     continue
                 move = self._best_move(o, saved, rerun, groups, largest, targets)
-                if move is not None:
+                if move is not None and (admit is None or all(admit(x) for x in move[1])):
                     moves.append(move)
             if not moves:
                 return best[1], best[2], False, best[3]
             recompute |= min(moves, key=lambda m: m[0])[1]
             saved, rerun = self.close(recompute)
             recompute = set(rerun)
+
+    def fused_for_free(self, keys) -> set[torch.fx.Node]:
+        """The re-runs a partition under a fusing compiler makes by itself, as a state: the walk to
+        the lowest peak of `keys` with moves of ops that hold nothing when re-run (pointwise work
+        no library kernel reads, which Inductor fuses into the backward's kernels). Min-cut re-runs
+        such ops unasked where that saves bytes (a GELU from its matmul's output); a whole step's
+        graph, which no partitioner cuts, starts from them
+        (docs/design/checkpointing.md#whole-step-baseline). Without a fusing compiler every
+        re-run op holds its output: nothing."""
+        if not self.fuses_pointwise:
+            return set()
+        block = {o: block_of(o) for o in self.cost}
+
+        def free(o: torch.fx.Node) -> bool:  # and read within its block: a block's output re-run
+            # this way would chain every block's recompute into one fused group (#fused-recompute)
+            return not self.held[o] and all(block.get(r) == block[o] for r in self.readers.get(o, ()))
+
+        return self.walk(set(), dict.fromkeys(keys, 0), admit=free)[0]
 
     def block_plan(self) -> set[torch.fx.Node]:
         """Per-block checkpointing, as a state: inside each repeated block (a module path with an

@@ -7,8 +7,9 @@
 1. the forward is every node before the graph's first backward node
    (:func:`.modality.backward_nodes`); the values it hands the backward are what later nodes read;
 2. :class:`.recompute_planner.Planner` chooses the forward ops the backward re-runs, as on a joint
-   graph (:func:`.checkpoint.choose`), from the plain state "re-run nothing": a fraction budget is
-   of that state's simulated backward peak;
+   graph (:func:`.checkpoint.choose`), from what a partition re-runs by itself
+   (:meth:`.Planner.fused_for_free`): a fraction budget is of that state's simulated backward
+   peak, as the module path's is of min-cut's;
 3. each chosen op is copied right before the first later node that needs it, inputs first (the
    order the planner simulates), and the later nodes read the copies: the original dies at its
    last forward reader.
@@ -19,8 +20,8 @@ which then places an optimizer's write into a parameter after the copies that re
 
 Reads ``options.memory_budget`` and ``subgraph_compiler``, the nodes' costs (through the planner).
 Writes the copies into the graph; returns a :class:`StepRecomputeDecision`. :func:`label`, after
-the passes that label towers (modality, update_lists), marks each copy ``NodeInfo.recomputed`` and ``copy_of``, each saved value
-``NodeInfo.saved``. Design: docs/design/checkpointing.md#the-whole-step-graph.
+the passes that label towers, marks each copy ``NodeInfo.recomputed`` and ``copy_of``, each saved
+value ``NodeInfo.saved``. Design: docs/design/checkpointing.md#the-whole-step-graph.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.fx
 from ..annotations import FUSION, KEY, info
 from ..nodes import graph_outputs, storage_node, written_inputs
 from . import checkpoint, modality
-from .recompute_planner import Planner
+from .recompute_planner import GLOBAL, Planner
 
 log = logging.getLogger("apollo_compile")
 
@@ -49,9 +50,10 @@ class StepRecomputeDecision(checkpoint.CheckpointDecision):
     """The checkpoint decision of a whole step's graph, and the copies this pass made."""
 
     copies: dict[str, str] = field(default_factory=dict)  # copy's node name -> the forward node it re-runs
+    peak_traced: int = 0  # predicted peak of the graph as traced (nothing re-run): what it holds without a budget
 
     def summary(self) -> dict[str, Any]:
-        return {**super().summary(), "copies": len(self.copies)}
+        return {**super().summary(), "peak_traced": self.peak_traced, "copies": len(self.copies)}
 
 
 def run(gm: torch.fx.GraphModule, ctx) -> StepRecomputeDecision | None:
@@ -73,17 +75,25 @@ def run(gm: torch.fx.GraphModule, ctx) -> StepRecomputeDecision | None:
                       fuses_pointwise=ctx.options.subgraph_compiler == "inductor",
                       memory_bound_first=checkpoint.MEMORY_BOUND_FIRST, forward=forward,
                       pinned=_pinned(gm, nodes, forward, later))
-    plain_saved, plain_rerun = planner.close(set())
+    traced_saved, traced_rerun = planner.close(set())
+    traced, peak_traced = planner.peaks(traced_saved, traced_rerun)
+    start = planner.fused_for_free(sorted(budget) if per_modality else [GLOBAL])
+    plain_saved, plain_rerun = planner.close(start)
     before, peak_before = planner.peaks(plain_saved, plain_rerun)
     bytes_before = sum(planner.by_key(plain_saved).values())
     targets = checkpoint.targets_of(budget, before, peak_before)
-    decision = StepRecomputeDecision(
-        budget=budget, targets=targets, bytes_before=bytes_before, bytes_after=bytes_before,
-        peak_before=peak_before, peak_after=peak_before, peak_before_by_modality=dict(before),
-        peak_after_by_modality=dict(before), saved=sorted(v.name for v in plain_saved), baseline="no-recompute")
+    decision = StepRecomputeDecision(  # "after" is the graph as traced until a state is recorded
+        budget=budget, targets=targets, bytes_before=bytes_before,
+        bytes_after=sum(planner.by_key(traced_saved).values()), peak_before=peak_before, peak_after=peak_traced,
+        peak_before_by_modality=dict(before), peak_after_by_modality=dict(traced),
+        saved=sorted(v.name for v in traced_saved), baseline="fused-pointwise" if plain_rerun else "no-recompute",
+        peak_traced=peak_traced)
+    if all(traced.get(k, 0) <= t for k, t in targets.items()):
+        return decision  # within the budget as traced: nothing to copy
     if all(before.get(k, 0) <= t for k, t in targets.items()):
-        return decision  # within the budget as it is
-    state = checkpoint.choose(planner, set(), set(), targets, per_modality, decision)
+        state = (plain_saved, plain_rerun, before, peak_before, True)  # the plain state is within it
+    else:
+        state = checkpoint.choose(planner, plain_rerun, plain_rerun, targets, per_modality, decision)
     checkpoint.record(decision, planner, set(), state)
     decision.copies = _rewrite(gm, planner, state[1], later)
     gm.graph.lint()
@@ -92,9 +102,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> StepRecomputeDecision | None:
         log.warning("apollo: memory_budget %r not reached for %s: predicted peak %d of %d activation bytes "
                     "(random ops are never recomputed, nor values the step returns)",
                     budget, ctx.name, decision.peak_after, peak_before)
-    log.info("apollo: %s recompute: predicted peak activations %d -> %d bytes (saved %d -> %d), %d ops "
-             "recomputed (%d copies), +%.1f us", ctx.name, peak_before, decision.peak_after, bytes_before,
-             decision.bytes_after, len(decision.recomputed), len(decision.copies), decision.extra_us)
+    log.info("apollo: %s recompute: predicted peak activations %d -> %d bytes (%d as traced; saved %d -> %d), "
+             "%d ops recomputed (%d copies), +%.1f us", ctx.name, peak_before, decision.peak_after, peak_traced,
+             bytes_before, decision.bytes_after, len(decision.recomputed), len(decision.copies), decision.extra_us)
     return decision
 
 
