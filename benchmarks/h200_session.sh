@@ -121,6 +121,15 @@ case "${1:-}" in
              timeout 520 python benchmarks/bench_whole_step.py --models hf-llava --batch "${@:-8}" --steps 20 --warmup 3 \
                --variants ${VARIANTS:-apollo-step-opt apollo-step-opt-mb2 apollo-accum2 apollo-step-opt-mb4} \
                --out "$OUT/micro-batches" ;;
+  micro-batches-and-kernels)  # both phases above in one call at batch 8 (starts are scarce): the table of three
+             # variants, then the kernels of two of them, compiled again from this call's warm cache
+             timeout 380 python benchmarks/bench_whole_step.py --models hf-llava --batch 8 --steps 20 --warmup 3 \
+               --variants apollo-step-opt apollo-step-opt-mb2 apollo-accum2 --out "$OUT/micro-batches"
+             TORCH_LOGS=apollo_compile timeout 170 python benchmarks/probes/step_kernels.py --models hf-llava --batch 8 \
+               --steps 5 --warmup 3 --top 12 --variants apollo-step-opt apollo-step-opt-mb2 --out "$OUT/micro-batch-kernels" \
+               > "$OUT/micro_batch_kernels.txt" 2>&1
+             status=$?; grep -E "^--- |^\| |lanes|chose|candidate" "$OUT/micro_batch_kernels.txt" | cut -c1-300 | tail -c 7000
+             exit $status ;;
   micro-batch-kernels)  # why micro-batches win or lose: each variant's kernels per step, and its timeline (span,
              # busy, summed kernel time, busiest stream: how much the chains overlap), probes/step_kernels.py; batch $2
              TORCH_LOGS=apollo_compile timeout 500 python benchmarks/probes/step_kernels.py --models hf-llava --batch "${2:-8}" --steps 5 --warmup 3 \
@@ -182,7 +191,7 @@ case "${1:-}" in
                --variants ddp-apollo-1graph onegpu-apollo placed-apollo --out "$OUT/placement" > "$OUT/placement.log" 2>&1
              status=$?; grep -E "^\| |\] (global|numerics)|FAILED|OOM|Error" "$OUT/placement.log" | tail -c 5000
              exit $status ;;
-  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|module-memory MODEL [BATCH]|regional MODEL [BATCH...]|first-step-pool|first-step-pool-interleaved [siglip]|llava|micro-batches [BATCH...]|micro-batch-kernels [BATCH]|memory|offload|edge-budget|edge-offload|edge-offload-x|large-batch|profile|host|step-host|step-memory|distributed|placement" >&2
+  *) echo "usage: $0 smoke|step|whole-step MODEL [BATCH...]|module MODEL [BATCH...]|module-memory MODEL [BATCH]|regional MODEL [BATCH...]|first-step-pool|first-step-pool-interleaved [siglip]|llava|micro-batches [BATCH...]|micro-batch-kernels [BATCH]|micro-batches-and-kernels|memory|offload|edge-budget|edge-offload|edge-offload-x|large-batch|profile|host|step-host|step-memory|distributed|placement" >&2
      exit 2 ;;
 esac
 status=$?
