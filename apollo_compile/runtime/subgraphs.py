@@ -2,7 +2,10 @@
 
 Each subgraph takes its inputs as a list (boxed calling convention) and returns its outputs in
 the order the codegen pass expects. ``inductor`` compiles it with ``compile_fx_inner`` (what
-Inductor itself runs on each AOTAutograd graph), ``eager`` runs the ATen ops as they are.
+Inductor itself runs on each AOTAutograd graph), ``eager`` runs the ATen ops as they are. Two
+values are written into memory the subgraph is handed rather than a buffer of its own: a
+main-allocated gradient (``mm_into``) and an elementwise chain's result where the chain is the last
+reader of an input made on its lane (:func:`written_in_place`).
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ from typing import Callable
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
+from ..annotations import info
 from ..lane_plan import Subgraph
+from ..nodes import is_elementwise, readers_of, storage_node
 from ..ops.mm_into import matmul_of, mm_into
 from ..tracing import fw_metadata
 
@@ -34,6 +40,7 @@ def extract(gm: torch.fx.GraphModule, sg: Subgraph) -> torch.fx.GraphModule:
         ph.meta = {"val": n.meta["val"]}
         written[n] = ph
     matmuls = {n: matmul_of(n) for n in written}
+    into = written_in_place(sg)
     folded = {x for _, _, chain in matmuls.values() for x in chain}  # made by the mm_into of the value they make
     for n in sg.nodes:
         if n in folded:
@@ -51,10 +58,57 @@ def extract(gm: torch.fx.GraphModule, sg: Subgraph) -> torch.fx.GraphModule:
             env[n] = written[n]
         else:
             env[n] = graph.node_copy(n, lambda a: env[a])
+        if n in into:  # the value goes into a dying input's memory: no buffer of its own
+            copy = graph.call_function(torch.ops.aten.copy_.default, (env[into[n]], env[n]))
+            copy.meta = {"val": into[n].meta["val"]}
+            env[n] = copy
     out = graph.output(tuple(env[n] for n in sg.outputs))
     out.meta["user_visible_output_idxs"] = list(range(len(sg.outputs)))
     sub = torch.fx.GraphModule(gm, graph, class_name=f"Subgraph{sg.id}")
     return sub
+
+
+def written_in_place(sg: Subgraph) -> dict[torch.fx.Node, torch.fx.Node]:
+    """value -> the node (an input of `sg`, or a view of one in it) whose memory it is written into.
+    An elementwise chain in `sg` that is the only reader of an input's memory ends by writing its
+    value there, where the input was made on this lane: the sum of micro-batches' gradients takes
+    the first micro-batch's memory rather than a buffer of its own
+    (docs/design/whole-step.md#what-micro-batches-cost). Inductor fuses the chain and the ``copy_``
+    into one kernel writing the input. The input is a value of this graph that nothing else reads
+    (not a graph input, not returned, no other view of its memory read), made by an op whose output
+    aliases nothing; the chain has its shape, dtype and strides throughout."""
+    inside, found = set(sg.nodes), {}
+    for a in sg.inputs:
+        base = storage_node(a)
+        target = getattr(base, "target", None)
+        if (base.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or base in inside
+                or target._schema.is_mutable or any(r.alias_info is not None for r in target._schema.returns)
+                or info(base).lane != sg.lane):
+            continue
+        readers = readers_of(base)
+        if len(readers) != 1 or readers[0] not in inside:
+            continue
+        x = readers[0]
+        views = [v for v in x.all_input_nodes if storage_node(v) is base]
+        if len(views) != 1 or not _same_layout(x, views[0]):
+            continue
+        while len(x.users) == 1 and (u := next(iter(x.users))) in inside and _same_layout(u, views[0]):
+            x = u
+        if x not in found:
+            found[x] = views[0]
+    return found
+
+
+def _same_layout(n: torch.fx.Node, like: torch.fx.Node) -> bool:
+    """Whether `n` is an elementwise op whose tensor has `like`'s shape, dtype, strides and device."""
+    if not is_elementwise(n):
+        return False
+    v, w = n.meta.get("val"), like.meta.get("val")
+    if not isinstance(w, torch.Tensor) or v.dtype != w.dtype or v.device != w.device or v.dim() != w.dim():
+        return False
+    # symbolic sizes compare without a guard: equal only where the shape environment knows it
+    return all(statically_known_true(sym_eq(x, y)) for x, y in ((tuple(v.shape), tuple(w.shape)),
+                                                                  (tuple(v.stride()), tuple(w.stride()))))
 
 
 def _transposed(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
