@@ -116,3 +116,21 @@ def test_the_chain_ends_where_its_value_is_read_twice():
     mean = g.clone()  # g holds the mean now
     torch.testing.assert_close(results[0], mean * 2, rtol=0, atol=0)
     torch.testing.assert_close(results[1], -mean, rtol=0, atol=0)
+
+
+def test_a_chain_reading_its_input_through_a_view_made_here_is_not_written():
+    """Written through a view, the input's memory would take the chain's layout only where the
+    compiler handles a write into a view: the chain must read the input itself."""
+    graph = torch.fx.Graph()
+    x, c = graph.placeholder("x"), graph.placeholder("c")
+    mm = graph.call_function(aten.mm.default, (x, x))
+    g = graph.call_function(aten.t.default, (mm,))
+    mean = graph.call_function(aten.div.Tensor, (graph.call_function(aten.add.Tensor, (g, c)), 2))
+    graph.output((mean,))
+    gm = torch.fx.GraphModule({}, graph)
+    mode = FakeTensorMode()
+    FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.randn(4, 4)), mode.from_tensor(torch.randn(4, 4)))
+    rest = [n for n in gm.graph.nodes if n.op == "call_function" and n is not mm]
+    for n in gm.graph.nodes:
+        info(n).lane = 0
+    assert subgraphs.written_in_place(Subgraph(1, 0, rest, [mm, c], [mean])) == {}

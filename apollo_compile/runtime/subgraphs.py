@@ -69,7 +69,7 @@ def extract(gm: torch.fx.GraphModule, sg: Subgraph) -> torch.fx.GraphModule:
 
 
 def written_in_place(sg: Subgraph) -> dict[torch.fx.Node, torch.fx.Node]:
-    """value -> the node (an input of `sg`, or a view of one in it) whose memory it is written into.
+    """value -> the input of `sg` whose memory it is written into.
     An elementwise chain in `sg` that is the only reader of an input's memory ends by writing its
     value there, where the input was made on this lane: the sum of micro-batches' gradients takes
     the first micro-batch's memory rather than a buffer of its own
@@ -90,7 +90,8 @@ def written_in_place(sg: Subgraph) -> dict[torch.fx.Node, torch.fx.Node]:
             continue
         x = readers[0]
         views = [v for v in x.all_input_nodes if storage_node(v) is base]
-        if len(views) != 1 or not _same_layout(x, views[0]):
+        # the chain reads the input itself: a view made in the subgraph would be written through
+        if len(views) != 1 or views[0] in inside or not _same_layout(x, views[0]):
             continue
         while len(x.users) == 1 and (u := next(iter(x.users))) in inside and _same_layout(u, views[0]):
             x = u
