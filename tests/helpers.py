@@ -223,12 +223,13 @@ def runners(monkeypatch):
         yield made
 
 
-def twins(compiler: str):
-    """(model, its eager twin with the same weights, the model compiled with apollo)."""
+def twins(compiler: str, layers: int = 2):
+    """(model, its eager twin with the same weights, the model compiled with apollo); `layers`
+    blocks a tower."""
     from models import TwoTower
 
     torch.manual_seed(0)
-    model = TwoTower()
+    model = TwoTower(layers=layers)
     ref = copy.deepcopy(model)
     return model, ref, torch.compile(model, backend="apollo", options={"subgraph_compiler": compiler})
 
