@@ -6,6 +6,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# One intra-op thread per test process. The suite runs as two workers on two cores (pytest -n 2):
+# with a thread per core each, an OpenMP thread waiting for a core the other worker holds stalls
+# the ops of these tiny models, and both workers crawl. Eager and apollo share the process, so
+# every comparison still runs both sides alike.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

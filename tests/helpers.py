@@ -61,6 +61,14 @@ def assert_trains_like_eager(model, make_inputs, options=None, steps=3, lr=0.1, 
     return compiled
 
 
+def one_layer_hf_zoo(monkeypatch, hf_zoo) -> None:
+    """benchmarks/probes/hf_zoo.py's shared configs (TEXT, VISION, LM) with one layer a tower, for
+    one test: one graph, lanes and eager's numbers need no depth, and each layer is more model code
+    for Dynamo to trace. A test of what repeats per layer (a frame serving several) keeps two."""
+    for config in (hf_zoo.TEXT, hf_zoo.VISION, hf_zoo.LM):
+        monkeypatch.setitem(config, "num_hidden_layers", 1)
+
+
 def backward_step(model):
     """The step the whole-step tests compile: the forward, ``loss.backward()``, the loss detached."""
 
@@ -223,12 +231,13 @@ def runners(monkeypatch):
         yield made
 
 
-def twins(compiler: str):
-    """(model, its eager twin with the same weights, the model compiled with apollo)."""
+def twins(compiler: str, layers: int = 2):
+    """(model, its eager twin with the same weights, the model compiled with apollo); `layers`
+    blocks a tower."""
     from models import TwoTower
 
     torch.manual_seed(0)
-    model = TwoTower()
+    model = TwoTower(layers=layers)
     ref = copy.deepcopy(model)
     return model, ref, torch.compile(model, backend="apollo", options={"subgraph_compiler": compiler})
 

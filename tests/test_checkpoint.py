@@ -8,6 +8,8 @@ ops never recomputed) on a joint graph captured once and re-planned per budget.
 import copy
 import re
 import warnings
+import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -219,25 +221,54 @@ def deepcopy_graph(gm):
 
 def capture_joint(model, monkeypatch, inputs=None):
     """The joint graph of one training step (on `inputs`, default `batches(0)`), as the checkpoint
-    pass would see it."""
+    pass would see it. The spy replaces the joint passes only while it captures."""
     captured = {}
 
     def spy(gm, ctx):
         captured["gm"] = torch.fx.GraphModule(gm, deepcopy_graph(gm))
 
-    monkeypatch.setattr(pipeline, "JOINT_PASSES", [("spy", spy)])
-    compiled = torch.compile(model, backend="apollo", options=EAGER)
-    compiled(*(inputs if inputs is not None else batches(0))).backward()
+    with monkeypatch.context() as patch:
+        patch.setattr(pipeline, "JOINT_PASSES", [("spy", spy)])
+        compiled = torch.compile(model, backend="apollo", options=EAGER)
+        compiled(*(inputs if inputs is not None else batches(0))).backward()
     return captured["gm"]
+
+
+_JOINTS: dict[tuple, torch.fx.GraphModule] = {}
+
+
+def shared_joint(monkeypatch, **model_kwargs):
+    """The joint graph of ``TwoTower(**model_kwargs)`` on `batches(0)`, captured once for the
+    module: the planner tests only read it (each plans on a copy), and a capture compiles a step."""
+    key = tuple(sorted(model_kwargs.items()))
+    if key not in _JOINTS:
+        torch.manual_seed(0)
+        _JOINTS[key] = capture_joint(TwoTower(**model_kwargs), monkeypatch)
+    return _JOINTS[key]
+
+
+# joint graph -> checkpoint.run's trial partition of it, untagged (checkpoint._plain_partition)
+_PLAIN = weakref.WeakKeyDictionary()
 
 
 def plan_and_partition(joint, budget):
     """(decision, bytes the min-cut partition really saves, backward ops re-run, the backward's
-    peak activation bytes) for `budget`."""
+    peak activation bytes) for `budget`. The pass's trial partition of the untagged graph is the
+    same for every budget on one joint graph (a copy of it, CSE'd alike): run once, then reused."""
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
     ctx = pipeline.GraphContext("sweep_joint", "joint", ApolloOptions.from_user({**EAGER, "memory_budget": budget}),
                                 DEVICE_SPECS["H200"])
-    decision = checkpoint.run(gm, ctx)
+    trial = checkpoint._plain_partition
+
+    def plain_once(gm, num_fwd):
+        if joint not in _PLAIN:
+            _PLAIN[joint] = (num_fwd, trial(gm, num_fwd))
+        assert _PLAIN[joint][0] == num_fwd
+        saved, rerun = _PLAIN[joint][1]
+        return set(saved), set(rerun)
+
+    with mock.patch.object(checkpoint, "_plain_partition", plain_once):
+        decision = checkpoint.run(gm, ctx)
     for n in gm.graph.nodes:  # random ops are never left recomputable
         if checkpoint.is_random(n):
             assert n.meta.get("recompute") in (None, CheckpointPolicy.MUST_SAVE), n
@@ -288,8 +319,7 @@ def backward_activation_peak(bw, saved) -> int:
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_budget_sweep_is_met_exact_and_monotone(dropout, monkeypatch):
-    torch.manual_seed(0)
-    joint = capture_joint(TwoTower(dropout=dropout, layers=4), monkeypatch)
+    joint = shared_joint(monkeypatch, dropout=dropout, layers=4)
     previous = None
     for budget in [1.0, 0.9, 0.7, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05]:
         decision, actual, rerun, backward_peak = plan_and_partition(joint, budget)
@@ -382,8 +412,7 @@ def test_fused_recompute_holds_memory_only_where_a_library_kernel_reads_it(monke
     """Under Inductor a recomputed op costs memory only if a library kernel (matmul, attention)
     writes or reads it; pointwise work that only feeds other fused kernels is recomputed inside
     them. Eager subgraphs hold every recomputed value."""
-    torch.manual_seed(0)
-    joint = capture_joint(TwoTower(), monkeypatch)
+    joint = shared_joint(monkeypatch)
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
     num_fwd = checkpoint.num_fwd_outputs(gm)
     fused = recompute_planner.Planner(gm, num_fwd, DEVICE_SPECS["H200"], {}, False, fuses_pointwise=True)
@@ -404,8 +433,7 @@ def test_on_gpu_the_peak_counts_offloaded_values_from_their_first_reader(monkeyp
     the GPU from its first backward reader on, not from the backward's start. Nothing offloaded:
     the same peak; everything offloaded: lower, and never below the largest saved value, which
     comes back at some point."""
-    torch.manual_seed(0)
-    joint = capture_joint(TwoTower(), monkeypatch)
+    joint = shared_joint(monkeypatch)
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
     planner = recompute_planner.Planner(gm, checkpoint.num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False)
     saved, rerun = planner.close(set())
@@ -426,8 +454,7 @@ def test_a_fused_recompute_chain_is_rerun_whole_at_its_first_use(monkeypatch):
     about 0.6 GiB of activations. The
     simulation re-runs the group whole; per-block checkpointing, whose groups end at saved block
     inputs, then has the lower predicted peak."""
-    torch.manual_seed(0)
-    joint = capture_joint(TwoTower(layers=4), monkeypatch)
+    joint = shared_joint(monkeypatch, dropout=0.0, layers=4)
     gm = torch.fx.GraphModule(joint, deepcopy_graph(joint))
     planner = recompute_planner.Planner(gm, checkpoint.num_fwd_outputs(gm), DEVICE_SPECS["H200"], {}, False,
                                         fuses_pointwise=True)
@@ -469,15 +496,13 @@ def test_room_under_the_budget_buys_back_recompute_time(monkeypatch):
     library kernels that cost the most time per byte while the predicted peak stays within the
     budget (relax): less predicted recompute time than per-block alone, budget still met, the
     real backward still bounded, gradients still eager's."""
-    torch.manual_seed(0)
-    joint = capture_joint(TwoTower(layers=4), monkeypatch)
+    joint = shared_joint(monkeypatch, dropout=0.0, layers=4)
     relaxed, _, _, backward_peak = plan_and_partition(joint, 0.25)
     per_block, _, _, _ = plan_and_partition(joint, 0.1)  # out of reach: per-block as it is
     assert per_block.per_block and not per_block.met and per_block.relaxed == 0
     assert relaxed.per_block and relaxed.met and relaxed.relaxed > 0
     assert per_block.peak_after < relaxed.peak_after <= relaxed.targets["*"]
     assert relaxed.extra_us < per_block.extra_us and backward_peak <= relaxed.peak_after
-    monkeypatch.undo()  # capture_joint replaced the joint passes with its spy
     torch.manual_seed(0)
     assert_trains_like_eager(TwoTower(layers=4), batches, {**EAGER, "memory_budget": 0.25}, steps=2)
     assert apollo_compile.last_plan().joint["checkpoint"].relaxed > 0

@@ -23,10 +23,14 @@ from helpers import (TOLERANCE, FakeCapture, assert_same_loss_and_grads, backwar
                      sgd_like_eager, twins)  # (runners: the fixture)
 from models import TwoTower, two_tower_inputs
 
+# One block a tower: what the runner is checked on (two towers' graphs, their saved activations
+# and gradients) needs no depth, and each block is graph to trace and plan on every compile.
+LAYERS = 1
+
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_training_through_the_runner_equals_eager(runners, compiler):
-    model, ref, compiled = twins(compiler)
+    model, ref, compiled = twins(compiler, LAYERS)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     losses = []
     for step in range(5):
@@ -62,7 +66,7 @@ def test_the_cache_the_first_step_left_is_released_once_before_the_first_capture
     released = []
     monkeypatch.setattr(cudagraph, "release_cached_segments",
                         lambda: released.append([r.graph is not None for r in runners]))
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     backward_like_eager(compiled, model, ref, [two_tower_inputs(seed=s) for s in range(4)])
     assert released == [[False, False]]  # once, at the forward's capture, before anything was captured
     assert all(r.graph is not None for r in runners)
@@ -108,7 +112,7 @@ def test_the_first_step_runs_in_a_pool_of_its_own(runners, monkeypatch, order):
     at_release = []
     monkeypatch.setattr(cudagraph, "release_cached_segments",
                         lambda: at_release.append(runners[0].family.first_step_pool))
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     sgd_like_eager(compiled, model, ref, 3, micro_batches=1 if order == "steps" else 2,
                    forwards_first=order == "two forwards first")
     forward, backward = runners
@@ -150,7 +154,7 @@ def test_a_whole_steps_first_call_opens_the_pool_only_where_told(runners, monkey
 def test_cudagraphs_true_reaches_the_runner_as_capture_near_the_limit(runners, cudagraphs, near_limit):
     """NOTE: A capture needs headroom: "auto" checks it, True captures regardless."""
     torch.manual_seed(0)
-    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager",
+    compiled = torch.compile(TwoTower(layers=LAYERS), backend="apollo", options={"subgraph_compiler": "eager",
                                                                     "cudagraphs": cudagraphs})
     compiled(*two_tower_inputs(seed=0)).backward()
     assert [r.config.memory.capture_headroom is None for r in runners] == [near_limit, near_limit]
@@ -176,7 +180,7 @@ def test_replay_host_time_leaves_out_the_capturing_call(runners):
             time.sleep(2.0)
             return super().unmeasured(graph)
 
-    model, _, compiled = twins("eager")
+    model, _, compiled = twins("eager", LAYERS)
     with choice.using(SlowChoice("lanes")):
         for step in range(3):
             compiled(*two_tower_inputs(seed=step)).backward()
@@ -198,7 +202,7 @@ def test_the_backward_takes_over_the_saved_activations_aotautograd_donates(runne
     from apollo_compile.runtime import capture
 
     monkeypatch.setattr(capture, "in_graph_pool", lambda t: True)
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     sgd_like_eager(compiled, model, ref, 4, micro_batches)
     forward, backward = runners
     # the fake graph holds what its capture ran on, the donated owners among them (as a pool would)
@@ -219,7 +223,7 @@ def test_a_first_backward_that_retains_the_graph_donates_nothing(runners, monkey
     from apollo_compile.runtime import capture
 
     monkeypatch.setattr(capture, "in_graph_pool", lambda t: True)
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     for step in range(3):
         inputs = two_tower_inputs(seed=step)
         loss, ref_loss = compiled(*inputs), ref(*inputs)
@@ -244,7 +248,7 @@ def test_gradient_accumulation_through_the_runner(runners, set_to_none):
     replay. With set_to_none=True the first micro-batch's .grad is the graph's own buffer (stolen by
     AccumulateGrad), moved out of the graph's memory before the next replay; with False, .grad
     lives on from the eager first call and the graph's gradients are only added into it."""
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     for step in range(3):
         for micro in range(2):
@@ -264,7 +268,7 @@ def test_gradient_accumulation_through_the_runner(runners, set_to_none):
 def test_input_gradients_kept_across_steps_are_moved_not_overwritten(runners):
     """An input that requires grad (saliency maps, adversarial steps): its .grad is the backward
     graph's memory too. Kept across later steps, it is moved to a copy, never overwritten."""
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     kept, expected = [], []
     for step in range(4):
         images, tokens = two_tower_inputs(seed=step)
@@ -287,7 +291,7 @@ def test_gradients_from_autograd_grad_kept_across_steps_are_moved_not_overwritte
     """torch.autograd.grad hands out the backward's outputs as they are (no .grad involved): kept
     past the next step (a gradient penalty's history, say), they are moved to a copy, never
     overwritten, and the graph keeps replaying."""
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     kept, expected = [], []
     for step in range(4):
         inputs = two_tower_inputs(seed=step)
@@ -308,7 +312,8 @@ def test_a_memory_budget_bounds_what_concurrency_may_cost(runners):
     for options, ratio in (({}, None), ({"memory_budget": 0.5}, LANE_MEMORY_RATIO)):
         runners.clear()
         torch._dynamo.reset()
-        compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager", **options})
+        compiled = torch.compile(TwoTower(layers=LAYERS), backend="apollo",
+                                 options={"subgraph_compiler": "eager", **options})
         compiled(*two_tower_inputs()).backward()
         assert runners and all(r.config.memory.lane_memory_ratio == ratio for r in runners), options
 
@@ -320,7 +325,7 @@ def test_a_whole_step_under_a_budget_measures_its_lanes(runners):
     from helpers import backward_step
 
     torch.manual_seed(0)
-    compiled = apollo_compile.compile_step(backward_step(TwoTower()),
+    compiled = apollo_compile.compile_step(backward_step(TwoTower(layers=LAYERS)),
                                            options={"subgraph_compiler": "eager", "memory_budget": 0.5})
     compiled(*two_tower_inputs(seed=0))
     (runner,) = runners
@@ -337,7 +342,7 @@ def test_under_a_budget_both_graphs_replay_one_lane_unmeasured_in_real_training(
 
     monkeypatch.setattr(capture, "in_graph_pool", lambda t: True)
     torch.manual_seed(0)
-    model = TwoTower()
+    model = TwoTower(layers=LAYERS)
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager", "memory_budget": 0.5})
     with choice.using(choice.ChooseFastest()):  # apollo's own rule, in place of the fixture's fixed "lanes"
@@ -358,7 +363,7 @@ def test_a_graph_with_symbolic_sizes_replays_only_at_the_shapes_it_was_captured_
     un-graphed because it did), and training equals eager throughout. Before, the next replay copied a batch of 5 into the static buffer of a batch of 6
     and failed (a batch of 1 would have broadcast into it)."""
     torch.manual_seed(0)
-    model = TwoTower()
+    model = TwoTower(layers=LAYERS)
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend="apollo", options={"subgraph_compiler": "eager"}, dynamic=dynamic)
     sizes = (3, 4, 6, 6, 5, 6, 5) if dynamic is None else (4, 6, 6, 5, 6, 5)
@@ -386,7 +391,7 @@ def test_whole_step_gradients_are_lent_not_copied(runners, accumulate, marked, m
     if not marked:
         monkeypatch.setattr(torch.fx.traceback, "_mark_autograd_backward", lambda: None)
     torch.manual_seed(0)
-    model = TwoTower()
+    model = TwoTower(layers=LAYERS)
     ref = copy.deepcopy(model)
 
     def step(images, tokens):
@@ -421,7 +426,7 @@ def adamw_inside_the_step():
     from helpers import backward_step
 
     torch.manual_seed(0)
-    model = TwoTower()
+    model = TwoTower(layers=LAYERS)
     ref = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (model, ref))
     compiled = apollo_compile.compile_step(backward_step(model), optimizer=opt, options={"subgraph_compiler": "eager"})
@@ -509,7 +514,7 @@ def test_a_capture_that_runs_out_of_memory_loses_no_step(runners, monkeypatch, f
     released = []
     monkeypatch.setattr(cudagraph, "release_cached_segments", lambda: released.append([r.graph for r in runners]))
     capturer = FakeCapture(fail=f"_{fails} (")  # the graph's name, then its candidate's
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     with capture.using(capturer), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sgd_like_eager(compiled, model, ref, 4)

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes"))
 
 import hf_zoo  # noqa: E402
-from helpers import runners  # noqa: E402,F401  (the fixture: fake CUDA graphs)
+from helpers import one_layer_hf_zoo, runners  # noqa: E402,F401  (runners: the fixture, fake CUDA graphs)
 
 EAGER = {"subgraph_compiler": "eager"}
 
@@ -33,6 +33,13 @@ EAGER = {"subgraph_compiler": "eager"}
 TWO_TOWERS = ["align", "clap", "xclip", "groupvit"]
 # a vision tower feeding a language model: one chain, one lane
 VISION_LANGUAGE = ["paligemma", "idefics3"]
+
+
+@pytest.fixture
+def one_layer(monkeypatch):
+    """The models with one layer a tower (helpers.one_layer_hf_zoo). The CUDA-graph runner test
+    keeps two: there a frame serves several layers (runtime/instances.py)."""
+    one_layer_hf_zoo(monkeypatch, hf_zoo)
 
 
 def _check(name: str, path: str, **kwargs) -> hf_zoo.Outcome:
@@ -50,7 +57,7 @@ def _check(name: str, path: str, **kwargs) -> hf_zoo.Outcome:
 
 @pytest.mark.parametrize("path", ["module", "step-opt"])
 @pytest.mark.parametrize("name", TWO_TOWERS)
-def test_two_tower_models_train_like_eager_on_lanes(name, path):
+def test_two_tower_models_train_like_eager_on_lanes(name, path, one_layer):
     out = _check(name, path)
     if path == "module":  # one Dynamo graph: its forward and its backward on two lanes each
         assert out.graphs == ["frame0_0[f:2,b:2]"], out.graphs
@@ -59,13 +66,13 @@ def test_two_tower_models_train_like_eager_on_lanes(name, path):
 
 
 @pytest.mark.parametrize("name", VISION_LANGUAGE)
-def test_vision_language_models_train_like_eager_whole(name):
+def test_vision_language_models_train_like_eager_whole(name, one_layer):
     out = _check(name, "step-opt")
     assert out.graphs == ["frame0_0[i:1]"], out.graphs
 
 
 @pytest.mark.parametrize("path", ["module", "step"])
-def test_the_users_activation_checkpoints_keep_the_towers_on_lanes(path):
+def test_the_users_activation_checkpoints_keep_the_towers_on_lanes(path, one_layer):
     """Hugging Face's gradient_checkpointing_enable() around AltCLIP's attention layers: on the
     module path and compiled whole, two lanes and eager's numbers (whole, the attention had kept
     the step off apollo's runtime: checkpoint.attention_recomputed_as_is)."""

@@ -22,6 +22,9 @@ from helpers import TOLERANCE, assert_same_loss_and_grads, runners, sgd_like_eag
 from models import TwoTower, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
+# TwoTower with one block a tower: its instances share whole graphs, which needs no depth, and each
+# block is more graph to trace and plan (the repeated layers below are models of their own)
+LAYERS = 1
 
 
 def compiled_twins(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
@@ -40,9 +43,9 @@ def test_two_live_instances_each_replay_graphs_of_their_own(runners):
     """Two models of one class trained in turn (an ensemble): the second gets a family of its own
     (its parameters, its pool), the first keeps replaying its graphs, nothing runs un-graphed after
     the graph's first call, and no warning."""
-    first, first_ref, first_compiled = twins("eager")
+    first, first_ref, first_compiled = twins("eager", LAYERS)
     torch.manual_seed(1)
-    second, second_ref, second_compiled = compiled_twins(TwoTower())
+    second, second_ref, second_compiled = compiled_twins(TwoTower(layers=LAYERS))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
         for _ in range(3):
@@ -60,7 +63,7 @@ def test_a_new_instance_takes_over_the_family_of_one_that_is_gone(runners):
     """A second TwoTower after the first is deleted: the family captured for the first is released
     (its graphs, its pool, and the old parameters' storages its static inputs held) and captured
     for the new one at its first call; nothing runs un-graphed, training equals eager."""
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     sgd_like_eager(compiled, model, ref, 3)
     forward, backward = runners
     gone = [weakref.ref(p) for p in model.parameters()]
@@ -69,7 +72,7 @@ def test_a_new_instance_takes_over_the_family_of_one_that_is_gone(runners):
     assert all(r() is None for r in gone)
 
     torch.manual_seed(1)
-    model, ref, compiled = compiled_twins(TwoTower())
+    model, ref, compiled = compiled_twins(TwoTower(layers=LAYERS))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
         sgd_like_eager(compiled, model, ref, 3)
@@ -89,7 +92,7 @@ def test_a_deleted_model_frees_its_family_without_another_call(runners):
     Dynamo compiles anew): its family is released at once, with the old parameters' storages its
     static inputs held (NOTE: A gone instance's memory goes at once), not at a call that never
     comes."""
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     sgd_like_eager(compiled, model, ref, 3)
     forward, backward = runners
     assert forward.graph is not None and forward.captured.static_inputs
@@ -107,7 +110,7 @@ def test_a_deleted_model_frees_its_family_without_another_call(runners):
 def test_a_deleted_model_whose_saved_activations_live_is_freed_when_they_die(runners):
     """Deleted after a forward whose loss is kept: the family waits for those saved activations
     (its backward could still come), and is released when they die, with no call in between."""
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     sgd_like_eager(compiled, model, ref, 2)
     loss = compiled(*two_tower_inputs(seed=7))  # its autograd graph keeps the parameters alive
     forward, _ = runners
@@ -122,7 +125,7 @@ def test_a_deleted_model_whose_saved_activations_live_is_freed_when_they_die(run
 def test_no_family_is_released_during_a_call(runners, monkeypatch):
     """A collection inside a call (any thread's) leaves the gone family to the graph's next
     dispatch: the call's own families must not change under it."""
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     sgd_like_eager(compiled, model, ref, 2)
     forward, _ = runners
     instances.call_began()
@@ -133,7 +136,7 @@ def test_no_family_is_released_during_a_call(runners, monkeypatch):
     finally:
         instances.call_ended()
     torch.manual_seed(1)
-    model, ref, compiled = compiled_twins(TwoTower())  # the same graph's next dispatch releases it
+    model, ref, compiled = compiled_twins(TwoTower(layers=LAYERS))  # the same graph's next dispatch releases it
     sgd_like_eager(compiled, model, ref, 2)
     assert forward.summary()["instances_released"] == 1 and forward.summary()["instances"] == 1
 
@@ -142,7 +145,7 @@ def test_a_new_instance_takes_over_for_inference_too(runners):
     """The same for a graph run under torch.no_grad() (an inference graph, no backward)."""
     for seed in range(2):
         torch.manual_seed(seed)
-        model, ref, compiled = compiled_twins(TwoTower())
+        model, ref, compiled = compiled_twins(TwoTower(layers=LAYERS))
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("error", ApolloFallbackWarning)
             for i in range(3):
@@ -167,7 +170,7 @@ def test_a_sweep_over_new_models_needs_no_help_from_the_user(runners):
         warnings.simplefilter("error", ApolloFallbackWarning)
         for run in range(3):
             torch.manual_seed(run)
-            model, ref, compiled = compiled_twins(TwoTower())
+            model, ref, compiled = compiled_twins(TwoTower(layers=LAYERS))
             opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
             for step in range(steps):
                 inputs = two_tower_inputs(seed=step)
@@ -318,7 +321,7 @@ def test_one_instance_twice_before_its_backward(runners, set_to_none):
 def test_parameters_replaced_in_place_release_their_family(runners):
     """p.data = ... moves every parameter: the family bound to the old addresses can never replay
     again, so it is released and captured anew for the new ones (no second family kept)."""
-    model, ref, compiled = twins("eager")
+    model, ref, compiled = twins("eager", LAYERS)
     sgd_like_eager(compiled, model, ref, 2)
     with torch.no_grad():
         for p in model.parameters():
@@ -335,7 +338,7 @@ def test_past_the_most_instances_a_graph_keeps_calls_run_ungraphed_and_say_why(r
     """MAX_FAMILIES (2 here): a third live model of the class trains without CUDA graphs, correctly,
     with one warning naming the limit; the first two keep theirs."""
     monkeypatch.setattr(instances, "MAX_FAMILIES", 2)
-    models = [twins("eager") for _ in range(3)]
+    models = [twins("eager", LAYERS) for _ in range(3)]
     with pytest.warns(ApolloFallbackWarning, match="captured for 2 model instances already"):
         for _ in range(3):
             for model, ref, compiled in models:
@@ -350,7 +353,7 @@ def test_an_instance_replaced_every_step_stops_being_captured(runners):
     After MAX_SHORT_LIVED such families are released, new instances run un-graphed with one
     warning that says so; training stays equal to eager."""
     torch.manual_seed(0)
-    base = TwoTower()
+    base = TwoTower(layers=LAYERS)
     with pytest.warns(ApolloFallbackWarning, match=f"were replaced within {instances.MIN_REPLAYS} calls"):
         for step in range(8):
             model, ref, compiled = compiled_twins(copy.deepcopy(base))

@@ -31,7 +31,7 @@ from apollo_compile import ApolloFallbackWarning, ApolloOptionsError
 from apollo_compile.annotations import info
 from apollo_compile.report.explain import Report
 from apollo_compile.step import micro_batches, whole_step
-from helpers import TOLERANCE, backward_step
+from helpers import TOLERANCE, backward_step, one_layer_hf_zoo
 from models import TwoTower, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -178,11 +178,11 @@ def test_hugging_face_llava_trains_like_eager_accumulation(k):
     assert_one_chain_per_micro_batch(micro_batched_graph(k), k)
 
 
-def test_hugging_face_paligemma_trains_like_eager_accumulation():
+def test_hugging_face_paligemma_trains_like_eager_accumulation(monkeypatch):
     """PaliGemma (a SigLIP vision tower, its projector, Gemma), called as Hugging Face models are,
     ``model(**batch)``: every tensor of the batch dict (ids, mask, token types, labels, pixels) is
-    sliced. benchmarks/probes/hf_zoo.py builds it and its batches (labels ignore the image tokens);
-    weight_decay=0 as for LLaVA."""
+    sliced. benchmarks/probes/hf_zoo.py builds it (one layer a tower: helpers.one_layer_hf_zoo) and
+    its batches (labels ignore the image tokens); weight_decay=0 as for LLaVA."""
     transformers = pytest.importorskip("transformers")
     probes = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes")
     if probes not in sys.path:
@@ -191,6 +191,7 @@ def test_hugging_face_paligemma_trains_like_eager_accumulation():
 
     if not hasattr(transformers, hf_zoo.MODEL_CLASSES["paligemma"]):
         pytest.skip(f"transformers {transformers.__version__} has no {hf_zoo.MODEL_CLASSES['paligemma']}")
+    one_layer_hf_zoo(monkeypatch, hf_zoo)
     build, inputs = hf_zoo.MODELS["paligemma"]()
     torch.manual_seed(0)
     apollo_compile.clear_plans()

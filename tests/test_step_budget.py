@@ -80,10 +80,27 @@ def train(model, options, steps=3, inside=False, seed=None):
     return compiled
 
 
+def listing(plan) -> list[tuple]:
+    """Each node of a plan's graph: its name, target, arguments and lane."""
+    return [(n.name, str(n.target), str(n.args), info(n).lane) for n in plan.gm.graph.nodes]
+
+
+_PLAIN: dict[str, object] = {}
+
+
+def plain_step() -> dict[str, object]:
+    """TwoTower()'s whole step without a budget, compiled once for the module (several tests
+    compare against it): its listing and the forward's bytes alive at the backward."""
+    if not _PLAIN:
+        torch.manual_seed(0)
+        apollo_compile.compile_step(backward_step(TwoTower()), options=EAGER)(*two_tower_inputs())
+        plan = step_plan()
+        _PLAIN.update(listing=listing(plan), saved=saved_bytes_at_backward(plan.gm))
+    return _PLAIN
+
+
 def plain_saved_bytes() -> int:
-    torch.manual_seed(0)
-    apollo_compile.compile_step(backward_step(TwoTower()), options=EAGER)(*two_tower_inputs())
-    return saved_bytes_at_backward(step_plan().gm)
+    return plain_step()["saved"]
 
 
 @pytest.mark.parametrize("inside", [False, True], ids=["optimizer-outside", "optimizer-inside"])
@@ -141,13 +158,12 @@ def test_dropout_trains_like_eager_under_a_budget():
 
 @pytest.mark.parametrize("budget", [1.0, None])
 def test_a_budget_of_one_changes_nothing(budget):
-    listing = []
-    for options in (EAGER, {**EAGER, "memory_budget": budget}):
-        torch.manual_seed(0)
-        apollo_compile.compile_step(backward_step(TwoTower()), options=options)(*two_tower_inputs())
-        plan = step_plan()
-        listing.append([(n.name, str(n.target), str(n.args), info(n).lane) for n in plan.gm.graph.nodes])
-    assert listing[0] == listing[1]  # the same graph, on the same lanes
+    plain = plain_step()["listing"]
+    torch.manual_seed(0)
+    apollo_compile.compile_step(backward_step(TwoTower()), options={**EAGER, "memory_budget": budget})(
+        *two_tower_inputs())
+    plan = step_plan()
+    assert listing(plan) == plain  # the same graph, on the same lanes
     decision = plan.decisions["recompute"]
     assert decision is None if budget is None else (not decision.copies and not decision.tagged)
 

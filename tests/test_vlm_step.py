@@ -28,6 +28,7 @@ from torch import nn
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning
 from apollo_compile.step import eager_update, stand_ins
+from helpers import one_layer_hf_zoo
 
 EAGER = {"subgraph_compiler": "eager"}
 
@@ -43,11 +44,13 @@ def _hf_zoo():
 
 
 @pytest.mark.parametrize("name", ["llava", "paligemma"])
-def test_a_vision_language_step_with_adamw_is_one_graph_and_trains_like_eager(name):
+def test_a_vision_language_step_with_adamw_is_one_graph_and_trains_like_eager(name, monkeypatch):
     """LLaVA's first call installs HF's output-capturing hooks under a lock and runs on the module
     path; its second and third are one graph (whole_step.py, NOTE: Code only a first call runs).
-    PaliGemma is one graph from its first call. On torch 2.11 both need the check's stand-in."""
+    PaliGemma is one graph from its first call. On torch 2.11 both need the check's stand-in. One
+    layer a tower (helpers.one_layer_hf_zoo)."""
     transformers, hf_zoo = _hf_zoo()
+    one_layer_hf_zoo(monkeypatch, hf_zoo)
     if not hasattr(transformers, hf_zoo.MODEL_CLASSES[name]):
         pytest.skip(f"transformers {transformers.__version__} has no {hf_zoo.MODEL_CLASSES[name]}")
     out = hf_zoo.run_one(name, "apollo", "step-opt", steps=3, options=EAGER, rtol=1e-4, atol=1e-5)
