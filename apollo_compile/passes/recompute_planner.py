@@ -37,7 +37,7 @@ from ..nodes import (deterministic_attention, graph_outputs, is_library_kernel, 
 from . import modality
 from .cost import node_cost
 
-__all__ = ["GLOBAL", "Planner", "block_of", "materialized", "recomputable"]
+__all__ = ["GLOBAL", "Planner", "block_of", "fused_for_free", "materialized", "recomputable"]
 
 GLOBAL = "*"  # the constraint key of a budget over all modalities
 _EXPAND_ROUNDS = 3
@@ -335,24 +335,6 @@ class Planner:
             saved, rerun = self.close(recompute)
             recompute = set(rerun)
 
-    def fused_for_free(self, keys) -> set[torch.fx.Node]:
-        """The re-runs a partition under a fusing compiler makes by itself, as a state: the walk to
-        the lowest peak of `keys` with moves of ops that hold nothing when re-run (pointwise work
-        no library kernel reads, which Inductor fuses into the backward's kernels). Min-cut re-runs
-        such ops unasked where that saves bytes (a GELU from its matmul's output); a whole step's
-        graph, which no partitioner cuts, starts from them
-        (docs/design/checkpointing.md#whole-step-baseline). Without a fusing compiler every
-        re-run op holds its output: nothing."""
-        if not self.fuses_pointwise:
-            return set()
-        block = {o: block_of(o) for o in self.cost}
-
-        def free(o: torch.fx.Node) -> bool:  # and read within its block: a block's output re-run
-            # this way would chain every block's recompute into one fused group (#fused-recompute)
-            return not self.held[o] and all(block.get(r) == block[o] for r in self.readers.get(o, ()))
-
-        return self.walk(set(), dict.fromkeys(keys, 0), admit=free)[0]
-
     def block_plan(self) -> set[torch.fx.Node]:
         """Per-block checkpointing, as a state: inside each repeated block (a module path with an
         index, ``vision.blocks.3``) every recomputable op is re-run except those whose values
@@ -529,3 +511,22 @@ class _Groups:
             for k, n in per_key.items():
                 out[k] = max(out.get(k, 0), n)
         return out
+
+
+def fused_for_free(planner: Planner, keys) -> set[torch.fx.Node]:
+    """The re-runs a partition under a fusing compiler makes by itself, as a state: the walk to
+    the lowest peak of `keys` with moves of ops that hold nothing when re-run (pointwise work
+    no library kernel reads, which Inductor fuses into the backward's kernels). Min-cut re-runs
+    such ops unasked where that saves bytes (a GELU from its matmul's output); a whole step's
+    graph, which no partitioner cuts, starts from them
+    (docs/design/checkpointing.md#whole-step-baseline). Without a fusing compiler every
+    re-run op holds its output: nothing."""
+    if not planner.fuses_pointwise:
+        return set()
+    block = {o: block_of(o) for o in planner.cost}
+
+    def free(o: torch.fx.Node) -> bool:  # and read within its block: a block's output re-run
+        # this way would chain every block's recompute into one fused group (#fused-recompute)
+        return not planner.held[o] and all(block.get(r) == block[o] for r in planner.readers.get(o, ()))
+
+    return planner.walk(set(), dict.fromkeys(keys, 0), admit=free)[0]

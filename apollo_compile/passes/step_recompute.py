@@ -8,7 +8,7 @@
    (:func:`.modality.backward_nodes`); the values it hands the backward are what later nodes read;
 2. :class:`.recompute_planner.Planner` chooses the forward ops the backward re-runs, as on a joint
    graph (:func:`.checkpoint.choose`), from what a partition re-runs by itself
-   (:meth:`.Planner.fused_for_free`): a fraction budget is of that state's simulated backward
+   (:func:`.recompute_planner.fused_for_free`): a fraction budget is of that state's simulated backward
    peak, as the module path's is of min-cut's;
 3. each chosen op is copied right before the first later node that needs it, inputs first (the
    order the planner simulates), and the later nodes read the copies: the original dies at its
@@ -38,7 +38,7 @@ import torch.fx
 from ..annotations import FUSION, KEY, info
 from ..nodes import graph_outputs, storage_node, written_inputs
 from . import checkpoint, modality
-from .recompute_planner import GLOBAL, Planner
+from .recompute_planner import GLOBAL, Planner, fused_for_free
 
 log = logging.getLogger("apollo_compile")
 
@@ -77,7 +77,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> StepRecomputeDecision | None:
                       pinned=_pinned(gm, nodes, forward, later))
     traced_saved, traced_rerun = planner.close(set())
     traced, peak_traced = planner.peaks(traced_saved, traced_rerun)
-    start = planner.fused_for_free(sorted(budget) if per_modality else [GLOBAL])
+    start = fused_for_free(planner, sorted(budget) if per_modality else [GLOBAL])
     plain_saved, plain_rerun = planner.close(start)
     before, peak_before = planner.peaks(plain_saved, plain_rerun)
     bytes_before = sum(planner.by_key(plain_saved).values())
