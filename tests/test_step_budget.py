@@ -10,6 +10,7 @@ are compared at rtol 1e-4 / atol 5e-5 with eps=1e-4 (test_optimizer_step.py's do
 from __future__ import annotations
 
 import copy
+import logging
 import operator
 import warnings
 
@@ -179,6 +180,17 @@ def test_a_per_modality_budget_recomputes_that_tower_only():
     assert decision.peak_after_by_modality["vision"] <= decision.targets["vision"]
     copies = [n for n in plan.gm.graph.nodes if n.name in decision.copies]
     assert {info(c).modality for c in copies} <= {"vision", "fusion"} and "vision" in {info(c).modality for c in copies}
+
+
+def test_a_budget_naming_a_tower_the_step_lacks_says_so(caplog):
+    """A misspelt tower ("visoin") is not ignored without a word: a warning names it and the
+    towers the graph has."""
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="apollo_compile"):
+        apollo_compile.compile_step(backward_step(TwoTower(layers=1)),
+                                    options={**EAGER, "memory_budget": {"visoin": 0.5}})(*two_tower_inputs())
+    said = [r.getMessage() for r in caplog.records if "memory_budget names" in r.getMessage()]
+    assert len(said) == 1 and "'visoin'" in said[0] and "text, vision" in said[0], said
 
 
 def test_the_copies_reach_inductor(monkeypatch):

@@ -197,10 +197,15 @@ def _cse(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def targets_of(budget: Any, before: dict[str, int], total: int) -> dict[str, int]:
+def targets_of(budget: Any, before: dict[str, int], total: int, name: str = "") -> dict[str, int]:
     """Peak activation bytes a budget allows, per key: of the plain peak `total` (or per modality,
-    of `before`), or the byte count itself."""
+    of `before`), or the byte count itself. A tower the budget names that graph `name` saves
+    nothing of gets a warning: a misspelt tower would otherwise be ignored without a word."""
     if isinstance(budget, Mapping):
+        if missing := sorted(set(budget) - {m for m, n in before.items() if n}):
+            log.warning("apollo: memory_budget names %s, of which %s saves no activations (its towers: %s); "
+                        "that part of the budget applies to nothing here", ", ".join(map(repr, missing)),
+                        name or "this graph", ", ".join(sorted(m for m, n in before.items() if n)) or "none")
         return {m: int(frac * before.get(m, 0)) for m, frac in sorted(budget.items())}
     if isinstance(budget, float) or budget == 1:
         return {GLOBAL: int(budget * total)}
@@ -243,7 +248,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> CheckpointDecision | None:
     _, plain_rerun = planner.close(start)
     before, peak_before = planner.peaks(plain_saved, plain_rerun)
     bytes_before = sum(planner.by_key(plain_saved).values())
-    targets = targets_of(budget, before, peak_before)
+    targets = targets_of(budget, before, peak_before, ctx.name)
 
     decision = CheckpointDecision(budget=budget, targets=targets, bytes_before=bytes_before, bytes_after=bytes_before,
                                   peak_before=peak_before, peak_after=peak_before,

@@ -495,7 +495,9 @@ def labels_of(gm: torch.fx.GraphModule, ctx) -> dict[torch.fx.Node, str]:
     if all(n in had and n.meta[KEY].modality for n in gm.graph.nodes):  # a joint modality pass ran
         return {n: n.meta[KEY].modality for n in gm.graph.nodes}
     joint_ctx = copy.copy(ctx)
-    joint_ctx.kind = "joint"  # recomputation is marked only in a backward graph
+    # recomputation is marked only in a backward graph; a whole step's graph keeps its kind, whose
+    # data inputs are found as an inference graph's (as "joint", torch 2.11 found none: one tower)
+    joint_ctx.kind = "inference" if ctx.kind == "inference" else "joint"
     try:
         run(gm, joint_ctx)
         return {n: info(n).modality for n in gm.graph.nodes}

@@ -81,7 +81,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> StepRecomputeDecision | None:
     plain_saved, plain_rerun = planner.close(start)
     before, peak_before = planner.peaks(plain_saved, plain_rerun)
     bytes_before = sum(planner.by_key(plain_saved).values())
-    targets = checkpoint.targets_of(budget, before, peak_before)
+    targets = checkpoint.targets_of(budget, before, peak_before, ctx.name)
     decision = StepRecomputeDecision(  # "after" is the graph as traced until a state is recorded
         budget=budget, targets=targets, bytes_before=bytes_before,
         bytes_after=sum(planner.by_key(traced_saved).values()), peak_before=peak_before, peak_after=peak_traced,
