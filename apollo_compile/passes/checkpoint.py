@@ -202,10 +202,11 @@ def targets_of(budget: Any, before: dict[str, int], total: int, name: str = "") 
     of `before`), or the byte count itself. A tower the budget names that graph `name` saves
     nothing of gets a warning: a misspelt tower would otherwise be ignored without a word."""
     if isinstance(budget, Mapping):
-        if missing := sorted(set(budget) - {m for m, n in before.items() if n}):
+        towers = sorted(m for m, n in before.items() if n)
+        if missing := sorted(set(budget) - set(towers)):
             log.warning("apollo: memory_budget names %s, of which %s saves no activations (its towers: %s); "
                         "that part of the budget applies to nothing here", ", ".join(map(repr, missing)),
-                        name or "this graph", ", ".join(sorted(m for m, n in before.items() if n)) or "none")
+                        name or "this graph", ", ".join(towers) or "none")
         return {m: int(frac * before.get(m, 0)) for m, frac in sorted(budget.items())}
     if isinstance(budget, float) or budget == 1:
         return {GLOBAL: int(budget * total)}
