@@ -134,6 +134,7 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     )
     try:
         with checkpoint.attention_recomputed_as_is():  # also where a whole step's graph rematerializes
+            whole_step.mark_backward(gm)  # where the user's checkpoints re-run (whole_step.py, NOTE)
             compiled = aot(gm, example_inputs)
     except RestartAnalysis:
         # Dynamo's own control flow, not a failure: e.g. with dynamic=True, AOTAutograd asks Dynamo

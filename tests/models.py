@@ -1,6 +1,6 @@
-"""Small models the tests train: a CLIP-style two-tower model (and a variant that does work only
-on its first call), a single-branch MLP, a model with a graph break, and tiny Hugging Face CLIP and
-SigLIP models. Sizes are tiny so that CPU CI compiles and trains them quickly."""
+"""Small models the tests train: a CLIP-style two-tower model (a variant that does work only on its
+first call; its blocks under the user's checkpoints), a single-branch MLP, a model with a graph
+break, and tiny Hugging Face CLIP and SigLIP models. Sizes are tiny so that CPU CI compiles and trains them quickly."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -116,6 +117,25 @@ class GraphBreakModel(nn.Module):
         h = torch.relu(self.first(x))
         print("", end="")  # graph break
         return self.second(h).square().mean()
+
+
+class Checkpointed(nn.Module):
+    """A layer under the user's own activation checkpoint, as Hugging Face's
+    ``gradient_checkpointing_enable()`` wraps each encoder layer."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
+
+
+def checkpoint_blocks(model: TwoTower) -> TwoTower:
+    """`model` with each block of both towers under the user's checkpoint."""
+    for tower in (model.vision, model.text):
+        tower.blocks = nn.ModuleList(Checkpointed(b) for b in tower.blocks)
+    return model
 
 
 def two_tower_inputs(batch: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from apollo_compile.step import whole_step
 from apollo_compile.annotations import info
 from apollo_compile.nodes import deterministic_attention, storage_node
 from helpers import TOLERANCE, backward_step
-from models import HookedOnFirstCall, TwoTower, tiny_hf, two_tower_inputs
+from models import HookedOnFirstCall, TwoTower, checkpoint_blocks, tiny_hf, two_tower_inputs
 
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -446,27 +446,15 @@ def test_a_step_whose_graph_cannot_be_compiled_takes_the_module_path():
     assert [len(g["backward"].lanes.lanes) for g in module_path] == [2, 2]
 
 
-class Checkpointed(nn.Module):
-    """A layer under the user's own activation checkpoint, as Hugging Face's
-    ``gradient_checkpointing_enable()`` wraps each encoder layer."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
-
-
 def test_the_users_checkpoints_around_attention_stay_one_graph():
     """Attention carries the random tag for its dropout, and AOTAutograd refuses to rematerialize
     a random op in a whole step's graph; at dropout 0 it draws nothing, so apollo lets it be
     recomputed (checkpoint.attention_recomputed_as_is). The step is one graph with two lanes, each
-    block's attention is run again for the backward, and training is eager's."""
+    block's attention is run again for the backward, and training is eager's. On torch 2.11 the
+    backward is re-run only because apollo marks where it starts (whole_step.py, NOTE: The user's
+    checkpoints in a whole step)."""
     torch.manual_seed(0)
-    model = TwoTower(layers=2)
-    for tower in (model.vision, model.text):
-        tower.blocks = nn.ModuleList(Checkpointed(b) for b in tower.blocks)
+    model = checkpoint_blocks(TwoTower(layers=2))
     apollo_compile.clear_plans()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
@@ -476,6 +464,31 @@ def test_the_users_checkpoints_around_attention_stay_one_graph():
     assert len(graph.lanes.lanes) == 2
     attention = [n for n in graph.gm.graph.nodes if deterministic_attention(n) and "backward" not in str(n.target)]
     assert len(attention) == 2 * 4, [n.name for n in attention]  # 4 blocks, each run again for its backward
+
+
+def test_the_backward_is_marked_where_the_user_annotated_too():
+    """The node that traces ``loss.backward()`` gets the mark torch 2.11's rematerialization looks
+    for, beside the user's own annotation of it; no other node gets it."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = nn.Linear(4, 1)
+
+    def step(x):
+        loss = model(x).sum()
+        with torch.fx.traceback.annotate({"mine": 1}):
+            loss.backward()
+        return loss.detach()
+
+    with torch._dynamo.config.patch(**{whole_step.TRACE_FLAG: True}):
+        torch.compile(step, backend=capture, fullgraph=True)(torch.randn(2, 4))
+    whole_step.mark_backward(graphs[0])
+    marked = {n.name: n.meta["custom"] for n in graphs[0].graph.nodes
+              if n.meta.get("custom", {}).get("remat_pass_tag")}
+    assert marked == {"grad": {"mine": 1, **whole_step.BACKWARD_MARK}}, marked
 
 
 _LOG = logging.getLogger("apollo_compile.tests.whole_step")

@@ -37,6 +37,7 @@ import torch
 import torch._dynamo
 
 from ..fallback import ApolloFallbackWarning
+from ..passes.modality import traced_from_autograd
 from .eager_update import list_kernels
 from .micro_batches import MicroBatchedStep, check_micro_batches
 from .optimizer_step import InGraphAdam, unsupported_reason
@@ -98,6 +99,32 @@ def _not_one_graph_errors() -> tuple[type[BaseException], ...]:
              (fake_tensor, "UnsupportedOperatorException")]
     return (torch._dynamo.exc.TorchDynamoException,
             *(getattr(module, name) for module, name in names if hasattr(module, name)))
+
+
+# meta["custom"] on the Dynamo nodes that trace the backward (mark_backward): torch copies it onto
+# every ATen node traced from them, where torch 2.11's rematerialization looks for it
+BACKWARD_MARK = {"remat_pass_tag": "is_backward"}
+
+
+def mark_backward(gm: torch.fx.GraphModule) -> None:
+    """Mark the nodes of Dynamo's graph that trace the backward (``loss.backward()``, traced as
+    ``torch.autograd.grad``) with :data:`BACKWARD_MARK`. A graph without a traced backward is left
+    as it is.
+
+    [NOTE] The user's checkpoints in a whole step: AOTAutograd copies the ops the user's
+    ``torch.utils.checkpoint`` tagged into the backward of a forward-loss-backward graph, and must
+    know where the backward is. Torch 2.13 marks the nodes it traces from the autograd engine;
+    torch 2.11 marks none and takes everything from the first node annotated with
+    :data:`BACKWARD_MARK` on as the backward: without it, nothing is re-run and the checkpoints
+    save no memory, silently. Torch 2.13 ignores the annotation.
+    Design: docs/design/whole-step.md#the-users-checkpoints."""
+    nodes = list(gm.graph.nodes)
+    calls = [i for i, n in enumerate(nodes) if n.op == "call_function" and traced_from_autograd(n)]
+    if not calls:
+        return
+    for i in calls:
+        custom = nodes[i].meta.get("custom")
+        nodes[i].meta["custom"] = {**(custom if isinstance(custom, dict) else {}), **BACKWARD_MARK}
 
 
 def backward_tracing_supported() -> bool:
