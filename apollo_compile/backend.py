@@ -146,7 +146,8 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
             plan_store.record(model_plan)
             raise
         compiled = None
-        if opts.subgraph_compiler == "inductor":
+        # Inductor's AOTAutograd would not re-run those checkpoints either (whole_step.py, NOTE)
+        if opts.subgraph_compiler == "inductor" and not isinstance(e, whole_step.CheckpointAfterBackward):
             try:
                 from torch._inductor.compile_fx import compile_fx
 

@@ -29,10 +29,11 @@ from expecttest import assert_expected_inline
 import apollo_compile
 from apollo_compile import ApolloFallbackWarning, ApolloOptionsError
 from apollo_compile.annotations import info
+from apollo_compile.nodes import deterministic_attention
 from apollo_compile.report.explain import Report
 from apollo_compile.step import micro_batches, whole_step
 from helpers import TOLERANCE, backward_step, one_layer_hf_zoo
-from models import TwoTower, two_tower_inputs
+from models import TwoTower, checkpoint_blocks, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
 TOL = TOLERANCE["eager"]
@@ -137,6 +138,30 @@ def test_batches_of_other_sizes_keep_one_chain_per_micro_batch():
     for graph in graphs:
         assert graph.decisions["modality"]["micro_batches"] == 2
         assert_one_chain_per_micro_batch(graph, 2)
+
+
+def test_the_users_checkpoints_in_micro_batches_take_the_module_path():
+    """AOTAutograd re-runs the user's checkpoints of one backward only: torch 2.13 refuses a second
+    backward that re-runs ops, and torch 2.11 would keep every later micro-batch's checkpointed
+    values saved, so apollo refuses the graph there (whole_step.py, NOTE: The user's checkpoints in
+    a whole step). The step takes the module path, where each micro-batch's backward re-runs its
+    own checkpoints, with one warning saying why, and trains as eager accumulation does."""
+    torch.manual_seed(0)
+    apollo_compile.clear_plans()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = train_both(checkpoint_blocks(TwoTower(layers=1)), lambda i: two_tower_inputs(batch=8, seed=i), 2,
+                              lambda m, inputs: m(*inputs))
+    mine = [str(w.message) for w in caught if issubclass(w.category, ApolloFallbackWarning)]
+    assert len(mine) == 1 and "compile_step" in mine[0], mine
+    why = ("disjoint backward regions that require recomputation" if whole_step._marks_autograd_backward()
+           else "CheckpointAfterBackward")
+    assert "WholeStepNotCompiled" in compiled.fallback_reason and why in compiled.fallback_reason, \
+        compiled.fallback_reason
+    backward = [p.graphs["backward"].gm for p in apollo_compile.plans() if "backward" in p.graphs]
+    rerun = [sum(deterministic_attention(n) and "backward" not in str(n.target) for n in gm.graph.nodes)
+             for gm in backward]
+    assert rerun and all(r == 2 for r in rerun), rerun  # each tower's one block runs again in each backward
 
 
 def tiny_llava():

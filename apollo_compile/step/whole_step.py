@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 import torch._dynamo
+import torch.fx.traceback
 
 from ..fallback import ApolloFallbackWarning
 from ..passes.modality import traced_from_autograd
@@ -106,25 +107,61 @@ def _not_one_graph_errors() -> tuple[type[BaseException], ...]:
 BACKWARD_MARK = {"remat_pass_tag": "is_backward"}
 
 
+class CheckpointAfterBackward(RuntimeError):
+    """Raised by :func:`mark_backward` where this PyTorch would not re-run a user's checkpoint of
+    the graph; the backend then does not compile the graph (NOTE: The user's checkpoints in a
+    whole step)."""
+
+
 def mark_backward(gm: torch.fx.GraphModule) -> None:
     """Mark the nodes of Dynamo's graph that trace the backward (``loss.backward()``, traced as
     ``torch.autograd.grad``) with :data:`BACKWARD_MARK`. A graph without a traced backward is left
-    as it is.
+    as it is. Raises :class:`CheckpointAfterBackward` where a user's checkpoint follows the first
+    backward and this PyTorch finds only where the backward starts.
 
     [NOTE] The user's checkpoints in a whole step: AOTAutograd copies the ops the user's
     ``torch.utils.checkpoint`` tagged into the backward of a forward-loss-backward graph, and must
     know where the backward is. Torch 2.13 marks the nodes it traces from the autograd engine;
     torch 2.11 marks none and takes everything from the first node annotated with
     :data:`BACKWARD_MARK` on as the backward: without it, nothing is re-run and the checkpoints
-    save no memory, silently. Torch 2.13 ignores the annotation.
-    Design: docs/design/whole-step.md#the-users-checkpoints."""
+    save no memory, silently. Torch 2.13 ignores the annotation. Both re-run one backward's
+    checkpoints only; torch 2.13 refuses a second backward that re-runs ops, and torch 2.11 would
+    keep a later one's saved, so there apollo refuses the graph. The step then takes the module
+    path. Design: docs/design/whole-step.md#the-users-checkpoints."""
     nodes = list(gm.graph.nodes)
     calls = [i for i, n in enumerate(nodes) if n.op == "call_function" and traced_from_autograd(n)]
     if not calls:
         return
+    if not _marks_autograd_backward():
+        late = [n for n in nodes[calls[0]:] if n.target is torch.ops.higher_order.tag_activation_checkpoint]
+        if late:
+            where = _traced_at(late[0])
+            raise CheckpointAfterBackward(
+                f"{len(late)} of the user's checkpoints run after the step's first loss.backward() (a micro-batch's "
+                f"but the first, or a second loss's){f', the first at {where}' if where else ''}, and this PyTorch "
+                "re-runs checkpointed ops only before it: in one graph they would save no memory")
     for i in calls:
         custom = nodes[i].meta.get("custom")
         nodes[i].meta["custom"] = {**(custom if isinstance(custom, dict) else {}), **BACKWARD_MARK}
+
+
+def _traced_at(node: torch.fx.Node) -> str | None:
+    """``file:line in function`` of the user's code that Dynamo traced `node` from, if it says."""
+    frames = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()
+              if line.strip().startswith("File ")]
+    if not frames:
+        return None
+    parts = frames[-1].split(", ", 2)  # File "path", line 12, in forward
+    if len(parts) != 3:
+        return None
+    filename = parts[0].removeprefix("File ").strip('"')
+    return f"{_short(filename)}:{parts[1].removeprefix('line ')} {parts[2]}"
+
+
+def _marks_autograd_backward() -> bool:
+    """Whether this PyTorch marks the nodes it traces from the autograd engine ``autograd_backward``
+    (torch 2.13, not 2.11), by which its rematerialization finds each backward region itself."""
+    return hasattr(torch.fx.traceback, "_mark_autograd_backward")
 
 
 def backward_tracing_supported() -> bool:
