@@ -389,7 +389,7 @@ def test_whole_step_gradients_are_lent_not_copied(runners, accumulate, marked, m
     steps, is a copy. "unmarked": traced as torch 2.11 traces it, with no ``autograd_backward``
     marks (every output of a step would then be copied, per step)."""
     if not marked:
-        monkeypatch.setattr(torch.fx.traceback, "_mark_autograd_backward", lambda: None)
+        monkeypatch.setattr(torch.fx.traceback, "_mark_autograd_backward", lambda: None, raising=False)  # none on 2.11
     torch.manual_seed(0)
     model = TwoTower(layers=LAYERS)
     ref = copy.deepcopy(model)
