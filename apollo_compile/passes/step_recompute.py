@@ -94,7 +94,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> StepRecomputeDecision | None:
         state = (plain_saved, plain_rerun, before, peak_before, True)  # the plain state is within it
     else:
         state = checkpoint.choose(planner, plain_rerun, plain_rerun, targets, per_modality, decision)
-    checkpoint.record(decision, planner, set(), state)
+    # extra_us and `added` count what goes beyond the baseline's re-runs, which Inductor fuses
+    # into their readers, as the module path's count beyond min-cut's
+    checkpoint.record(decision, planner, plain_rerun, state)
     decision.copies = _rewrite(gm, planner, state[1], later)
     gm.graph.lint()
     gm.recompile()
