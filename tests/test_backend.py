@@ -205,7 +205,9 @@ def test_registered_without_import_when_installed():
 def test_inductor_subgraphs_get_inductors_joint_graph_passes(monkeypatch):
     """With Inductor compiling the subgraphs, the joint graph goes through Inductor's own joint
     passes first (as in torch.compile's default backend): here a pointless bf16->fp32->bf16 cast
-    pair disappears. Gradients stay those of eager."""
+    pair disappears. Gradients are those of Inductor's own backend, and without the passes those of
+    eager: with the pair gone the gradient skips a bf16 rounding that eager makes, 1.6% apart on
+    torch 2.11 (Inductor's default backend alike), not at all on 2.13."""
     import apollo_compile
     from apollo_compile import pipeline
 
@@ -218,22 +220,22 @@ def test_inductor_subgraphs_get_inductors_joint_graph_passes(monkeypatch):
             h = self.lin(x).to(torch.bfloat16)
             return h.to(torch.float32).to(torch.bfloat16).float().square().sum()
 
-    def casts_in_forward() -> int:
+    def casts_in_forward(reference) -> int:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model, x = CastPair(), torch.randn(4, 8)
         ref = CastPair()
         ref.load_state_dict(model.state_dict())
         torch.compile(model, backend="apollo", options={"subgraph_compiler": "inductor"})(x).backward()
-        ref(x).backward()
+        reference(ref)(x).backward()
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
         gm = apollo_compile.last_plan().forward.gm
         return sum("convert_element_type" in str(n.target) for n in gm.graph.nodes)
 
-    with_passes = casts_in_forward()
+    with_passes = casts_in_forward(torch.compile)
     monkeypatch.setattr(pipeline, "inductor_joint_passes", lambda gm, joint_inputs: gm)
-    assert with_passes < casts_in_forward()
+    assert with_passes < casts_in_forward(lambda module: module)
 
 
 class WithConstant(torch.nn.Module):
