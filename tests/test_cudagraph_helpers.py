@@ -575,9 +575,14 @@ def test_each_candidate_reports_the_memory_its_capture_pool_holds(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the allocator answers on CUDA")
-def test_pool_bytes_without_cuda_is_none():
+def test_pool_bytes_without_cuda_is_none(monkeypatch):
+    """As a CPU build's allocator answers (a CUDA build without a GPU answers no segments: 0)."""
     from apollo_compile.runtime.graph_pool import pool_bytes
 
+    def no_cuda():
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", no_cuda)
     assert pool_bytes((0, 1)) is None
 
 
