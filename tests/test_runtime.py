@@ -6,14 +6,29 @@ import pytest
 import torch
 
 import apollo_compile
+from helpers import assert_runtimes_equal_the_graph, inductor_entry
 from models import TwoTower, two_tower_inputs
 
 
-def test_one_lane_candidate_has_no_streams_and_the_same_launch_order():
+@pytest.fixture(scope="module")
+def two_tower(module_guards):
+    """The plan of TwoTower compiled with eager subgraphs, one forward and backward: the tests
+    below only read it."""
     torch.manual_seed(0)
     compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
     compiled(*two_tower_inputs()).backward()
-    source = apollo_compile.last_plan().forward.decisions["codegen"]
+    return apollo_compile.last_plan()
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_lane_and_one_lane_runtimes_equal_the_graph(two_tower, kind):
+    graph = getattr(two_tower, kind)
+    assert set(graph.runtimes) == {"lanes", "one_lane"}
+    assert_runtimes_equal_the_graph(graph)
+
+
+def test_one_lane_candidate_has_no_streams_and_the_same_launch_order(two_tower):
+    source = two_tower.forward.decisions["codegen"]
     single = source.one_lane
     assert "rt.lane(" in source.text and "rt.lane(" not in single.text and "rt.wait(" not in single.text
     launches = [line.split("= ")[-1].split("(")[0] for line in source.text.splitlines() if "subgraph_" in line and "([" in line]
@@ -51,14 +66,11 @@ def test_a_run_that_raised_lets_go_of_its_cross_lane_values(monkeypatch):
     assert rt.held == [] and waits == [("side", "main"), ("main", "side")]  # fork, then the join on the error
 
 
-def test_memory_plan_keeps_values_read_across_lanes_until_the_join():
+def test_memory_plan_keeps_values_read_across_lanes_until_the_join(two_tower):
     """The runtime holds a value another lane reads until every side lane has joined
     (rt.keep_alive ... rt.release()); the plan must not let anything reuse its bytes earlier.
     (It once freed them after their last reader: a plan the runtime did not follow.)"""
-    torch.manual_seed(0)
-    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
-    compiled(*two_tower_inputs()).backward()
-    plan = apollo_compile.last_plan().backward
+    plan = two_tower.backward
     lanes, memory = plan.decisions["lanes"], plan.decisions["memory"]
     read_across = [p.buffer for p in memory.placements
                    if any(c != "output" and lanes.lane_of(c) != p.buffer.lane for c in p.buffer.consumers)]
@@ -70,7 +82,7 @@ def test_memory_plan_keeps_values_read_across_lanes_until_the_join():
 
 
 @pytest.mark.parametrize("runtime", ["lanes", "one_lane"])
-def test_each_value_is_handed_over_at_its_last_reader(runtime):
+def test_each_value_is_handed_over_at_its_last_reader(two_tower, runtime):
     """A subgraph that reads a value for the last time gets the only reference to it (in its input
     list, which it clears as Inductor's compiled code does), so it can free the value as soon as
     it is done with it, not after it returns: a one-subgraph backward otherwise held every saved
@@ -80,10 +92,7 @@ def test_each_value_is_handed_over_at_its_last_reader(runtime):
 
     from apollo_compile.runtime.runner import load_runtime
 
-    torch.manual_seed(0)
-    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
-    compiled(*two_tower_inputs()).backward()
-    graph = apollo_compile.last_plan().backward
+    graph = two_tower.backward
     source = graph.decisions["codegen"]
     source = source if runtime == "lanes" else source.one_lane
     lanes = graph.decisions["lanes"]
@@ -113,29 +122,28 @@ def test_inductor_subgraphs_are_told_no_input_is_donated(monkeypatch):
     """AOTAutograd's donated backward inputs are numbered over the whole backward; a subgraph's
     inputs are numbered otherwise (its input 3 may be a gradient another subgraph still reads), so
     Inductor must not read them as its own. The whole graph's list is put back: the runner reuses
-    that memory itself, and AOTAutograd still refuses a retained graph by it."""
-    import torch._inductor.compile_fx as cfx
-
+    that memory itself, and AOTAutograd still refuses a retained graph by it. What Inductor is
+    told is read at its entry (helpers.inductor_entry)."""
     seen, metas = [], []
-    original = cfx.compile_fx_inner
 
-    def compile_fx_inner(gm, inputs, **kwargs):
+    def record(gm, inputs, kwargs):
         if kwargs.get("is_backward"):
             metas.append(torch._guards.TracingContext.try_get().fw_metadata)
             seen.append(list(metas[-1].bw_donated_idxs))
-        return original(gm, inputs, **kwargs)
 
-    monkeypatch.setattr(cfx, "compile_fx_inner", compile_fx_inner)
+    inductor_entry(monkeypatch, record)
     torch.manual_seed(0)
     compiled = torch.compile(TwoTower(width=16, embed=8, layers=1), backend="apollo",
                              options={"subgraph_compiler": "inductor"})
     compiled(*two_tower_inputs()).backward()
     assert seen and all(d == [] for d in seen), seen
     assert metas[0].bw_donated_idxs, "the model's backward has donated inputs: the test means something"
+    plan = apollo_compile.last_plan()
+    assert plan.backward.fallback is None and len(seen) == len(plan.backward.lanes.subgraphs)
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_the_costliest_tower_runs_on_the_main_lane_without_delaying_the_other(kind):
+def test_the_costliest_tower_runs_on_the_main_lane_without_delaying_the_other(two_tower, kind):
     """The costliest tower's subgraphs move to lane 0 (the capture stream), so the backward's CUDA
     graph can reuse its saved activations (lanes.py, NOTE: The costliest branch runs on the
     caller's stream). One stream runs lane 0 in launch order: a join subgraph another lane waits
@@ -144,10 +152,7 @@ def test_the_costliest_tower_runs_on_the_main_lane_without_delaying_the_other(ki
 
     from apollo_compile.annotations import info
 
-    torch.manual_seed(0)
-    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
-    compiled(*two_tower_inputs()).backward()
-    plan = getattr(apollo_compile.last_plan(), kind).lanes
+    plan = getattr(two_tower, kind).lanes
     assert sorted(plan.lanes) == [0, 1] and "on the main lane" in plan.reason
     towers = {m.split("_")[0] for m in plan.lanes[0] if m != "fusion"}
     assert len(towers) == 1 and towers.isdisjoint(m.split("_")[0] for m in plan.lanes[1])
@@ -164,17 +169,14 @@ def test_the_costliest_tower_runs_on_the_main_lane_without_delaying_the_other(ki
                 assert set(before) <= nx.ancestors(plan.dag, dep), (dep, before)
 
 
-def test_the_runtime_says_which_lanes_read_each_input():
+def test_the_runtime_says_which_lanes_read_each_input(two_tower):
     """A backward's capture frees a saved activation on the side lane that made it only if no
     other lane reads it (cudagraph.py, NOTE: Donation on side lanes): the runtime lists, per input,
     the lanes whose subgraphs read it. The two-tower backward has inputs only the side lane reads
     (the other tower's saved activations); its one-lane runtime reads everything on lane 0."""
     from apollo_compile.annotations import info
 
-    torch.manual_seed(0)
-    compiled = torch.compile(TwoTower(), backend="apollo", options={"subgraph_compiler": "eager"})
-    compiled(*two_tower_inputs()).backward()
-    graph = apollo_compile.last_plan().backward
+    graph = two_tower.backward
     source, lanes = graph.decisions["codegen"], graph.decisions["lanes"]
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
     assert len(source.input_lanes) == len(placeholders)
