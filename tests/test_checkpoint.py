@@ -22,7 +22,7 @@ from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.nodes import is_library_kernel
 from apollo_compile.options import ApolloOptions
 from apollo_compile.passes import checkpoint, recompute_planner
-from helpers import assert_trains_like_eager
+from helpers import assert_trains_like_eager, inductor_entry
 from models import TwoTower, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -385,16 +385,10 @@ def test_dropout_under_inductor_compiles_and_recompute_changes_no_gradient():
 def test_a_budget_frees_each_buffer_at_its_last_use(monkeypatch):
     """runtime/subgraphs.py, NOTE: Memory first frees at once: with a memory budget, every subgraph Inductor compiles has
     allow_buffer_reuse off (the wrapper deletes a buffer at its last use rather than hold it for a
-    later same-size one); without one, Inductor's default stands."""
-    import torch._inductor.compile_fx as compile_fx
-
-    original, seen = compile_fx.compile_fx_inner, []
-
-    def recording(*args, **kwargs):
-        seen.append(torch._inductor.config.allow_buffer_reuse)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(compile_fx, "compile_fx_inner", recording)
+    later same-size one); without one, Inductor's default stands. Read at Inductor's entry
+    (helpers.inductor_entry)."""
+    seen = []
+    inductor_entry(monkeypatch, lambda gm, inputs, kwargs: seen.append(torch._inductor.config.allow_buffer_reuse))
     default = torch._inductor.config.allow_buffer_reuse
     for options, expected in (({"memory_budget": 0.3}, False), ({}, default)):
         torch._dynamo.reset()
@@ -405,7 +399,9 @@ def test_a_budget_frees_each_buffer_at_its_last_use(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error", ApolloFallbackWarning)
             compiled(*two_tower_inputs(batch=2)).backward()
-        assert seen and set(seen) == {expected}, (options, seen)
+        plan = apollo_compile.last_plan()
+        assert len(seen) == sum(len(g.lanes.subgraphs) for g in (plan.forward, plan.backward)), options
+        assert set(seen) == {expected}, (options, seen)
 
 
 def test_fused_recompute_holds_memory_only_where_a_library_kernel_reads_it(monkeypatch):

@@ -25,8 +25,8 @@ from apollo_compile.devices import DEVICE_SPECS
 from apollo_compile.runtime.choice import Fixed
 from apollo_compile.runtime.config import MemoryPolicy
 from apollo_compile.runtime.instances import GraphFamily
-from helpers import (TOLERANCE, FakeCapture, assert_same_loss_and_grads, assert_trains_like_eager, fake_cuda,
-                     replace_pass, runner_for)
+from helpers import (TOLERANCE, FakeCapture, assert_same_loss_and_grads, assert_trains_like_eager, eager_subgraphs,
+                     fake_cuda, inductor_entry, replace_pass, runner_for)
 from models import MLP, Block, TwoTower, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -311,6 +311,10 @@ def _broken_pass(message, kinds=("forward", "backward", "inference")):
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_codegen_failure_falls_back_once_per_graph(monkeypatch, compiler):
+    """Each graph goes whole to its fallback: Inductor (asked once per graph, read at its entry:
+    helpers.inductor_entry) or eager ATen."""
+    handed: list[bool] = []
+    inductor_entry(monkeypatch, lambda gm, inputs, kwargs: handed.append(kwargs.get("is_backward")))
     replace_pass(monkeypatch, "codegen", _broken_pass("synthetic codegen failure"))
     messages = two_tower_fallbacks({"subgraph_compiler": compiler})
     assert len(messages) == 2, messages  # forward and backward, once each, not once per step
@@ -318,6 +322,7 @@ def test_codegen_failure_falls_back_once_per_graph(monkeypatch, compiler):
     for kind, m in zip(("forward", "backward"), messages):
         assert f"_{kind} runs on {path}" in m, m
         assert "pass 'codegen'" in m and "synthetic codegen failure" in m and REPORT_HINT in m, m
+    assert handed == ([False, True] if compiler == "inductor" else [])
     plan = apollo_compile.last_plan()
     assert "codegen" in plan.forward.fallback and "codegen" in plan.backward.fallback
 
@@ -894,8 +899,9 @@ def test_cudagraph_moved_input_runs_eager_and_warns_once(monkeypatch):
 
 def test_inductor_joint_passes_failure_partitions_without_them(monkeypatch):
     """Inductor's joint-graph passes fail: the joint graph is partitioned as it is, apollo's runtime
-    still runs every graph, one warning names the cause; strict raises."""
-    from apollo_compile import backend
+    still runs every graph, one warning names the cause; strict raises. (The subgraphs run eagerly:
+    helpers.eager_subgraphs.)"""
+    eager_subgraphs(monkeypatch)
 
     def broken(gm, joint_inputs):
         raise RuntimeError("synthetic joint-pass failure")
