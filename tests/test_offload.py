@@ -19,7 +19,7 @@ from apollo_compile import ApolloFallbackWarning
 from apollo_compile.options import ApolloOptions, ApolloOptionsError
 from apollo_compile.passes import checkpoint, offload
 from apollo_compile.runtime import subgraphs
-from helpers import TOLERANCE, assert_same_loss_and_grads, assert_trains_like_eager
+from helpers import TOLERANCE, assert_same_loss_and_grads, assert_trains_like_eager, eager_subgraphs
 from models import TwoTower, VisionTower, two_tower_inputs
 
 
@@ -85,7 +85,9 @@ def backward_peak(backward: torch.fx.GraphModule) -> int:
 
 def test_per_block_offloading_leaves_the_stem_on_the_host_until_its_backward(every_value, monkeypatch):
     # NOTE: Offloaded per-block start: min-cut re-runs a stem norm (CLIP's ln_pre) from its saved
-    # input, which then came back for the first block's re-run and stayed until the stem's backward
+    # input, which then came back for the first block's re-run and stayed until the stem's backward.
+    # A plan for Inductor, its subgraphs run eagerly (helpers.eager_subgraphs)
+    eager_subgraphs(monkeypatch)
     class Tower(torch.nn.Module):  # one tower, so the backward peaks in its first block
         def __init__(self):
             super().__init__()
@@ -127,8 +129,10 @@ def test_dropout_with_offloading_matches_eager_with_same_seed(every_value):
     assert apollo_compile.last_plan().forward.summary()["offload"]["to_host"] > 0
 
 
-def test_dynamic_shapes_offload_at_the_traced_sizes(every_value):
-    # sizes are symbolic: the size threshold reads their hints (the traced inputs' sizes)
+def test_dynamic_shapes_offload_at_the_traced_sizes(every_value, monkeypatch):
+    # sizes are symbolic: the size threshold reads their hints (the traced inputs' sizes). A plan
+    # for Inductor, its subgraphs run eagerly (helpers.eager_subgraphs)
+    eager_subgraphs(monkeypatch)
     model = TwoTower(width=16, embed=8, layers=1)
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend="apollo", dynamic=True,
@@ -146,14 +150,17 @@ def test_dynamic_shapes_offload_at_the_traced_sizes(every_value):
     assert apollo_compile.last_plan().forward.summary()["offload"]["to_host"] > 0
 
 
-def test_small_values_stay_put():
-    # at the default MIN_BYTES nothing in the test model is worth a transfer
+def test_small_values_stay_put(monkeypatch):
+    # at the default MIN_BYTES nothing in the test model is worth a transfer (a plan for Inductor,
+    # its subgraphs run eagerly: helpers.eager_subgraphs)
+    eager_subgraphs(monkeypatch)
     plan = train({"offload_activations": True})
     assert plan.forward.summary()["offload"] == {"to_host": 0, "bytes": 0}
     assert "to-host" not in plan.forward.listing
 
 
-def test_off_by_default_marks_nothing():
+def test_off_by_default_marks_nothing(monkeypatch):
+    eager_subgraphs(monkeypatch)  # a plan for Inductor, its subgraphs run eagerly
     plan = train({})
     assert plan.joint.get("offload") is None and "offload" not in plan.forward.summary()
     assert not any("should_offload" in n.meta for n in plan.forward.gm.graph.nodes)
