@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
@@ -25,8 +27,14 @@ def run(env_extra, tmp_path, before_apollo=""):
                           cwd=tmp_path)
 
 
-def test_torch_logs_shows_pass_decisions(tmp_path):
-    out = run({"TORCH_LOGS": "+apollo_compile"}, tmp_path)
+@pytest.fixture(scope="module")
+def torch_logs(tmp_path_factory):
+    """The script run once with TORCH_LOGS="+apollo_compile", for the two tests that read its log."""
+    return run({"TORCH_LOGS": "+apollo_compile"}, tmp_path_factory.mktemp("torch_logs"))
+
+
+def test_torch_logs_shows_pass_decisions(torch_logs):
+    out = torch_logs
     assert out.returncode == 0, out.stderr
     assert "pass lanes" in out.stderr and "pass modality" in out.stderr and "planned" in out.stderr
 
@@ -35,9 +43,9 @@ def decision_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "frame0_0_forward: pass lanes" in line]
 
 
-def test_each_pass_decision_is_logged_once(tmp_path):
+def test_each_pass_decision_is_logged_once(torch_logs):
     """torch imports apollo while it reads TORCH_LOGS and gives it a handler; apollo adds none."""
-    out = run({"TORCH_LOGS": "+apollo_compile"}, tmp_path)
+    out = torch_logs
     assert out.returncode == 0, out.stderr
     assert len(decision_lines(out.stderr)) == 1, decision_lines(out.stderr)
     assert sum("frame0_0_forward planned" in line for line in out.stderr.splitlines()) == 1
