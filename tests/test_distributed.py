@@ -47,16 +47,17 @@ GLOBAL_BATCH = 8
 TIMEOUT_S = 240  # per scenario, both ranks together: compile + 3 steps + reference
 
 SCENARIOS = {
-    # name: (engine, subgraph compiler, model width, DDP bucket_cap_mb)
-    "ddp_eager": ("ddp", "eager", 32, None),
+    # name: (engine, subgraph compiler, model width, DDP bucket_cap_mb, layers a tower)
+    "ddp_eager": ("ddp", "eager", 32, None, 2),
     # DDPOptimizer refuses bucket_cap_mb < 1 (its first bucket is DDP's 1 MiB default and must
     # not exceed the others), so the model is widened to ~3 MB of parameters to get 4 buckets.
-    "ddp_split": ("ddp", "eager", 128, 1.0),
-    "ddp_inductor": ("ddp", "inductor", 32, None),
-    "fsdp2": ("fsdp2", "eager", 32, None),
+    "ddp_split": ("ddp", "eager", 128, 1.0, 2),
+    # one layer a tower: the model test_backend compiles with Inductor, whose kernels it then finds built
+    "ddp_inductor": ("ddp", "inductor", 32, None, 1),
+    "fsdp2": ("fsdp2", "eager", 32, None, 2),
     # DDP's Python reducer under compiled autograd: the backward, gradient all-reduces included, is
     # one graph that apollo compiles (the way to overlap the all-reduces with the backward)
-    "ddp_compiled_autograd": ("ddp-ca", "eager", 32, None),
+    "ddp_compiled_autograd": ("ddp-ca", "eager", 32, None, 2),
 }
 
 
@@ -87,13 +88,13 @@ def worker(scenario: str, out: Path) -> None:
     from bench_step import compiled_autograd
     from models import TwoTower, two_tower_inputs
 
-    engine, compiler, width, bucket_cap_mb = SCENARIOS[scenario]
+    engine, compiler, width, bucket_cap_mb, layers = SCENARIOS[scenario]
     torch.set_num_threads(1)
     # env:// from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; collectives give up before the launcher does
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = TwoTower(width=width)
+    model = TwoTower(width=width, layers=layers)
     if engine == "fsdp2":
         # fully_shard rejects 0-d parameters ("Change logit_scale to a 1D tensor with numel equal
         # to 1"); the forward broadcasts a (1,) scale the same way. Done before the copy: the
