@@ -22,7 +22,7 @@ from apollo_compile import ApolloFallbackWarning
 from apollo_compile.annotations import info
 from apollo_compile.report.explain import Report
 from apollo_compile.nodes import is_random, nbytes, storage_node, written_inputs
-from helpers import TOLERANCE, assert_same_loss_and_grads, backward_step
+from helpers import TOLERANCE, assert_same_loss_and_grads, backward_step, eager_subgraphs
 from models import TwoTower, tiny_hf, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -269,12 +269,7 @@ def test_a_fraction_saves_as_much_as_on_the_module_path(monkeypatch):
     bytes on both paths, well under half of what the step holds as traced. The subgraphs run
     eagerly (the plan is Inductor's; only the code generation is left out, for time), and the step,
     AdamW inside, trains like eager."""
-    build_runtime = apollo_compile.pipeline.build_runtime
-
-    def eager_subgraphs(planned, lanes, codegen, name, kind, compiler, *args, **kwargs):
-        return build_runtime(planned, lanes, codegen, name, kind, "eager", *args, **kwargs)
-
-    monkeypatch.setattr(apollo_compile.pipeline, "build_runtime", eager_subgraphs)
+    eager_subgraphs(monkeypatch)
     g = torch.Generator().manual_seed(0)
     ids, pixels = torch.randint(0, 99, (8, 16), generator=g), torch.randn(8, 3, 32, 32, generator=g)
     model = small_hf_clip()
