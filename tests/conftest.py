@@ -1,3 +1,4 @@
+import contextlib
 import gc
 import os
 import sys
@@ -26,12 +27,27 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test compiles from scratch: Dynamo caches per code object across tests."""
+@contextlib.contextmanager
+def _guards(mp: pytest.MonkeyPatch, calibration_file):
+    """Each compile starts from scratch (Dynamo caches per code object across tests), every graph
+    is checked against the invariants after each pass, and plans do not depend on
+    performance-model fits a GPU run left in this machine's cache."""
+    from apollo_compile import pipeline
+    from apollo_compile.perf import calibration
+
+    mp.setattr(pipeline, "VERIFY", True)
+    mp.setenv("APOLLO_CALIBRATION_FILE", str(calibration_file))
+    calibration.reset()
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+    calibration.reset()
+
+
+@pytest.fixture(autouse=True)
+def _guarded(monkeypatch, tmp_path):
+    with _guards(monkeypatch, tmp_path / "calibration.json"):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -44,38 +60,10 @@ def _no_plans_kept():
     apollo_compile.clear_plans()
 
 
-@pytest.fixture(autouse=True)
-def _verify_every_pass(monkeypatch):
-    """Every graph compiled in the tests is checked against the invariants after each pass."""
-    from apollo_compile import pipeline
-
-    monkeypatch.setattr(pipeline, "VERIFY", True)
-
-
-@pytest.fixture(autouse=True)
-def _no_calibration_from_disk(monkeypatch, tmp_path):
-    """Plans must not depend on performance-model fits a GPU run left in this machine's cache."""
-    from apollo_compile.perf import calibration
-
-    monkeypatch.setenv("APOLLO_CALIBRATION_FILE", str(tmp_path / "calibration.json"))
-    calibration.reset()
-    yield
-    calibration.reset()
-
-
 @pytest.fixture(scope="module")
 def module_guards(tmp_path_factory):
-    """The guards above for a module-scoped fixture, which pytest sets up before them: a model
-    compiled once for several tests is compiled from scratch, verified after every pass, and
+    """The guards for a module-scoped fixture, which pytest sets up before the per-test ones: a
+    model compiled once for several tests is compiled from scratch, verified after every pass, and
     planned without a calibration from disk."""
-    from apollo_compile import pipeline
-    from apollo_compile.perf import calibration
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pipeline, "VERIFY", True)
-        mp.setenv("APOLLO_CALIBRATION_FILE", str(tmp_path_factory.mktemp("calibration") / "calibration.json"))
-        calibration.reset()
-        torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as mp, _guards(mp, tmp_path_factory.mktemp("calibration") / "calibration.json"):
         yield
-        torch._dynamo.reset()
-        calibration.reset()
