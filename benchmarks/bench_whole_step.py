@@ -64,6 +64,8 @@ VARIANT_HELP = {
     "apollo-regional": "the same with apollo",
     "apollo-budget": "apollo with memory_budget=--budget",
     "apollo-step-opt-budget": "apollo-step-opt with memory_budget=--budget",
+    "apollo-step-opt-budget-lanes": "apollo-step-opt-budget replaying its lanes, unmeasured (runtime/choice.Fixed): "
+                                    "what the budget's memory bound declines",
     "apollo-step-opt-mb2": "apollo-step-opt with micro_batches=2: the batch in 2 slices inside the one graph",
     "apollo-step-opt-mb4": "apollo-step-opt with micro_batches=4",
     "apollo-accum2": "apollo on the module, the batch in 2 micro-batches one call each (gradient accumulation, "
@@ -205,7 +207,7 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 
 
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
-                 "apollo-step-opt-budget", "apollo-step-opt-first-step-pool", "apollo-step-opt-mb2",
+                 "apollo-step-opt-budget", "apollo-step-opt-budget-lanes", "apollo-step-opt-first-step-pool", "apollo-step-opt-mb2",
                  "apollo-step-opt-mb4")
 
 
@@ -217,7 +219,8 @@ def updates_inside(variant: str) -> bool:
 def step_options(variant: str, options: dict, budget: float) -> dict:
     """apollo's options for a *-step variant: --apollo-options and what the variant adds."""
     extra = {"apollo-step-1lane": {"max_lanes": 1}, "apollo-step-opt-inductor": {"optimizer_update": "inductor"},
-             "apollo-step-opt-budget": {"memory_budget": budget}}.get(variant, {})
+             "apollo-step-opt-budget": {"memory_budget": budget},
+             "apollo-step-opt-budget-lanes": {"memory_budget": budget}}.get(variant, {})
     return {**options, **extra}
 
 
@@ -407,7 +410,7 @@ def runtime_for(variant: str, budget: float = DEFAULT_BUDGET) -> contextlib.Abst
     """What a variant runs under, for the whole variant (compile and steps): Inductor's
     activation_memory_budget, the memory pool apollo's first steps run in
     (runtime/graph_pool.py, FIRST_STEP_POOL), or whether a backward's side lanes write their
-    gradients into main-allocated memory (passes/main_allocated.py)."""
+    gradients into main-allocated memory (passes/main_allocated.py), or the runtime it replays."""
     if variant == "inductor-ro-amb":
         return torch._functorch.config.patch(activation_memory_budget=budget)
     if variant.endswith("-first-step-pool"):
@@ -415,6 +418,10 @@ def runtime_for(variant: str, budget: float = DEFAULT_BUDGET) -> contextlib.Abst
 
         kinds = frozenset() if variant.endswith("-no-first-step-pool") else graph_pool.FIRST_STEP_POOL | {"inference"}
         return mock.patch.object(graph_pool, "FIRST_STEP_POOL", kinds)
+    if variant.endswith("-budget-lanes"):
+        from apollo_compile.runtime import choice
+
+        return choice.using(choice.Fixed("lanes"))
     if variant in ("apollo-side-grads-own", "apollo-main-allocated"):
         from apollo_compile.passes import main_allocated
 

@@ -39,6 +39,8 @@
 #       (probes/step_host.py: reduce-overhead's whole step, compile_step, compile_step with the optimizer inside)
 #   run(command="bash benchmarks/h200_session.sh step-memory",   carry=[".device_cache"]) # what the whole step holds at its peak,
 #       by allocating line (probes/whole_step_memory.py): reduce-overhead's whole step against compile_step with the optimizer inside
+#   run(command="bash benchmarks/h200_session.sh budget-lanes-memory", carry=[".device_cache"]) # why lanes under a
+#       budget hold more (HF CLIP b128, compile_step): one lane against lanes forced, pools by stream (probes/whole_step_memory.py)
 #   run(command="bash benchmarks/h200_session.sh distributed", kind="nvidia-h200-x2")    # DDP scaling on 2 GPUs, per-GPU batch 32 and 128
 #   run(command="bash benchmarks/h200_session.sh placement",   kind="nvidia-h200-x2")    # towers on 2 GPUs against DDP at global batch 64
 #
@@ -180,6 +182,12 @@ case "${1:-}" in
              timeout 520 python benchmarks/probes/whole_step_memory.py --model hf-clip --batch 8 --steps 3 \
                --variants inductor-ro-step apollo-step-opt --out "$OUT/step-memory" > "$OUT/step_memory.txt" 2>&1
              status=$?; grep -E "^######## |^== step|by file|GiB x" "$OUT/step_memory.txt" | tail -c 9000; exit $status ;;
+  budget-lanes-memory)  # what lanes hold under a budget: compile_step with memory_budget=0.5 at batch 128, one lane
+             # (what the budget's bound replays) against its lanes forced, each pool by stream and what set its peak
+             timeout 520 python benchmarks/probes/whole_step_memory.py --model hf-clip --batch "${2:-128}" --steps 3 \
+               --variants apollo-step-opt-budget apollo-step-opt-budget-lanes --out "$OUT/budget-lanes-memory" \
+               > "$OUT/budget_lanes_memory.txt" 2>&1
+             status=$?; grep -E "^######## |^== step|by file|by stream|GiB x" "$OUT/budget_lanes_memory.txt" | tail -c 9000; exit $status ;;
   distributed)  # DDP on 2 GPUs: apollo as one graph (optimize_ddp off) against DDP + Inductor and against each GPU
              # training alone (scaling 1.0 = perfect), per-GPU batch 32 and 128
              timeout 520 torchrun --nproc_per_node 2 benchmarks/bench_distributed.py --batch 32 128 --steps 20 --warmup 3 \
