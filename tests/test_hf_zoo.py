@@ -18,6 +18,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes"))
@@ -42,7 +43,8 @@ def one_layer(monkeypatch):
     one_layer_hf_zoo(monkeypatch, hf_zoo)
 
 
-def _check(name: str, path: str, **kwargs) -> hf_zoo.Outcome:
+def _check(name: str, path: str, fallback: str | None = None, **kwargs) -> hf_zoo.Outcome:
+    """`name` trained on `path` against eager; with `fallback`, the one warning it gives names it."""
     if not hasattr(transformers, hf_zoo.MODEL_CLASSES[name]):
         pytest.skip(f"transformers {transformers.__version__} has no {hf_zoo.MODEL_CLASSES[name]}")
     out = hf_zoo.run_one(name, "apollo", path, steps=3, options=EAGER, rtol=1e-4, atol=1e-5, **kwargs)
@@ -51,8 +53,33 @@ def _check(name: str, path: str, **kwargs) -> hf_zoo.Outcome:
         if hf_zoo.within_reference(out, ref):
             out.status = "PASS*"  # X-CLIP's patch embedding's gradient: aot_eager's is off by the same 11x tol
     assert out.status in ("PASS", "PASS*"), (out.status, out.worst_grad, out.grad_err, out.fused_err, out.error)
-    assert not out.warnings, out.warnings
+    if fallback is None:
+        assert not out.warnings, out.warnings
+    else:
+        assert len(out.warnings) == 1 and fallback in out.warnings[0], out.warnings
     return out
+
+
+def attention_takes_a_batch_sized_by_values() -> bool:
+    """Whether this torch traces SDPA with a mask in one graph where the batch's size depends on
+    the values (boolean indexing). torch 2.11 does not: its shape check guards on that size being 1,
+    so Idefics3, which drops padding images that way, keeps the module path there
+    (docs/whole-step.md#vision-language-models)."""
+
+    def attend(x, keep):
+        x = x[keep]
+        q = x.view(x.shape[0], 2, 4, 8)
+        mask = torch.ones(x.shape[0], 1, 4, 4, dtype=torch.bool)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        try:
+            torch.compile(attend, fullgraph=True, backend="eager")(torch.randn(3, 8, 8), torch.tensor([True, False, True]))
+        except torch._dynamo.exc.UserError:
+            return False
+        finally:
+            torch._dynamo.reset()
+    return True
 
 
 @pytest.mark.parametrize("path", ["module", "step-opt"])
@@ -67,6 +94,9 @@ def test_two_tower_models_train_like_eager_on_lanes(name, path, one_layer):
 
 @pytest.mark.parametrize("name", VISION_LANGUAGE)
 def test_vision_language_models_train_like_eager_whole(name, one_layer):
+    if name == "idefics3" and not attention_takes_a_batch_sized_by_values():
+        _check(name, "step-opt", fallback="does not trace as one graph (Could not guard")  # the module path, and why
+        return
     out = _check(name, "step-opt")
     assert out.graphs == ["frame0_0[i:1]"], out.graphs
 
