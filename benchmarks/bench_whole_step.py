@@ -207,8 +207,8 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 
 
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
-                 "apollo-step-opt-budget", "apollo-step-opt-budget-lanes", "apollo-step-opt-first-step-pool", "apollo-step-opt-mb2",
-                 "apollo-step-opt-mb4")
+                 "apollo-step-opt-budget", "apollo-step-opt-budget-lanes", "apollo-step-opt-first-step-pool",
+                 "apollo-step-opt-mb2", "apollo-step-opt-mb4")
 
 
 def updates_inside(variant: str) -> bool:
