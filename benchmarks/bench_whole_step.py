@@ -66,6 +66,8 @@ VARIANT_HELP = {
     "apollo-step-opt-budget": "apollo-step-opt with memory_budget=--budget",
     "apollo-step-opt-budget-lanes": "apollo-step-opt-budget replaying its lanes, unmeasured (runtime/choice.Fixed): "
                                     "what the budget's memory bound declines",
+    "apollo-step-opt-fused-baseline": "apollo-step-opt re-running, without a budget, the pointwise work a partition "
+                                      "re-runs by itself (passes.step_recompute.FUSED_BASELINE on)",
     "apollo-step-opt-mb2": "apollo-step-opt with micro_batches=2: the batch in 2 slices inside the one graph",
     "apollo-step-opt-mb4": "apollo-step-opt with micro_batches=4",
     "apollo-accum2": "apollo on the module, the batch in 2 micro-batches one call each (gradient accumulation, "
@@ -208,7 +210,7 @@ def loss_fn(name: str, step_fn: Callable) -> Callable[[torch.Tensor, torch.Tenso
 
 STEP_VARIANTS = ("inductor-ro-step", "apollo-step", "apollo-step-1lane", "apollo-step-opt", "apollo-step-opt-inductor",
                  "apollo-step-opt-budget", "apollo-step-opt-budget-lanes", "apollo-step-opt-first-step-pool",
-                 "apollo-step-opt-mb2", "apollo-step-opt-mb4")
+                 "apollo-step-opt-fused-baseline", "apollo-step-opt-mb2", "apollo-step-opt-mb4")
 
 
 def updates_inside(variant: str) -> bool:
@@ -410,7 +412,8 @@ def runtime_for(variant: str, budget: float = DEFAULT_BUDGET) -> contextlib.Abst
     """What a variant runs under, for the whole variant (compile and steps): Inductor's
     activation_memory_budget, the memory pool apollo's first steps run in
     (runtime/graph_pool.py, FIRST_STEP_POOL), or whether a backward's side lanes write their
-    gradients into main-allocated memory (passes/main_allocated.py), or the runtime it replays."""
+    gradients into main-allocated memory (passes/main_allocated.py), the runtime it replays, or
+    whether a whole step without a budget re-runs pointwise work (passes/step_recompute.py)."""
     if variant == "inductor-ro-amb":
         return torch._functorch.config.patch(activation_memory_budget=budget)
     if variant.endswith("-first-step-pool"):
@@ -418,6 +421,10 @@ def runtime_for(variant: str, budget: float = DEFAULT_BUDGET) -> contextlib.Abst
 
         kinds = frozenset() if variant.endswith("-no-first-step-pool") else graph_pool.FIRST_STEP_POOL | {"inference"}
         return mock.patch.object(graph_pool, "FIRST_STEP_POOL", kinds)
+    if variant.endswith("-fused-baseline"):
+        from apollo_compile.passes import step_recompute
+
+        return mock.patch.object(step_recompute, "FUSED_BASELINE", True)
     if variant.endswith("-budget-lanes"):
         from apollo_compile.runtime import choice
 

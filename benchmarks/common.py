@@ -518,7 +518,8 @@ def apollo_diagnostics(row: dict, name: str):
                 if ckpt is not None:
                     entry["checkpoint"] = ckpt.summary()  # predicted peaks and bytes, per_block, relaxed, met
                 summaries = {k: g.summary() for k, g in plan.graphs.items()}
-                keys = ("lanes", "cuda_graph", "fallback", "offload", "compile_s", "main_allocated")
+                # "checkpoint" per graph: a whole step's re-runs (its inference graph's recompute decision)
+                keys = ("lanes", "cuda_graph", "fallback", "offload", "compile_s", "main_allocated", "checkpoint")
                 entry["graphs"] = {k: {key: summary.get(key) for key in keys} for k, summary in summaries.items()}
                 row["apollo"].append(entry)
             for w in row["warnings"]:

@@ -299,3 +299,43 @@ def test_a_fraction_saves_as_much_as_on_the_module_path(monkeypatch):
     # counted from the graph as traced, the step's target was 1.27x the module path's
     assert whole.targets["*"] <= 1.1 * module.targets["*"]
     assert whole.peak_after <= 1.1 * module.peak_after and whole.peak_after <= 0.45 * whole.peak_traced
+
+
+def test_without_a_budget_the_fused_baseline_re_runs_what_a_partition_would(monkeypatch):
+    """step_recompute.FUSED_BASELINE on, no budget: the whole step re-runs the pointwise work a
+    partition re-runs by itself (docs/design/checkpointing.md#whole-step-baseline), holds less at
+    the backward's peak than as traced, and trains like eager over three AdamW steps. Planned as
+    under Inductor, the subgraphs run eagerly (helpers.eager_subgraphs). Off (the default), a step
+    without a budget re-runs nothing: test_a_budget_of_one_changes_nothing."""
+    from apollo_compile.passes import step_recompute
+
+    eager_subgraphs(monkeypatch)
+    monkeypatch.setattr(step_recompute, "FUSED_BASELINE", True)
+    g = torch.Generator().manual_seed(0)
+    model = small_hf_clip()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = adamw(model), adamw(ref)
+
+    def step(ids, pixels):
+        out = model(input_ids=ids, pixel_values=pixels, return_loss=True)
+        out.loss.backward()
+        return out.loss.detach()
+
+    compiled = apollo_compile.compile_step(step, optimizer=opt)
+    for i in range(3):
+        ids, pixels = torch.randint(0, 99, (8, 16), generator=g), torch.randn(8, 3, 32, 32, generator=g)
+        loss = compiled(ids, pixels)
+        ref_loss = ref(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOLERANCE["inductor"])
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **PARAMS, msg=lambda m: f"step {i} param {name}: {m}")
+    assert compiled.fallback_reason is None
+    plan = step_plan()
+    decision = plan.checkpoint
+    assert decision.budget is None and decision.baseline == "fused-pointwise"
+    assert decision.recomputed and decision.copies and not decision.added and decision.extra_us == 0
+    assert decision.peak_after < decision.peak_before == decision.peak_traced
+    assert len(plan.decisions["lanes"].lanes) >= 2

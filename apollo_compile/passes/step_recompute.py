@@ -42,7 +42,13 @@ from .recompute_planner import GLOBAL, Planner, fused_for_free
 
 log = logging.getLogger("apollo_compile")
 
-__all__ = ["StepRecomputeDecision", "label", "run"]
+__all__ = ["FUSED_BASELINE", "StepRecomputeDecision", "label", "run"]
+
+# Without a budget a whole step's graph saves all that autograd saved, where the module path's
+# min-cut partition re-runs cheap pointwise work by itself. On, such a step re-runs that work too
+# (the plain state below; docs/design/checkpointing.md#whole-step-baseline). Off until a GPU run
+# shows its time: bench_whole_step's apollo-step-opt-fused-baseline against apollo-step-opt.
+FUSED_BASELINE = False
 
 
 @dataclass
@@ -58,9 +64,12 @@ class StepRecomputeDecision(checkpoint.CheckpointDecision):
 
 def run(gm: torch.fx.GraphModule, ctx) -> StepRecomputeDecision | None:
     """Re-run forward ops in the backward of a whole step's graph so its saved activations keep
-    within ``ctx.options.memory_budget`` (the module docstring says how)."""
+    within ``ctx.options.memory_budget`` (the module docstring says how); without a budget, with
+    :data:`FUSED_BASELINE` on, re-run what a partition would by itself."""
     budget = ctx.options.memory_budget
-    if budget is None or ctx.kind != "inference":
+    fuses_pointwise = ctx.options.subgraph_compiler == "inductor"
+    baseline_only = budget is None and FUSED_BASELINE and fuses_pointwise
+    if ctx.kind != "inference" or (budget is None and not baseline_only):
         return None
     nodes = list(gm.graph.nodes)
     backward = modality.backward_nodes(gm, ctx.kind)
@@ -72,7 +81,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> StepRecomputeDecision | None:
     per_modality = isinstance(budget, Mapping)
     labels = modality.labels_of(gm, ctx) if per_modality else {}
     planner = Planner(gm, None, ctx.device, labels, per_modality,
-                      fuses_pointwise=ctx.options.subgraph_compiler == "inductor",
+                      fuses_pointwise=fuses_pointwise,
                       memory_bound_first=checkpoint.MEMORY_BOUND_FIRST, forward=forward,
                       pinned=_pinned(gm, nodes, forward, later))
     traced_saved, traced_rerun = planner.close(set())
@@ -81,6 +90,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> StepRecomputeDecision | None:
     plain_saved, plain_rerun = planner.close(start)
     before, peak_before = planner.peaks(plain_saved, plain_rerun)
     bytes_before = sum(planner.by_key(plain_saved).values())
+    if baseline_only:
+        return _fused_baseline(gm, planner, later, (plain_saved, plain_rerun, before, peak_before),
+                               sum(planner.by_key(traced_saved).values()), peak_traced, ctx.name)
     targets = checkpoint.targets_of(budget, before, peak_before, ctx.name)
     decision = StepRecomputeDecision(  # "after" is the graph as traced until a state is recorded
         budget=budget, targets=targets, bytes_before=bytes_before,
@@ -107,6 +119,26 @@ def run(gm: torch.fx.GraphModule, ctx) -> StepRecomputeDecision | None:
     log.info("apollo: %s recompute: predicted peak activations %d -> %d bytes (%d as traced; saved %d -> %d), "
              "%d ops recomputed (%d copies), +%.1f us", ctx.name, peak_before, decision.peak_after, peak_traced,
              bytes_before, decision.bytes_after, len(decision.recomputed), len(decision.copies), decision.extra_us)
+    return decision
+
+
+def _fused_baseline(gm: torch.fx.GraphModule, planner: Planner, later: list[torch.fx.Node], plain: tuple,
+                    bytes_traced: int, peak_traced: int, name: str) -> StepRecomputeDecision:
+    """The graph rewritten to the plain state (`plain`: saved, re-run, peaks per key, peak), no
+    budget: `before` is the graph as traced, `after` that state; nothing beyond it is re-run."""
+    saved, rerun, after, peak_after = plain
+    decision = StepRecomputeDecision(
+        budget=None, targets={}, bytes_before=bytes_traced, bytes_after=bytes_traced, peak_before=peak_traced,
+        peak_after=peak_traced, baseline="fused-pointwise", peak_traced=peak_traced)
+    if not rerun:
+        return decision
+    checkpoint.record(decision, planner, rerun, (saved, rerun, after, peak_after, True))
+    decision.copies = _rewrite(gm, planner, rerun, later)
+    gm.graph.lint()
+    gm.recompile()
+    log.info("apollo: %s re-runs what a partition would, no budget: predicted peak activations %d -> %d bytes, "
+             "%d ops recomputed (%d copies)", name, peak_traced, peak_after, len(decision.recomputed),
+             len(decision.copies))
     return decision
 
 
