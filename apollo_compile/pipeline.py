@@ -86,7 +86,7 @@ JOINT_PASSES: list[tuple[str, Pass]] = [
 GRAPH_PASSES: list[tuple[str, Pass]] = [
     ("sync_free", sync_free.run),  # ops that report an output size to the host, where it is known: capturable
     ("gradients", gradients.run),  # whole step: a new .grad is the gradient itself, not a copy
-    ("recompute", step_recompute.run),  # whole step, memory_budget: the backward re-runs chosen forward ops
+    ("recompute", step_recompute.run),  # whole step, memory_budget or FUSED_BASELINE: the backward re-runs forward ops
     ("updates", updates.run),  # whole step with its optimizer: each update right after its gradient
     ("modality", modality.run),  # label every node by tower: vision, text, ..., fusion for joins
     ("update_lists", update_lists.run),  # whole step: a list update split by tower, cut into launch-sized parts

@@ -14,6 +14,9 @@
    order the planner simulates), and the later nodes read the copies: the original dies at its
    last forward reader.
 
+Without a budget the graph stays as traced, unless :data:`FUSED_BASELINE` is on: then it is
+rewritten to step 2's starting state, what a partition re-runs by itself, and nothing more.
+
 Random ops are never re-run (their outputs stay saved), nor ops whose values the graph returns; a
 copy reads only saved values, graph inputs and other copies. The pass runs before ``updates``,
 which then places an optimizer's write into a parameter after the copies that read it.
