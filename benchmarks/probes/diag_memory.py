@@ -151,13 +151,18 @@ def reserved_peak(trace: list[dict], phases: list[dict], k: int, segments: list[
     freed_later = {e["addr"] for e in trace[index + 1:] if e["action"] in shrink}  # its address may be remade
     lines.append(f"  highest: {peak / 2**30:.3f} GiB, in {names.get(in_phase, in_phase)}; segments held there, by the "
                  f"line that made them and the pool that holds them after the run:")
-    groups, counts = collections.Counter(), collections.Counter()
+    groups, counts, by_stream = collections.Counter(), collections.Counter(), collections.Counter()
+    streams = {e.get("stream") for e in live.values()}  # a pool captured on lanes: a high-water mark per stream
     for e in live.values():
         pool = "released later" if e["addr"] in freed_later else pool_of.get(e["addr"], "?")
-        key = f"[{pool}] {where(e.get('frames', []))}"
+        stream = f", stream {e.get('stream')}" if len(streams) > 1 else ""
+        key = f"[{pool}{stream}] {where(e.get('frames', []))}"
         groups[key] += e["size"]
         counts[key] += 1
-    lines += [f"    {b / 2**30:6.3f} GiB x{counts[g]:<4d} {g}" for g, b in groups.most_common(16)]
+        by_stream[e.get("stream")] += e["size"]
+    if len(streams) > 1:
+        lines.append("    by stream: " + ", ".join(f"{k}: {b / 2**30:.3f} GiB" for k, b in by_stream.most_common()))
+    lines += [f"    {b / 2**30:6.3f} GiB x{counts[g]:<4d} {g}" for g, b in groups.most_common(24)]
     return "\n".join(lines)
 
 
