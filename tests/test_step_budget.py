@@ -262,6 +262,32 @@ def small_hf_clip():
     return transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=32))
 
 
+def clip_step_with_reference():
+    """small_hf_clip()'s whole step (forward, loss, backward), its AdamW, and an eager copy with its
+    own AdamW to train beside it."""
+    model = small_hf_clip()
+    ref = copy.deepcopy(model)
+
+    def step(ids, pixels):
+        out = model(input_ids=ids, pixel_values=pixels, return_loss=True)
+        out.loss.backward()
+        return out.loss.detach()
+
+    return step, model, adamw(model), ref, adamw(ref)
+
+
+def step_like_eager(compiled, model, ref, ref_opt, ids, pixels, i=0) -> None:
+    """One call of `compiled` (AdamW inside) against eager's step on `ref`: the loss and every parameter."""
+    loss = compiled(ids, pixels)
+    ref_loss = ref(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad(set_to_none=True)
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOLERANCE["inductor"])
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **PARAMS, msg=lambda m: f"step {i} param {name}: {m}")
+
+
 def test_a_fraction_saves_as_much_as_on_the_module_path(monkeypatch):
     """docs/design/checkpointing.md#whole-step-baseline: planned as under Inductor (its
     decompositions, pointwise work fused), the whole step's fraction is of the state a partition
@@ -272,22 +298,9 @@ def test_a_fraction_saves_as_much_as_on_the_module_path(monkeypatch):
     eager_subgraphs(monkeypatch)
     g = torch.Generator().manual_seed(0)
     ids, pixels = torch.randint(0, 99, (8, 16), generator=g), torch.randn(8, 3, 32, 32, generator=g)
-    model = small_hf_clip()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = adamw(model), adamw(ref)
-
-    def step(ids, pixels):
-        out = model(input_ids=ids, pixel_values=pixels, return_loss=True)
-        out.loss.backward()
-        return out.loss.detach()
-
-    loss = apollo_compile.compile_step(step, optimizer=opt, options={"memory_budget": 0.5})(ids, pixels)
-    ref_loss = ref(input_ids=ids, pixel_values=pixels, return_loss=True).loss
-    ref_loss.backward()
-    ref_opt.step()
-    torch.testing.assert_close(loss, ref_loss.detach(), **TOLERANCE["inductor"])
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, **PARAMS, msg=lambda m: f"param {name}: {m}")
+    step, model, opt, ref, ref_opt = clip_step_with_reference()
+    compiled = apollo_compile.compile_step(step, optimizer=opt, options={"memory_budget": 0.5})
+    step_like_eager(compiled, model, ref, ref_opt, ids, pixels)
     whole = step_plan().checkpoint
     assert whole.baseline == "fused-pointwise" and whole.peak_before < whole.peak_traced
     assert whole.recomputed and whole.met and whole.peak_after <= whole.targets["*"] == int(0.5 * whole.peak_before)
@@ -312,26 +325,11 @@ def test_without_a_budget_the_fused_baseline_re_runs_what_a_partition_would(monk
     eager_subgraphs(monkeypatch)
     monkeypatch.setattr(step_recompute, "FUSED_BASELINE", True)
     g = torch.Generator().manual_seed(0)
-    model = small_hf_clip()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = adamw(model), adamw(ref)
-
-    def step(ids, pixels):
-        out = model(input_ids=ids, pixel_values=pixels, return_loss=True)
-        out.loss.backward()
-        return out.loss.detach()
-
+    step, model, opt, ref, ref_opt = clip_step_with_reference()
     compiled = apollo_compile.compile_step(step, optimizer=opt)
     for i in range(3):
         ids, pixels = torch.randint(0, 99, (8, 16), generator=g), torch.randn(8, 3, 32, 32, generator=g)
-        loss = compiled(ids, pixels)
-        ref_loss = ref(input_ids=ids, pixel_values=pixels, return_loss=True).loss
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        torch.testing.assert_close(loss, ref_loss.detach(), **TOLERANCE["inductor"])
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, **PARAMS, msg=lambda m: f"step {i} param {name}: {m}")
+        step_like_eager(compiled, model, ref, ref_opt, ids, pixels, i)
     assert compiled.fallback_reason is None
     plan = step_plan()
     decision = plan.checkpoint
