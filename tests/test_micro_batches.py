@@ -31,6 +31,7 @@ from apollo_compile import ApolloFallbackWarning, ApolloOptionsError
 from apollo_compile.annotations import info
 from apollo_compile.nodes import deterministic_attention
 from apollo_compile.report.explain import Report
+from apollo_compile.runtime import subgraphs
 from apollo_compile.step import micro_batches, whole_step
 from helpers import TOLERANCE, backward_step, one_layer_hf_zoo
 from models import TwoTower, checkpoint_blocks, two_tower_inputs
@@ -82,9 +83,10 @@ def micro_batch_of(modality: str) -> int | None:
 
 def assert_one_chain_per_micro_batch(graph, k):
     """Every micro-batch's nodes are labelled with it; no subgraph holds two micro-batches; the
-    micro-batches run on lanes of their own (at least two), and none of a micro-batch's subgraphs
-    waits for another micro-batch's: the chains are branches side by side, joined only by the
-    gradients' sums (``fusion``) after them."""
+    micro-batches run on lanes of their own (at least two), side by side: each chain's first
+    subgraph waits for no other micro-batch's, and a later one waits for another micro-batch's
+    subgraph only where it sums the gradients that subgraph made (``fusion`` nodes on the chain's
+    lane: docs/design/lanes.md#staggered-sums)."""
     assert graph.fallback is None
     cut = graph.decisions["lanes"]
     owner: dict[int, int] = {}
@@ -100,9 +102,16 @@ def assert_one_chain_per_micro_batch(graph, k):
         for j in range(i + 1, k):
             assert not lanes[i] & lanes[j], lanes
     assert len(set().union(*lanes.values())) >= 2, lanes
+    order = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
+    first = {mb: min((s for s, m in owner.items() if m == mb), key=lambda s: order[cut.subgraphs[s].nodes[0]])
+             for mb in range(k)}
     for sg_id, mb in owner.items():
         waits_for = {owner[a] for a in nx.ancestors(cut.dag, sg_id) if a in owner} - {mb}
-        assert not waits_for, (sg_id, mb, waits_for)
+        if sg_id == first[mb]:
+            assert not waits_for, (sg_id, mb, waits_for)
+        direct = {owner[a] for a in cut.dag.predecessors(sg_id) if a in owner} - {mb}
+        if direct:
+            assert any(info(n).modality == "fusion" for n in cut.subgraphs[sg_id].nodes), (sg_id, mb, direct)
 
 
 # ---------------------------------------------------------------------------- training
@@ -300,8 +309,9 @@ def test_a_token_mean_over_the_whole_batch_takes_its_count_over_k():
 
 def test_micro_batched_lanes_listing():
     """A golden summary of a micro-batched whole step (two-tower, k=2): each micro-batch's towers
-    and its loss on lanes of their own, the gradients' sums, the mean loss and AdamW's update joined
-    on the main lane after both chains."""
+    and its loss on lanes of their own, each gradient's sum on the lane of the second micro-batch's
+    tower that made it (``fusion`` there), the mean loss and AdamW's update on the main lane after
+    both chains."""
     torch.manual_seed(0)
     model = TwoTower(width=16, embed=8, layers=1)
     opt = torch.optim.AdamW(model.parameters())
@@ -310,26 +320,52 @@ def test_micro_batched_lanes_listing():
     step(*two_tower_inputs(batch=4))
     graph = micro_batched_graph(2)
     report = str(Report(apollo_compile.plans()))  # what apollo_compile's report shows of the lanes
-    assert "lane 1: text@mb0 | lane 2: fusion@mb0 | lane 3: vision@mb1" in report, report
+    assert "lane 0: fusion, vision@mb1 | lane 1: vision@mb0 | lane 2: text@mb0 | lane 3: fusion@mb0" in report, report
     counts = Counter((info(n).lane, info(n).modality, "backward" if info(n).backward else "forward")
                      for n in graph.gm.graph.nodes if n.op == "call_function")
     listing = "\n".join(f"lane {lane}  {modality:<12} {part:<8} {n} ops"
                         for (lane, modality, part), n in sorted(counts.items()))
     assert_expected_inline(listing, """\
-lane 0  fusion       backward 146 ops
+lane 0  fusion       backward 129 ops
 lane 0  fusion       forward  40 ops
-lane 0  vision@mb0   backward 113 ops
-lane 0  vision@mb0   forward  59 ops
-lane 1  text@mb0     backward 100 ops
-lane 1  text@mb0     forward  56 ops
-lane 2  fusion@mb0   backward 10 ops
-lane 2  fusion@mb0   forward  16 ops
-lane 3  vision@mb1   backward 113 ops
-lane 3  vision@mb1   forward  59 ops
+lane 0  vision@mb1   backward 110 ops
+lane 0  vision@mb1   forward  59 ops
+lane 1  vision@mb0   backward 113 ops
+lane 1  vision@mb0   forward  59 ops
+lane 2  text@mb0     backward 100 ops
+lane 2  text@mb0     forward  56 ops
+lane 3  fusion@mb0   backward 10 ops
+lane 3  fusion@mb0   forward  16 ops
+lane 4  fusion       backward 17 ops
 lane 4  text@mb1     backward 100 ops
 lane 4  text@mb1     forward  56 ops
 lane 5  fusion@mb1   backward 10 ops
 lane 5  fusion@mb1   forward  16 ops""")
+
+
+def test_each_gradient_is_summed_on_its_lane_into_the_earlier_one():
+    """docs/design/lanes.md#staggered-sums: the sum of two micro-batches' gradients runs on the
+    lane of the micro-batch that made the later one, in a subgraph that writes it into the earlier
+    gradient's memory (one buffer per parameter, as eager accumulation keeps), and the earlier
+    micro-batch's lanes are cut so that no sum waits for a whole chain."""
+    torch.manual_seed(0)
+    model = TwoTower(width=16, embed=8, layers=2)
+    step = apollo_compile.compile_step(backward_step(model), optimizer=torch.optim.AdamW(model.parameters()),
+                                       micro_batches=2, options=EAGER)
+    step(*two_tower_inputs(batch=4))
+    graph = micro_batched_graph(2)
+    cut = graph.decisions["lanes"]
+    sums = [n for n in graph.gm.graph.nodes if n.target is torch.ops.aten.add.Tensor and info(n).modality == "fusion"
+            and sorted(micro_batch_of(info(a).modality) for a in n.args[:2]) == [0, 1]]
+    assert len(sums) == sum(1 for p in model.parameters() if p.requires_grad), len(sums)
+    for n in sums:
+        earlier, later = sorted(n.args[:2], key=lambda a: micro_batch_of(info(a).modality))
+        assert info(n).lane == info(later).lane != info(earlier).lane, n
+        into = subgraphs.written_in_place(cut.subgraphs[info(n).subgraph])
+        assert earlier in into.values(), (n, into)
+    chain_lanes = {info(a).lane for n in sums for a in n.args[:2] if micro_batch_of(info(a).modality) == 0}
+    for lane in chain_lanes:
+        assert sum(sg.lane == lane for sg in cut.subgraphs) > 1, lane
 
 
 # ---------------------------------------------------------------------------- what k and the batch may be

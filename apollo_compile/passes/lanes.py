@@ -20,7 +20,9 @@ The rules the cut keeps, each with its reason in docs/design/lanes.md:
 - a write into an input comes after every earlier reader of it (#writes-after-readers);
 - an item of a multi-output op stays in that op's subgraph (#items-with-tuple);
 - every symbol a subgraph's sizes name is bound by one of its inputs (#symbols);
-- a backward keeps its forward's tower on the main lane (#costliest-on-main).
+- a backward keeps its forward's tower on the main lane (#costliest-on-main);
+- a sum of micro-batches' gradients runs on its later chain's lane, as soon as both exist
+  (#staggered-sums).
 """
 
 from __future__ import annotations
@@ -35,8 +37,13 @@ from torch.fx.experimental.symbolic_shapes import free_symbols, is_symbol_bindin
 
 from ..annotations import FUSION, info
 from ..lane_plan import COMPUTE_OPS, LanePlan, Subgraph
-from ..nodes import is_random, readers_of, written_inputs
+from ..nodes import is_elementwise, is_random, readers_of, written_inputs
 from . import boundary
+
+# A chain whose gradients a later micro-batch's sums read is cut into about this many subgraphs,
+# so each sum waits for the part of the chain that made its operand, not for the whole chain
+# (docs/design/lanes.md#staggered-sums).
+STAGGER_PIECES = 8
 
 
 def assign_lanes(nodes: list[torch.fx.Node], max_lanes: int | None) -> tuple[dict[str, int], str]:
@@ -95,15 +102,52 @@ def assign_lanes(nodes: list[torch.fx.Node], max_lanes: int | None) -> tuple[dic
     return lane, reason
 
 
-def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[Subgraph], nx.DiGraph]:
+def micro_batch_sums(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> dict[torch.fx.Node, int]:
+    """A sum joining micro-batch chains' gradients -> the lane of its later operand
+    (docs/design/lanes.md#staggered-sums): an elementwise ``add`` labelled a join whose two operands
+    are on different lanes, each a micro-batch's value (``<label>@mb<i>``) or such a sum."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    sums: dict[torch.fx.Node, int] = {}
+    for n in nodes:
+        if info(n).modality != FUSION or n.target is not torch.ops.aten.add.Tensor or not is_elementwise(n):
+            continue
+        operands = [a for a in n.args[:2] if isinstance(a, torch.fx.Node)]
+        if len(operands) != 2 or len(set(operands)) != 2:
+            continue
+        lanes = [sums[a] if a in sums else lane_of.get(info(a).modality) if "@mb" in (info(a).modality or "")
+                 else None for a in operands]
+        if None not in lanes and lanes[0] != lanes[1]:
+            sums[n] = lanes[0] if pos[operands[0]] > pos[operands[1]] else lanes[1]
+    return sums
+
+
+def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int],
+            lane_of_node: dict[torch.fx.Node, int] | None = None) -> tuple[list[Subgraph], nx.DiGraph]:
     """Cut the graph into per-lane subgraphs with an acyclic dependency DAG
     (docs/design/lanes.md#acyclic); `wire` then gives them their inputs and outputs. A node that
     reads another lane's value only for its own lane's later use is placed with that use
-    (docs/design/lanes.md#wait-where-read)."""
+    (docs/design/lanes.md#wait-where-read). `lane_of_node` places nodes off their modality's lane
+    (micro-batch sums): such a node starts a subgraph where it waits for another lane, and the lane
+    that made its other operand is cut after it, in :data:`STAGGER_PIECES` parts by cost
+    (docs/design/lanes.md#staggered-sums)."""
     subgraphs: list[Subgraph] = []
     dag = nx.DiGraph()
     open_sg: dict[int, Subgraph] = {}
+    closed: set[int] = set()  # lanes whose open subgraph takes no more nodes
     held: dict[torch.fx.Node, None] = {}  # placed with their first reader, graph order
+    placed_on = dict(lane_of_node or {})
+
+    def lane_for(n: torch.fx.Node) -> int:
+        return placed_on.get(n, lane_of.get(info(n).modality, 0))
+
+    # the operands a sum reads from another lane, and the cost of a piece of their lane
+    cut_after = {a for n, lane in placed_on.items() for a in n.args[:2]
+                 if isinstance(a, torch.fx.Node) and lane_for(a) != lane}
+    lane_cost: dict[int, float] = {}
+    for n in nodes:
+        if n.op in COMPUTE_OPS:
+            lane_cost[lane_for(n)] = lane_cost.get(lane_for(n), 0.0) + info(n).est_us
+    piece_us = {lane: cost / STAGGER_PIECES for lane, cost in lane_cost.items()}
 
     def take_held(n: torch.fx.Node, chain: list[torch.fx.Node]) -> None:
         """The held nodes `n` reads, transitively, each after those it reads, out of `held`."""
@@ -121,7 +165,7 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
             return
         chain: list[torch.fx.Node] = []
         take_held(n, chain)
-        lane = lane_of.get(info(n).modality, 0)
+        lane = lane_for(n)
         deps = {info(a).subgraph for a in n.all_input_nodes if info(a).subgraph is not None}
         through_held = {info(a).subgraph for h in chain for a in h.all_input_nodes if info(a).subgraph is not None}
         # a write into a graph input waits for every earlier reader of that input
@@ -130,21 +174,26 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
                  if r is not n and info(r).subgraph is not None}
         deps |= through_held
         cur = open_sg.get(lane)
-        if (cur is None or any(d != cur.id and nx.has_path(dag, cur.id, d) for d in deps)
-                # what the held nodes wait for starts a new subgraph rather than hold up the open one
-                or any(d != cur.id and not nx.has_path(dag, d, cur.id) for d in through_held)):
+        waits_here = through_held | (deps if n in placed_on else set())
+        if (cur is None or lane in closed or any(d != cur.id and nx.has_path(dag, cur.id, d) for d in deps)
+                # what the held nodes (or a sum placed off its modality's lane) wait for starts a
+                # new subgraph rather than hold up the open one
+                or any(d != cur.id and not nx.has_path(dag, d, cur.id) for d in waits_here)):
             new = Subgraph(len(subgraphs), lane)
             subgraphs.append(new)
             dag.add_node(new.id)
             if cur is not None:
                 dag.add_edge(cur.id, new.id)
             cur = open_sg[lane] = new
+            closed.discard(lane)
         for m in (*chain, n):
             cur.nodes.append(m)
             info(m).lane, info(m).subgraph = lane, cur.id
         for d in deps:
             if d != cur.id:
                 dag.add_edge(d, cur.id)
+        if n in cut_after and cur.est_us >= piece_us.get(lane, 0.0):
+            closed.add(lane)
 
     def place_held(h: torch.fx.Node) -> None:
         if h in held:
@@ -157,7 +206,7 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
         if held and (n.is_impure() or written_inputs(n)):  # every reader before a write, as in the graph
             for h in list(held):
                 place_held(h)
-        if waits_across_lanes(n, lane_of):
+        if n not in placed_on and waits_across_lanes(n, lane_of, lane_for):
             held[n] = None
         else:
             place(n)
@@ -166,17 +215,18 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> tuple[list[S
     return subgraphs, dag
 
 
-def waits_across_lanes(n: torch.fx.Node, lane_of: dict[str, int]) -> bool:
+def waits_across_lanes(n: torch.fx.Node, lane_of: dict[str, int], lane_for=None) -> bool:
     """Whether `n` reads a value another lane makes and only its own lane reads `n` (docs/design/lanes.md#wait-where-read): a pure op with one tensor value, not a join (which
-    waits for its towers whatever it reads)."""
-    lane = lane_of.get(info(n).modality, 0)
+    waits for its towers whatever it reads). `lane_for`: a node's lane, where not its modality's."""
+    lane_for = lane_for or (lambda x: lane_of.get(info(x).modality, 0))
+    lane = lane_for(n)
     if (info(n).modality == FUSION or n.op != "call_function" or n.target is operator.getitem
             or n.is_impure() or is_random(n) or written_inputs(n)
             or not isinstance(n.meta.get("val"), torch.Tensor) or not n.users):
         return False
-    if any(u.op not in COMPUTE_OPS or lane_of.get(info(u).modality, 0) != lane for u in n.users):
+    if any(u.op not in COMPUTE_OPS or lane_for(u) != lane for u in n.users):
         return False
-    return any(a.op in COMPUTE_OPS and lane_of.get(info(a).modality, 0) != lane for a in n.all_input_nodes)
+    return any(a.op in COMPUTE_OPS and lane_for(a) != lane for a in n.all_input_nodes)
 
 
 def wire(subgraphs: list[Subgraph], nodes: list[torch.fx.Node], dag: nx.DiGraph) -> nx.DiGraph:
@@ -337,7 +387,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
     for n in nodes:
         info(n).lane = info(n).subgraph = None
     lane_of, reason = assign_lanes(nodes, ctx.options.max_lanes)
-    subgraphs, dag = segment(nodes, lane_of)
+    micro_batched = (ctx.decisions.get("modality") or {}).get("micro_batches")
+    sums = micro_batch_sums(nodes, lane_of) if micro_batched else {}
+    subgraphs, dag = segment(nodes, lane_of, sums)
     recomputed = boundary.recompute_crossings(subgraphs, gm.graph)  # docs/design/lanes.md#boundary-recompute
     if recomputed["recomputed"]:
         gm.graph.lint()

@@ -5,7 +5,7 @@ the order the codegen pass expects. ``inductor`` compiles it with ``compile_fx_i
 Inductor itself runs on each AOTAutograd graph), ``eager`` runs the ATen ops as they are. Two
 values are written into memory the subgraph is handed rather than a buffer of its own: a
 main-allocated gradient (``mm_into``) and an elementwise chain's result where the chain is the last
-reader of an input made on its lane (:func:`written_in_place`).
+reader of an input (:func:`written_in_place`).
 """
 
 from __future__ import annotations
@@ -71,19 +71,21 @@ def extract(gm: torch.fx.GraphModule, sg: Subgraph) -> torch.fx.GraphModule:
 def written_in_place(sg: Subgraph) -> dict[torch.fx.Node, torch.fx.Node]:
     """value -> the input of `sg` whose memory it is written into.
     An elementwise chain in `sg` that is the only reader of an input's memory ends by writing its
-    value there, where the input was made on this lane: the sum of micro-batches' gradients takes
-    the first micro-batch's memory rather than a buffer of its own
-    (docs/design/whole-step.md#what-micro-batches-cost). Inductor fuses the chain and the ``copy_``
-    into one kernel writing the input. The input is a value of this graph that nothing else reads
-    (not a graph input, not returned, no other view of its memory read), made by an op whose output
-    aliases nothing; the chain has its shape, dtype and strides throughout."""
+    value there: the sum of micro-batches' gradients takes the first micro-batch's memory rather
+    than a buffer of its own (docs/design/whole-step.md#what-micro-batches-cost). Inductor fuses the
+    chain and the ``copy_`` into one kernel writing the input. The input is a value of this graph
+    that nothing else reads (not a graph input, not returned, no other view of its memory read),
+    made by an op whose output aliases nothing; the chain has its shape, dtype and strides
+    throughout. An input another lane made qualifies too: `sg` waits for the subgraph that made it,
+    which never reads it again, and the runtime holds it until the lanes join (``keep_alive``), so
+    its stream cannot reuse the block before then, and the chain's result costs nothing beside it
+    (docs/design/lanes.md#staggered-sums)."""
     inside, found = set(sg.nodes), {}
     for a in sg.inputs:
         base = storage_node(a)
         target = getattr(base, "target", None)
         if (base.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or base in inside
-                or target._schema.is_mutable or any(r.alias_info is not None for r in target._schema.returns)
-                or info(base).lane != sg.lane):
+                or target._schema.is_mutable or any(r.alias_info is not None for r in target._schema.returns)):
             continue
         readers = readers_of(base)
         if len(readers) != 1 or readers[0] not in inside:
