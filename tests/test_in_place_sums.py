@@ -3,6 +3,8 @@ memory (runtime/subgraphs.py, ``written_in_place``): the sum of micro-batches' g
 first micro-batch's gradient's memory. The same results as without, and only
 where nothing else can see the memory change."""
 
+import operator
+
 import pytest
 import torch
 import torch.fx
@@ -136,3 +138,22 @@ def test_a_chain_reading_its_input_through_a_view_made_here_is_not_written():
     for n in gm.graph.nodes:
         info(n).lane = 0
     assert subgraphs.written_in_place(Subgraph(1, 0, rest, [mm, c], [mean])) == {}
+
+
+def test_an_item_of_a_tuple_op_is_written():
+    """A layer norm's or a convolution's weight gradient is an item of its backward op's tuple, a
+    tensor of its own: its sum is written into it like a matmul's."""
+    graph = torch.fx.Graph()
+    x, c = graph.placeholder("x"), graph.placeholder("c")
+    pair = graph.call_function(aten.aminmax.default, (x,), {"dim": 0})
+    low = graph.call_function(operator.getitem, (pair, 0))
+    mean = graph.call_function(aten.div.Tensor, (graph.call_function(aten.add.Tensor, (low, c)), 2))
+    graph.output((mean,))
+    gm = torch.fx.GraphModule({}, graph)
+    mode = FakeTensorMode()
+    FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.randn(4, 4)), mode.from_tensor(torch.randn(4)))
+    for n in gm.graph.nodes:
+        info(n).lane = 0
+    rest = [n for n in gm.graph.nodes if n.op == "call_function" and n not in (pair, low)]
+    assert {k.name: v.name for k, v in subgraphs.written_in_place(Subgraph(1, 0, rest, [low, c], [mean])).items()} \
+        == {mean.name: low.name}

@@ -11,6 +11,7 @@ reader of an input (:func:`written_in_place`).
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Callable
 
 import torch
@@ -75,17 +76,15 @@ def written_in_place(sg: Subgraph) -> dict[torch.fx.Node, torch.fx.Node]:
     than a buffer of its own (docs/design/whole-step.md#what-micro-batches-cost). Inductor fuses the
     chain and the ``copy_`` into one kernel writing the input. The input is a value of this graph
     that nothing else reads (not a graph input, not returned, no other view of its memory read),
-    made by an op whose output aliases nothing; the chain has its shape, dtype and strides
-    throughout. An input another lane made qualifies too: `sg` waits for the subgraph that made it,
-    which never reads it again, and the runtime holds it until the lanes join (``keep_alive``), so
-    its stream cannot reuse the block before then, and the chain's result costs nothing beside it
-    (docs/design/lanes.md#staggered-sums)."""
+    made by an op whose output aliases nothing (:func:`_fresh`); the chain has its shape, dtype and
+    strides throughout. An input another lane made qualifies too: `sg` waits for the subgraph that
+    made it, which never reads it again, and the runtime holds it until the lanes join
+    (``keep_alive``), so its stream cannot reuse the block before then, and the chain's result
+    costs nothing beside it (docs/design/lanes.md#staggered-sums)."""
     inside, found = set(sg.nodes), {}
     for a in sg.inputs:
         base = storage_node(a)
-        target = getattr(base, "target", None)
-        if (base.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or base in inside
-                or target._schema.is_mutable or any(r.alias_info is not None for r in target._schema.returns)):
+        if base in inside or not _fresh(base):
             continue
         readers = readers_of(base)
         if len(readers) != 1 or readers[0] not in inside:
@@ -100,6 +99,16 @@ def written_in_place(sg: Subgraph) -> dict[torch.fx.Node, torch.fx.Node]:
         if x not in found:
             found[x] = views[0]
     return found
+
+
+def _fresh(n: torch.fx.Node) -> bool:
+    """Whether `n` is a tensor of its own: the output of an ATen op that writes nothing and returns
+    no alias, or an item of such an op's tuple (a layer norm's or a convolution's weight gradient)."""
+    if n.op == "call_function" and n.target is operator.getitem:
+        n = n.args[0]
+    target = getattr(n, "target", None)
+    return (n.op == "call_function" and isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+            and not any(r.alias_info is not None for r in target._schema.returns))
 
 
 def _same_layout(n: torch.fx.Node, like: torch.fx.Node) -> bool:
