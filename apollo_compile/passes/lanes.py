@@ -399,6 +399,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
     dag = wire(subgraphs, nodes, dag)
     lane_of, moved, why = costliest_on_main(subgraphs, lane_of, frozenset(getattr(ctx, "forward_main_lane", None) or ()))
     reason += why
+    if sums:
+        pieces = sum(1 for sg in subgraphs if any(n in sums for n in sg.nodes))
+        reason += (f"; {len(sums)} gradient sums on their later micro-batch's lane, as each gradient is made, "
+                   f"in {pieces} subgraphs")
     lanes: dict[int, list[str]] = {}
     for m, lane in sorted(lane_of.items(), key=lambda kv: (kv[1], kv[0])):
         lanes.setdefault(lane, []).append(m)
