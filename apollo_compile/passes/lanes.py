@@ -28,6 +28,7 @@ The rules the cut keeps, each with its reason in docs/design/lanes.md:
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import networkx as nx
 import sympy
@@ -108,16 +109,21 @@ def micro_batch_sums(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> dic
     are on different lanes, each a micro-batch's value (``<label>@mb<i>``) or such a sum."""
     pos = {n: i for i, n in enumerate(nodes)}
     sums: dict[torch.fx.Node, int] = {}
+
+    def chain_lane(a: torch.fx.Node) -> int | None:
+        if a in sums:
+            return sums[a]
+        return lane_of.get(info(a).modality) if "@mb" in (info(a).modality or "") else None
+
     for n in nodes:
         if info(n).modality != FUSION or n.target is not torch.ops.aten.add.Tensor or not is_elementwise(n):
             continue
         operands = [a for a in n.args[:2] if isinstance(a, torch.fx.Node)]
-        if len(operands) != 2 or len(set(operands)) != 2:
+        if len(set(operands)) != 2:
             continue
-        lanes = [sums[a] if a in sums else lane_of.get(info(a).modality) if "@mb" in (info(a).modality or "")
-                 else None for a in operands]
-        if None not in lanes and lanes[0] != lanes[1]:
-            sums[n] = lanes[0] if pos[operands[0]] > pos[operands[1]] else lanes[1]
+        earlier, later = sorted(operands, key=pos.__getitem__)
+        if None not in (chain_lane(earlier), chain_lane(later)) and chain_lane(earlier) != chain_lane(later):
+            sums[n] = chain_lane(later)
     return sums
 
 
@@ -146,7 +152,8 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int],
     lane_cost: dict[int, float] = {}
     for n in nodes:
         if n.op in COMPUTE_OPS:
-            lane_cost[lane_for(n)] = lane_cost.get(lane_for(n), 0.0) + info(n).est_us
+            lane = lane_for(n)
+            lane_cost[lane] = lane_cost.get(lane, 0.0) + info(n).est_us
     piece_us = {lane: cost / STAGGER_PIECES for lane, cost in lane_cost.items()}
 
     def take_held(n: torch.fx.Node, chain: list[torch.fx.Node]) -> None:
@@ -215,7 +222,8 @@ def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int],
     return subgraphs, dag
 
 
-def waits_across_lanes(n: torch.fx.Node, lane_of: dict[str, int], lane_for=None) -> bool:
+def waits_across_lanes(n: torch.fx.Node, lane_of: dict[str, int],
+                       lane_for: Callable[[torch.fx.Node], int] | None = None) -> bool:
     """Whether `n` reads a value another lane makes and only its own lane reads `n` (docs/design/lanes.md#wait-where-read): a pure op with one tensor value, not a join (which
     waits for its towers whatever it reads). `lane_for`: a node's lane, where not its modality's."""
     lane_for = lane_for or (lambda x: lane_of.get(info(x).modality, 0))

@@ -2,11 +2,13 @@
 replayed as a CUDA graph: each gradient's sum runs on the lane of the micro-batch that made it
 last, written into the other micro-batch's gradient (docs/design/lanes.md#staggered-sums).
 
-A tiny HF LLaVA in fp32 (TF32 off), ``compile_step(step, optimizer=AdamW, micro_batches=k)``
-with the lanes replayed unmeasured (``choice.Fixed("lanes")``), against eager accumulation over
-the same slices; the loss and every parameter after each step, relative to its largest element,
-within 1e-3: float32 kernels of other shapes and orders, amplified by AdamW's normalisation, differ
-by up to 6e-5 on the CPU, where a sum racing its gradient's writer would be off by the whole gradient. ``--compiler eager`` runs ATen subgraphs (seconds to compile).
+bench_whole_step's tiny HF LLaVA (``hf-llava-tiny``) in fp32 (TF32 off), ``compile_step(step,
+optimizer=AdamW, micro_batches=k)`` with the lanes replayed unmeasured (``choice.Fixed("lanes")``),
+against eager accumulation over the same slices; the loss and every parameter after each step,
+relative to its largest element, within 1e-3: float32 kernels of other shapes and orders,
+amplified by AdamW's normalisation, differ by up to 8e-5 on the CPU, where a sum racing its
+gradient's writer would be off by the whole gradient. ``--compiler eager`` runs ATen subgraphs
+(seconds to compile).
 
     PYTHONPATH=. python benchmarks/probes/micro_batch_numerics.py --compiler inductor --k 2 4
 """
@@ -16,33 +18,21 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from pathlib import Path
 
 import torch
-import transformers
 
-import apollo_compile
-from apollo_compile.runtime import choice
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent),  # benchmarks/: bench_whole_step.py
+                str(Path(__file__).resolve().parent.parent.parent)]  # the repo root, for apollo_compile
+import bench_whole_step as bws  # noqa: E402  (its tiny LLaVA and batches)
 
-
-def tiny_llava() -> torch.nn.Module:
-    vision = transformers.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                           num_attention_heads=4, image_size=32, patch_size=8)
-    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return transformers.LlavaForConditionalGeneration(
-        transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=127, image_seq_length=16))
-
-
-def batch(i: int, size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(i)
-    ids = torch.randint(1, 120, (size, 24), generator=g)
-    ids[:, 2:18] = 127
-    return torch.randn(size, 3, 32, 32, generator=g).to(device), ids.to(device)
+import apollo_compile  # noqa: E402
+from apollo_compile.runtime import choice  # noqa: E402
 
 
 def check(k: int, compiler: str, steps: int, device: str) -> bool:
-    model = tiny_llava().to(device)
+    model, shape = bws.build("hf-llava-tiny")
+    model = model.to(device)
     ref = copy.deepcopy(model)
 
     def step(pixel_values, input_ids):
@@ -57,7 +47,7 @@ def check(k: int, compiler: str, steps: int, device: str) -> bool:
     worst, ok = 0.0, True
     with choice.using(choice.Fixed("lanes")):
         for i in range(steps):
-            inputs = batch(i, 8, device)
+            inputs = bws.make_batch(shape, 8, torch.device(device), seed=i)
             loss = compiled(*inputs)
             rows = 8 // k
             losses = []
