@@ -23,8 +23,9 @@
 #       fails on it: benchmarks/RESULTS.md#hf-llava-bench_whole_step; its step is one graph from its second call, whole_step.py's NOTE)
 #   run(command="bash benchmarks/h200_session.sh micro-batches", carry=[".device_cache"]) # HF LLaVA: compile_step unsplit
 #       against micro_batches=2 and 4 in one graph and against accumulation one call each ("micro-batches 16": at batch 16)
-#   run(command="bash benchmarks/h200_session.sh micro-batch-numerics")                     # ~3 min: micro-batches in one
-#       graph train as eager accumulation with their lanes replayed (a tiny HF LLaVA, fp32, eager and Inductor subgraphs)
+#   run(command="bash benchmarks/h200_session.sh micro-batch-numerics")                     # ~8 min: micro-batches in one
+#       graph train as eager accumulation with their lanes replayed, against the same graph on one lane (a tiny HF LLaVA,
+#       fp32, eager and Inductor subgraphs)
 #   run(command="bash benchmarks/h200_session.sh micro-batch-kernels 8", carry=[".device_cache"]) # the same, kernels and
 #       timeline per step (probes/step_kernels.py): how much the micro-batches' chains overlap
 #   run(command="bash benchmarks/h200_session.sh memory",        carry=[".device_cache"]) # memory table, batch 64: precision, budgets, eager checkpointing, Inductor's budget
@@ -127,8 +128,8 @@ case "${1:-}" in
                --out "$OUT/micro-batches" ;;
   micro-batch-numerics)  # micro-batches in one graph against eager accumulation on the GPU, lanes replayed
              # (a tiny HF LLaVA, fp32): each gradient's sum written across lanes (probes/micro_batch_numerics.py)
-             timeout 150 python benchmarks/probes/micro_batch_numerics.py --k 2 4 2>&1 | grep -E "^k=|Error"
-             timeout 300 python benchmarks/probes/micro_batch_numerics.py --compiler inductor --k 2 4 2>&1 | grep -E "^k=|Error"
+             timeout 200 python benchmarks/probes/micro_batch_numerics.py --k 2 4 2>&1 | grep -E "^k=|Error"
+             timeout 320 python benchmarks/probes/micro_batch_numerics.py --compiler inductor --k 2 4 2>&1 | grep -E "^k=|Error"
              exit $? ;;
   micro-batches-and-kernels)  # both phases above in one call at batch 8 (starts are scarce): the table of three
              # variants, then the kernels of two of them, compiled again from this call's warm cache
