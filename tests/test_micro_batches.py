@@ -309,9 +309,9 @@ def test_a_token_mean_over_the_whole_batch_takes_its_count_over_k():
 
 def test_micro_batched_lanes_listing():
     """A golden summary of a micro-batched whole step (two-tower, k=2): each micro-batch's towers
-    and its loss on lanes of their own, each gradient's sum on the lane of the second micro-batch's
-    tower that made it (``fusion`` there), the mean loss and AdamW's update on the main lane after
-    both chains."""
+    and its loss on lanes of their own, each gradient's sum and its scale by 1/k on the lane of the
+    second micro-batch's tower that made it (``fusion`` there), the mean loss and AdamW's update on
+    the main lane after both chains."""
     torch.manual_seed(0)
     model = TwoTower(width=16, embed=8, layers=1)
     opt = torch.optim.AdamW(model.parameters())
@@ -326,7 +326,7 @@ def test_micro_batched_lanes_listing():
     listing = "\n".join(f"lane {lane}  {modality:<12} {part:<8} {n} ops"
                         for (lane, modality, part), n in sorted(counts.items()))
     assert_expected_inline(listing, """\
-lane 0  fusion       backward 129 ops
+lane 0  fusion       backward 112 ops
 lane 0  fusion       forward  40 ops
 lane 0  vision@mb1   backward 110 ops
 lane 0  vision@mb1   forward  59 ops
@@ -336,7 +336,7 @@ lane 2  text@mb0     backward 100 ops
 lane 2  text@mb0     forward  56 ops
 lane 3  fusion@mb0   backward 10 ops
 lane 3  fusion@mb0   forward  16 ops
-lane 4  fusion       backward 17 ops
+lane 4  fusion       backward 34 ops
 lane 4  text@mb1     backward 100 ops
 lane 4  text@mb1     forward  56 ops
 lane 5  fusion@mb1   backward 10 ops
@@ -345,9 +345,10 @@ lane 5  fusion@mb1   forward  16 ops""")
 
 def test_each_gradient_is_summed_on_its_lane_into_the_earlier_one():
     """docs/design/lanes.md#staggered-sums: the sum of two micro-batches' gradients runs on the
-    lane of the micro-batch that made the later one, in a subgraph that writes it into the earlier
-    gradient's memory (one buffer per parameter, as eager accumulation keeps), and the earlier
-    micro-batch's lanes are cut so that no sum waits for a whole chain."""
+    lane of the micro-batch that made the later one, in a subgraph that writes it, scaled by 1/k,
+    into the earlier gradient's memory (one buffer per parameter, as eager accumulation keeps, and
+    one pass over it), and the earlier micro-batch's lanes are cut so that no sum waits for a whole
+    chain."""
     torch.manual_seed(0)
     model = TwoTower(width=16, embed=8, layers=2)
     step = apollo_compile.compile_step(backward_step(model), optimizer=torch.optim.AdamW(model.parameters()),
@@ -363,7 +364,8 @@ def test_each_gradient_is_summed_on_its_lane_into_the_earlier_one():
         earlier, later = sorted(n.args[:2], key=lambda a: micro_batch_of(info(a).modality))
         assert info(n).lane == info(later).lane != info(earlier).lane, n
         into = subgraphs.written_in_place(cut.subgraphs[info(n).subgraph])
-        assert earlier in into.values(), (n, into)
+        (scale,) = n.users
+        assert scale.target is torch.ops.aten.div.Tensor and into.get(scale) is earlier, (n, scale, into)
     chain_lanes = {info(a).lane for n in sums for a in n.args[:2] if micro_batch_of(info(a).modality) == 0}
     for lane in chain_lanes:
         assert sum(sg.lane == lane for sg in cut.subgraphs) > 1, lane

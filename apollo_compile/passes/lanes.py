@@ -127,6 +127,22 @@ def micro_batch_sums(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> dic
     return sums
 
 
+def scaled_sums(sums: dict[torch.fx.Node, int]) -> dict[torch.fx.Node, torch.fx.Node]:
+    """The mean's scale of a micro-batch sum -> that sum: the one elementwise op that reads only the
+    last sum of a gradient (``sum / k``). Placed right after its sum, on the sum's lane, it fuses
+    with the sum into one pass written into the earlier gradient, rather than a pass of its own over
+    every gradient once the lanes join (docs/design/lanes.md#staggered-sums)."""
+    scales = {}
+    for s in sums:
+        if len(s.users) != 1:
+            continue
+        d = next(iter(s.users))
+        if (d not in sums and info(d).modality == FUSION and d.op == "call_function" and is_elementwise(d)
+                and d.all_input_nodes == [s] and not (d.is_impure() or is_random(d) or written_inputs(d))):
+            scales[d] = s
+    return scales
+
+
 def segment(nodes: list[torch.fx.Node], lane_of: dict[str, int],
             lane_of_node: dict[torch.fx.Node, int] | None = None) -> tuple[list[Subgraph], nx.DiGraph]:
     """Cut the graph into per-lane subgraphs with an acyclic dependency DAG
@@ -397,7 +413,12 @@ def run(gm: torch.fx.GraphModule, ctx) -> LanePlan:
     lane_of, reason = assign_lanes(nodes, ctx.options.max_lanes)
     micro_batched = (ctx.decisions.get("modality") or {}).get("micro_batches")
     sums = micro_batch_sums(nodes, lane_of) if micro_batched else {}
-    subgraphs, dag = segment(nodes, lane_of, sums)
+    scales = scaled_sums(sums)
+    for scale, total in scales.items():
+        total.append(scale)  # reads nothing else: graph order stays topological
+    if scales:
+        nodes = list(gm.graph.nodes)
+    subgraphs, dag = segment(nodes, lane_of, {**sums, **{d: sums[t] for d, t in scales.items()}})
     recomputed = boundary.recompute_crossings(subgraphs, gm.graph)  # docs/design/lanes.md#boundary-recompute
     if recomputed["recomputed"]:
         gm.graph.lint()
