@@ -71,8 +71,8 @@ def worst_error(a, b) -> float:
 def check(k: int, compiler: str, steps: int, device: str) -> bool:
     """Lanes against eager and against one lane: both compiled runs replay the same subgraphs, so
     one lane (one stream, no race possible) is the control for what compilation alone changes.
-    PASS: lanes within 1e-3 of eager, or no further from eager than one lane is (1.5x) and within
-    1e-4 of one lane."""
+    PASS: lanes within 1e-3 of eager, or no further from one lane than compiling moves one lane
+    from eager (1e-4 at least: atomics in a backward may sum in another order)."""
     model, shape = bws.build("hf-llava-tiny")
     model = model.to(device)
     copies = [copy.deepcopy(model) for _ in range(3)]
@@ -89,7 +89,7 @@ def check(k: int, compiler: str, steps: int, device: str) -> bool:
     plans = [p.inference.decisions["lanes"] for p in apollo_compile.plans() if "inference" in p.graphs]
     one_lane, _ = train(copies[2], step_of, k, compiler, "one_lane", shape, steps, device)
     vs_eager, control, vs_control = worst_error(lanes, ref), worst_error(one_lane, ref), worst_error(lanes, one_lane)
-    ok = vs_eager <= 1e-3 or (vs_eager <= 1.5 * control and vs_control <= 1e-4)
+    ok = vs_eager <= 1e-3 or vs_control <= max(1e-4, control)
     cuts = [(len(cut.subgraphs), len({sg.lane for sg in cut.subgraphs})) for cut in plans]
     print(f"k={k} {compiler}: {'PASS' if ok else 'FAIL'} (worst relative error over {steps} steps: lanes vs eager "
           f"{vs_eager:.2e}, one lane vs eager {control:.2e}, lanes vs one lane {vs_control:.2e}; whole-step graphs "
