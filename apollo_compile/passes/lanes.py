@@ -121,9 +121,9 @@ def micro_batch_sums(nodes: list[torch.fx.Node], lane_of: dict[str, int]) -> dic
         operands = [a for a in n.args[:2] if isinstance(a, torch.fx.Node)]
         if len(set(operands)) != 2:
             continue
-        earlier, later = sorted(operands, key=pos.__getitem__)
-        if None not in (chain_lane(earlier), chain_lane(later)) and chain_lane(earlier) != chain_lane(later):
-            sums[n] = chain_lane(later)
+        earlier, later = (chain_lane(a) for a in sorted(operands, key=pos.__getitem__))
+        if None not in (earlier, later) and earlier != later:
+            sums[n] = later
     return sums
 
 
@@ -137,8 +137,8 @@ def scaled_sums(sums: dict[torch.fx.Node, int]) -> dict[torch.fx.Node, torch.fx.
         if len(s.users) != 1:
             continue
         d = next(iter(s.users))
-        if (d not in sums and info(d).modality == FUSION and d.op == "call_function" and is_elementwise(d)
-                and d.all_input_nodes == [s] and not (d.is_impure() or is_random(d) or written_inputs(d))):
+        # is_elementwise: pure, not random, writes nothing
+        if d not in sums and info(d).modality == FUSION and is_elementwise(d) and d.all_input_nodes == [s]:
             scales[d] = s
     return scales
 

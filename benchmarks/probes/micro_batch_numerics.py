@@ -85,6 +85,7 @@ def check(k: int, compiler: str, steps: int, device: str) -> bool:
         return step
 
     ref, _ = train(copies[0], step_of, k, compiler, None, shape, steps, device)
+    apollo_compile.clear_plans()  # this k's graphs only
     lanes, fallback = train(copies[1], step_of, k, compiler, "lanes", shape, steps, device)
     plans = [p.inference.decisions["lanes"] for p in apollo_compile.plans() if "inference" in p.graphs]
     one_lane, _ = train(copies[2], step_of, k, compiler, "one_lane", shape, steps, device)
