@@ -110,7 +110,8 @@ def apollo_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     model_plan = ModelPlan(name)
     compiler = functools.partial(pipeline.compile_graph, name=name, options=opts, spec=spec, device=device,
                                  model_plan=model_plan,
-                                 family=GraphFamily() if use_cudagraphs(opts, example_inputs, name) else None)
+                                 family=GraphFamily() if use_cudagraphs(opts, example_inputs, name) else None,
+                                 whole_step=whole_step.module_path_is_last_resort())
     decompositions = None
     if opts.subgraph_compiler == "inductor":
         from torch._inductor.decomposition import select_decomp_table

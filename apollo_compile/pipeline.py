@@ -60,7 +60,7 @@ from .plan import GraphPlan, ModelPlan
 from .runtime.config import MemoryPolicy, RunnerConfig
 from .runtime.cudagraph import CudaGraphRunner
 from .runtime.instances import GraphFamily
-from .runtime.first_call import FirstCallFallback
+from .runtime.first_call import FirstCallFallback, WriteWatch
 from .runtime.runner import build_runtime
 from .runtime.subgraphs import has_host_copies, has_symbolic_sizes, inductor_config
 from .tracing import fw_metadata
@@ -366,10 +366,12 @@ def compile_graph(
     device: torch.device,
     model_plan: ModelPlan,
     family: GraphFamily | None = None,
+    whole_step: bool = False,
 ) -> Callable:
     """Stages ``graph``, ``runtime`` and ``cuda_graph`` for one ATen graph (AOTAutograd's fw,
     bw and inference compiler); if any fails, this graph alone falls back, from the graph as
-    AOTAutograd handed it over."""
+    AOTAutograd handed it over. `whole_step`: a whole step's graph that can take the module path,
+    told an out-of-memory error at its first call before it wrote anything (first_call.py)."""
     graph_name = f"{name}_{kind}"
     ctx = GraphContext(graph_name, kind, options, spec)
     memory = MemoryPolicy.from_options(options)  # what the memory settings change at run time, once
@@ -384,6 +386,7 @@ def compile_graph(
     if kind == "forward":
         graph_plan.checkpoint = model_plan.joint.get("checkpoint")
     model_plan.graphs[kind] = graph_plan
+    watch = WriteWatch() if whole_step and kind == "inference" and not options.strict else None
     try:
         start = time.perf_counter()
         try:
@@ -400,7 +403,8 @@ def compile_graph(
             quotas = quota_candidates(ctx) if family is not None else None
             runtimes = build_runtime(planned, ctx.decisions["lanes"], ctx.decisions["codegen"], graph_name, kind,
                                      options.subgraph_compiler, device, quotas,
-                                     family.side_streams if family is not None else None, memory.free_at_last_use)
+                                     family.side_streams if family is not None else None, memory.free_at_last_use,
+                                     watch)
         except Exception as e:  # name the stage, as PassError names the pass
             raise RuntimeError(f"building the runtime (compiling its subgraphs with {options.subgraph_compiler}) "
                                f"failed: {type(e).__name__}: {e}") from e
@@ -419,7 +423,7 @@ def compile_graph(
             def fell_back(why: str) -> None:
                 graph_plan.fallback = f"at its first call: {why}"
 
-            fn = FirstCallFallback(fn, gm, graph_name, fell_back)
+            fn = FirstCallFallback(fn, gm, graph_name, fell_back, watch)
     except Exception as e:
         if options.strict:
             raise

@@ -204,6 +204,81 @@ def test_a_step_on_the_module_path_still_runs_the_update_once():
         assert float(opt.state[p]["step"]) == 3 and p.grad is None
 
 
+def out_of_memory_once(monkeypatch, writes: bool) -> list[str]:
+    """Make the first subgraph compiled for a whole step's graph that writes state (`writes`) or
+    writes none raise torch.OutOfMemoryError at its first call, as a CUDA allocation near the
+    limit would; returns the names it raised in."""
+    from apollo_compile.runtime import runner
+    from apollo_compile.runtime.first_call import writes_state
+
+    original, raised = runner.compile_subgraph, []
+
+    def compile_subgraph(sub, example_inputs, compiler, kind, *args):
+        fn = original(sub, example_inputs, compiler, kind, *args)
+        if kind != "inference" or raised or any(writes_state(n) for n in sub.graph.nodes) != writes:
+            return fn
+        calls = []
+        raised.append(f"subgraph of {len(sub.graph.nodes)} nodes")
+
+        def run(inputs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 62.00 MiB (simulated)")
+            return fn(inputs)
+
+        return run
+
+    monkeypatch.setattr(runner, "compile_subgraph", compile_subgraph)
+    return raised
+
+
+def test_a_whole_step_out_of_memory_before_any_write_trains_that_step_on_the_module_path(monkeypatch):
+    """Near the memory limit the one graph, which saves all autograd saves, can run out where the
+    module path fits. Run out at its first call before any subgraph that writes state started,
+    nothing of the step has happened: that call runs on the module path, which the step keeps,
+    with one warning, and every step equals eager's (whole_step.py, NOTE: Out of memory at the
+    first call)."""
+    torch.manual_seed(0)
+    model = TwoTower(layers=1)
+    ref, opt, ref_opt = eager_twin(model)
+    raised = out_of_memory_once(monkeypatch, writes=False)
+    compiled = apollo_compile.compile_step(step_of(model), optimizer=opt, options=EAGER)
+    for i in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = compiled(*two_tower_inputs(seed=i))
+        mine = [str(w.message) for w in caught if issubclass(w.category, ApolloFallbackWarning)]
+        assert len(mine) == (i == 0), (i, mine)
+        ref_loss = ref(*two_tower_inputs(seed=i))
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss, ref_loss.detach(), **PARAMS)
+        if i == 0:
+            assert raised and "ran out of memory before it wrote anything" in mine[0], mine
+            assert "simulated" in mine[0] and "memory_budget=" in mine[0]
+    assert compiled.fallback_reason is not None and compiled.parts is not None
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **PARAMS)
+        assert float(opt.state[p]["step"]) == 3 and p.grad is None
+
+
+def test_a_whole_step_out_of_memory_after_a_write_is_raised(monkeypatch):
+    """Run out once a subgraph that writes state (here the update's) has started, part of the step
+    may have happened: running it again would apply it twice, so the error is raised as it was,
+    with no fallback."""
+    torch.manual_seed(0)
+    model = TwoTower(layers=1)
+    opt = adamw(model)
+    raised = out_of_memory_once(monkeypatch, writes=True)
+    compiled = apollo_compile.compile_step(step_of(model), optimizer=opt, options=EAGER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ApolloFallbackWarning)
+        with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+            compiled(*two_tower_inputs(seed=0))
+    assert raised and compiled.fallback_reason is None
+
+
 class TimingCapture:
     """A capturer (runtime/capture.py's seam) whose timed replays each apply `update` and report
     `ms` per candidate."""

@@ -49,8 +49,9 @@ __all__ = ["FUSED_BASELINE", "StepRecomputeDecision", "label", "run"]
 
 # Without a budget a whole step's graph saves all that autograd saved, where the module path's
 # min-cut partition re-runs cheap pointwise work by itself. On, such a step re-runs that work too
-# (the plain state below; docs/design/checkpointing.md#whole-step-baseline). Off until a GPU run
-# shows its time: bench_whole_step's apollo-step-opt-fused-baseline against apollo-step-opt.
+# (the plain state below; docs/design/checkpointing.md#whole-step-baseline). Off: on HF CLIP at
+# batch 128 it saves half the whole step's surplus memory over reduce-overhead's and costs 3% of
+# its step (benchmarks/RESULTS.md#large-batches-bench_whole_step).
 FUSED_BASELINE = False
 
 

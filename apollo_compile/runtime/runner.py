@@ -14,6 +14,7 @@ import torch.fx
 
 from ..fallback import ApolloFallbackWarning
 from ..lane_plan import LanePlan, RuntimeSource
+from .first_call import WriteWatch, writes_state
 from .streams import LaneRuntime
 from .subgraphs import compile_subgraph, example_inputs, extract
 
@@ -29,17 +30,22 @@ def build_runtime(
     quotas: dict[str, dict[int, int]] | None = None,
     side_streams: dict[int, torch.cuda.Stream] | None = None,
     free_at_last_use: bool = False,
+    watch: WriteWatch | None = None,
 ) -> dict[str, Callable[[list], list]]:
     """Boxed callables (take a list of inputs, clear it) that run the graph's plan: "lanes", and
     "one_lane" when the plan has side lanes, and one per SM-quota candidate in `quotas` (name ->
     lane -> SMs: the lane program with its side lanes on green-context streams). All call the same
     compiled subgraphs. `side_streams` (lane -> stream, filled as needed) is shared with the other
     graphs of the family, so a lane runs on the same stream in the forward and the backward.
-    `free_at_last_use`: the subgraphs free each buffer at its last use (subgraphs.inductor_config)."""
+    `free_at_last_use`: the subgraphs free each buffer at its last use (subgraphs.inductor_config).
+    `watch`: told when a subgraph that writes state starts (first_call.WriteWatch)."""
     compiled = {}
     for sg in plan.subgraphs:
         sub = extract(gm, sg)
-        compiled[f"subgraph_{sg.id}"] = compile_subgraph(sub, example_inputs(sg), compiler, kind, free_at_last_use)
+        fn = compile_subgraph(sub, example_inputs(sg), compiler, kind, free_at_last_use)
+        if watch is not None and any(writes_state(n) for n in sg.nodes):
+            fn = watch.watching(fn)
+        compiled[f"subgraph_{sg.id}"] = fn
     runtimes = {"lanes": load_runtime(source, compiled, name, device, shared_streams=side_streams)}
     if source.one_lane is not None:
         runtimes["one_lane"] = load_runtime(source.one_lane, compiled, f"{name} (one lane)", device)

@@ -39,6 +39,8 @@ import torch.fx.traceback
 
 from ..fallback import ApolloFallbackWarning
 from ..passes.modality import traced_from_autograd
+from ..runtime.first_call import WROTE_NOTHING
+from ..runtime.graph_pool import release_cached_segments
 from .eager_update import list_kernels
 from .micro_batches import MicroBatchedStep, check_micro_batches
 from .optimizer_step import InGraphAdam, unsupported_reason
@@ -189,7 +191,15 @@ class CompiledStep:
     own (``_without_update`` / ``_with_update``), not ``fn``'s: Dynamo keeps its compiled code per
     code object, and the retry would otherwise find the module path's code for ``fn`` and run it
     without tracing anything. A step that cannot be one graph is thus traced twice up to the point
-    that fails."""
+    that fails.
+
+    [NOTE] Out of memory at the first call: a whole step's graph saves every activation autograd
+    saves, where the module path's partition re-runs cheap pointwise work, so near the memory
+    limit the one graph can run out where the module path fits. Its first call runs un-graphed;
+    if it runs out before any subgraph that writes state (a parameter, the optimizer's moments, a
+    ``.grad``) has started (``first_call.WriteWatch``), nothing of the step has happened, and the
+    call runs again on the module path, which the step keeps, with one warning. Run out after a
+    write, the error is the user's, as before (docs/design/whole-step.md#out-of-memory-at-the-first-call)."""
 
     def __init__(self, fn: Callable, torch_compile_kwargs: dict[str, Any], fallback_reason: str | None,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -239,13 +249,15 @@ class CompiledStep:
             self.parts_first_call_only = first_call_only
         return self.parts
 
-    def _fall_back(self, reason: str, stacklevel: int = 3) -> None:
+    def _fall_back(self, reason: str, stacklevel: int = 3,
+                   advice: str = "Keep optimizer.step() and Python-side work (print, .item()) outside the compiled "
+                                 "step") -> None:
         self.fallback_reason = reason
         self._module_path()  # for good: compiled again where the first call's was without CUDA graphs
         warnings.warn(f"apollo.compile_step: {getattr(self.fn, '__qualname__', self.fn)} runs as forward and "
                       f"backward graphs with the autograd engine between them, not as one graph, because {reason}: "
-                      "training stays correct, the step is slower. Keep optimizer.step() and Python-side work "
-                      "(print, .item()) outside the compiled step", ApolloFallbackWarning, stacklevel=stacklevel)
+                      f"training stays correct, the step is slower. {advice}", ApolloFallbackWarning,
+                      stacklevel=stacklevel)
 
     def _without_update(self, *args: Any, **kwargs: Any) -> Any:
         """What is traced when the optimizer stays outside: the user's step."""
@@ -261,6 +273,7 @@ class CompiledStep:
         if self.fallback_reason is None:  # one graph, or its second try (NOTE: Code only a first call runs)
             if self.update is not None:
                 self.update.prepare()
+            out_of_memory = None
             try:
                 with torch._dynamo.config.patch(**{TRACE_FLAG: True}), whole_step_stand_ins(self.stand_ins):
                     _tracing.update(whole=not self.user_fullgraph, updates=self.update is not None)
@@ -284,6 +297,16 @@ class CompiledStep:
                     self._module_path(first_call_only=True)
                 else:
                     self._fall_back(reason)
+            except torch.OutOfMemoryError as e:  # NOTE: Out of memory at the first call
+                if self.user_fullgraph or getattr(e, WROTE_NOTHING, None) is None:
+                    raise
+                out_of_memory = str(e).strip().splitlines()[0][:200] if str(e).strip() else "CUDA out of memory"
+            if out_of_memory is not None:  # outside the except block, whose traceback holds the run's memory
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    release_cached_segments()
+                self._fall_back(f"its first call as one graph ran out of memory before it wrote anything "
+                                f"({out_of_memory})", advice="The module path saves what a partition saves; "
+                                "memory_budget= or micro_batches= keep the step one graph in less memory")
         if not backward_tracing_supported():
             out = self.parts(*args, **kwargs)
         else:
