@@ -56,6 +56,8 @@ VARIANT_HELP = {
     "inductor-ro-step": "reduce-overhead on the whole step (forward, loss, backward), Dynamo tracing the backward",
     "apollo": 'torch.compile(model, backend="apollo", options=--apollo-options)',
     "apollo-1lane": "apollo with max_lanes=1: every graph on one stream",
+    "apollo-graphs": "apollo with cudagraphs=True: captured however much of the memory limit its first step used "
+                     "(no capture headroom rule)",
     "apollo-step": "apollo_compile.compile_step(step): forward, loss and backward in one graph; AdamW outside",
     "apollo-step-1lane": "apollo-step with max_lanes=1",
     "apollo-step-opt": "compile_step(step, optimizer=opt): the optimizer's update inside the graph",
@@ -403,7 +405,8 @@ def compile_variant(variant: str, model: nn.Module, options: dict, budget: float
 
         if variant == "apollo-regional":
             return compile_regions(model, backend="apollo", options=options)
-        extra = {"apollo-1lane": {"max_lanes": 1}, "apollo-budget": {"memory_budget": budget}}.get(variant, {})
+        extra = {"apollo-1lane": {"max_lanes": 1}, "apollo-budget": {"memory_budget": budget},
+                 "apollo-graphs": {"cudagraphs": True}}.get(variant, {})
         return torch.compile(model, backend="apollo", options={**options, **extra})
     raise ValueError(f"unknown variant {variant!r}")
 

@@ -248,9 +248,10 @@ def runners(monkeypatch):
     families: dict[int, object] = {}
     original = pipeline.compile_graph
 
-    def compile_graph(gm, example_inputs, kind, name, options, spec, device, model_plan, family=None):
+    def compile_graph(gm, example_inputs, kind, name, options, spec, device, model_plan, family=None,
+                      whole_step=False):
         family = families.setdefault(id(model_plan), GraphFamily())  # forward and backward share one
-        fn = original(gm, example_inputs, kind, name, options, spec, device, model_plan, family)
+        fn = original(gm, example_inputs, kind, name, options, spec, device, model_plan, family, whole_step)
         runner = getattr(fn, "inner", fn)  # inside first_call.FirstCallFallback
         assert isinstance(runner, CudaGraphRunner), model_plan.graphs[kind].fallback
         made.append(runner)

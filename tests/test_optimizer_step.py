@@ -34,7 +34,7 @@ from apollo_compile.runtime.candidates import CandidateChoice
 from apollo_compile.runtime.capture import StaticInputs
 from apollo_compile.runtime.config import RunnerConfig
 from apollo_compile.runtime.instances import GraphFamily
-from helpers import TOLERANCE, backward_step as step_of, fake_cuda
+from helpers import TOLERANCE, backward_step as step_of, fake_cuda, runners  # noqa: F401 (runners: a fixture)
 from models import HookedOnFirstCall, TwoTower, tiny_hf, two_tower_inputs
 
 EAGER = {"subgraph_compiler": "eager"}
@@ -232,12 +232,16 @@ def out_of_memory_once(monkeypatch, writes: bool) -> list[str]:
     return raised
 
 
-def test_a_whole_step_out_of_memory_before_any_write_trains_that_step_on_the_module_path(monkeypatch):
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_whole_step_out_of_memory_before_any_write_trains_that_step_on_the_module_path(monkeypatch, request,
+                                                                                           graphed):
     """Near the memory limit the one graph, which saves all autograd saves, can run out where the
     module path fits. Run out at its first call before any subgraph that writes state started,
     nothing of the step has happened: that call runs on the module path, which the step keeps,
     with one warning, and every step equals eager's (whole_step.py, NOTE: Out of memory at the
-    first call)."""
+    first call). `graphed`: every graph behind a CUDA-graph runner (a fake graph: helpers.runners),
+    whose first, un-graphed call is where the error comes from; the module path's graphs replay."""
+    made = request.getfixturevalue("runners") if graphed else None
     torch.manual_seed(0)
     model = TwoTower(layers=1)
     ref, opt, ref_opt = eager_twin(model)
@@ -261,6 +265,10 @@ def test_a_whole_step_out_of_memory_before_any_write_trains_that_step_on_the_mod
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, **PARAMS)
         assert float(opt.state[p]["step"]) == 3 and p.grad is None
+    if graphed:
+        whole, *parts = made
+        assert whole.kind == "inference" and whole.replays == 0
+        assert [r.replays for r in parts if r.kind in ("forward", "backward")] == [2, 2]
 
 
 def test_a_whole_step_out_of_memory_after_a_write_is_raised(monkeypatch):
