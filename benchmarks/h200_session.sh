@@ -129,8 +129,10 @@ case "${1:-}" in
   micro-batch-numerics)  # micro-batches in one graph against eager accumulation on the GPU, lanes replayed
              # (a tiny HF LLaVA, fp32): each gradient's sum written across lanes (probes/micro_batch_numerics.py)
              timeout 200 python benchmarks/probes/micro_batch_numerics.py --k 2 4 2>&1 | grep -E "^k=|Error"
+             eager=${PIPESTATUS[0]}  # the probe's verdict, not grep's
              timeout 320 python benchmarks/probes/micro_batch_numerics.py --compiler inductor --k 2 4 2>&1 | grep -E "^k=|Error"
-             exit $? ;;
+             inductor=${PIPESTATUS[0]}
+             exit $(( eager != 0 ? eager : inductor )) ;;
   micro-batches-and-kernels)  # both phases above in one call at batch 8 (starts are scarce): the table of three
              # variants, then the kernels of two of them, compiled again from this call's warm cache
              timeout 380 python benchmarks/bench_whole_step.py --models hf-llava --batch 8 --steps 20 --warmup 3 \
