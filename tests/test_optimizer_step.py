@@ -207,18 +207,18 @@ def test_a_step_on_the_module_path_still_runs_the_update_once():
 def out_of_memory_once(monkeypatch, writes: bool) -> list[str]:
     """Make the first subgraph compiled for a whole step's graph that writes state (`writes`) or
     writes none raise torch.OutOfMemoryError at its first call, as a CUDA allocation near the
-    limit would; returns the names it raised in."""
+    limit would; returns a list that names that subgraph once it is compiled."""
     from apollo_compile.runtime import runner
     from apollo_compile.runtime.first_call import writes_state
 
-    original, raised = runner.compile_subgraph, []
+    original, armed = runner.compile_subgraph, []
 
     def compile_subgraph(sub, example_inputs, compiler, kind, *args):
         fn = original(sub, example_inputs, compiler, kind, *args)
-        if kind != "inference" or raised or any(writes_state(n) for n in sub.graph.nodes) != writes:
+        if kind != "inference" or armed or any(writes_state(n) for n in sub.graph.nodes) != writes:
             return fn
         calls = []
-        raised.append(f"subgraph of {len(sub.graph.nodes)} nodes")
+        armed.append(f"subgraph of {len(sub.graph.nodes)} nodes")
 
         def run(inputs):
             calls.append(1)
@@ -229,7 +229,7 @@ def out_of_memory_once(monkeypatch, writes: bool) -> list[str]:
         return run
 
     monkeypatch.setattr(runner, "compile_subgraph", compile_subgraph)
-    return raised
+    return armed
 
 
 @pytest.mark.parametrize("graphed", [False, True])
@@ -245,7 +245,7 @@ def test_a_whole_step_out_of_memory_before_any_write_trains_that_step_on_the_mod
     torch.manual_seed(0)
     model = TwoTower(layers=1)
     ref, opt, ref_opt = eager_twin(model)
-    raised = out_of_memory_once(monkeypatch, writes=False)
+    armed = out_of_memory_once(monkeypatch, writes=False)
     compiled = apollo_compile.compile_step(step_of(model), optimizer=opt, options=EAGER)
     for i in range(3):
         with warnings.catch_warnings(record=True) as caught:
@@ -259,7 +259,7 @@ def test_a_whole_step_out_of_memory_before_any_write_trains_that_step_on_the_mod
         ref_opt.zero_grad(set_to_none=True)
         torch.testing.assert_close(loss, ref_loss.detach(), **PARAMS)
         if i == 0:
-            assert raised and "ran out of memory before it wrote anything" in mine[0], mine
+            assert armed and "ran out of memory before it wrote anything" in mine[0], mine
             assert "simulated" in mine[0] and "memory_budget=" in mine[0]
     assert compiled.fallback_reason is not None and compiled.parts is not None
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -278,13 +278,13 @@ def test_a_whole_step_out_of_memory_after_a_write_is_raised(monkeypatch):
     torch.manual_seed(0)
     model = TwoTower(layers=1)
     opt = adamw(model)
-    raised = out_of_memory_once(monkeypatch, writes=True)
+    armed = out_of_memory_once(monkeypatch, writes=True)
     compiled = apollo_compile.compile_step(step_of(model), optimizer=opt, options=EAGER)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ApolloFallbackWarning)
         with pytest.raises(torch.OutOfMemoryError, match="simulated"):
             compiled(*two_tower_inputs(seed=0))
-    assert raised and compiled.fallback_reason is None
+    assert armed and compiled.fallback_reason is None
 
 
 class TimingCapture:
