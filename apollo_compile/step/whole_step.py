@@ -306,7 +306,7 @@ class CompiledStep:
                     release_cached_segments()
                 self._fall_back(f"its first call as one graph ran out of memory before it wrote anything "
                                 f"({out_of_memory})", advice="The module path saves what a partition saves; "
-                                "memory_budget= or micro_batches= keep the step one graph in less memory")
+                                "memory_budget= keeps the step one graph in less memory")
         if not backward_tracing_supported():
             out = self.parts(*args, **kwargs)
         else:
