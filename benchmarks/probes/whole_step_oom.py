@@ -15,10 +15,12 @@ that writes state instead, and must reach the caller.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import pathlib
 import sys
 import warnings
+from typing import Iterator
 
 import torch
 
@@ -33,9 +35,10 @@ from apollo_compile.runtime.first_call import writes_state  # noqa: E402
 RTOL = 1e-4  # fp32 against fp32, the same ATen ops (eager subgraphs): only summation order differs
 
 
-def arm(writes: bool) -> list[str]:
-    """The whole step's first subgraph that writes state (`writes`) or none raises
-    torch.OutOfMemoryError at its first call; the list names it once it is compiled."""
+@contextlib.contextmanager
+def armed_subgraph(writes: bool) -> Iterator[list[str]]:
+    """While open, the whole step's first subgraph compiled that writes state (`writes`) or none
+    raises torch.OutOfMemoryError at its first call; the list names it once it is compiled."""
     original, armed = runner.compile_subgraph, []
 
     def compile_subgraph(sub, example_inputs, compiler, kind, *args):
@@ -54,28 +57,38 @@ def arm(writes: bool) -> list[str]:
         return run
 
     runner.compile_subgraph = compile_subgraph
-    return armed
+    try:
+        yield armed
+    finally:
+        runner.compile_subgraph = original
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--after-write", action="store_true")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--cpu", action="store_true", help="on the CPU: no CUDA graphs to replay")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     device = "cpu" if args.cpu else "cuda"
     model = clip.build("tiny", device=device)
     ref = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, fused=not args.cpu) for m in (model, ref))
-    armed = arm(writes=args.after_write)
+    with armed_subgraph(writes=args.after_write) as armed:
+        return train(args, model, ref, opt, ref_opt, device, armed)
+
+
+def train(args, model, ref, opt, ref_opt, device: str, armed: list[str]) -> int:
+    """Train `args.steps` steps of the compiled whole step and of eager AdamW side by side; 0 if
+    the out-of-memory error did what the docstring says."""
 
     def step(images, tokens):
         loss = model(images, tokens)
         loss.backward()
         return loss.detach()
 
+    apollo_compile.clear_plans()  # the graphs reported below are this run's
     compiled = apollo_compile.compile_step(step, optimizer=opt, options={"subgraph_compiler": "eager"})
     worst = 0.0
     for i in range(args.steps):
