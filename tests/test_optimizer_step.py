@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import pathlib
+import sys
 import warnings
 
 import pytest
@@ -206,28 +208,17 @@ def test_a_step_on_the_module_path_still_runs_the_update_once():
 
 def out_of_memory_once(monkeypatch, writes: bool) -> list[str]:
     """Make the first subgraph compiled for a whole step's graph that writes state (`writes`) or
-    writes none raise torch.OutOfMemoryError at its first call, as a CUDA allocation near the
-    limit would; returns a list that names that subgraph once it is compiled."""
+    writes none raise torch.OutOfMemoryError at its first call (the injector of
+    benchmarks/probes/whole_step_oom.py); returns a list that names that subgraph once compiled."""
     from apollo_compile.runtime import runner
-    from apollo_compile.runtime.first_call import writes_state
 
-    original, armed = runner.compile_subgraph, []
-
-    def compile_subgraph(sub, example_inputs, compiler, kind, *args):
-        fn = original(sub, example_inputs, compiler, kind, *args)
-        if kind != "inference" or armed or any(writes_state(n) for n in sub.graph.nodes) != writes:
-            return fn
-        calls = []
-        armed.append(f"subgraph of {len(sub.graph.nodes)} nodes")
-
-        def run(inputs):
-            calls.append(1)
-            if len(calls) == 1:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 62.00 MiB (simulated)")
-            return fn(inputs)
-
-        return run
-
+    probes = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "probes")
+    sys.path.insert(0, probes)
+    try:
+        import whole_step_oom
+    finally:
+        sys.path.remove(probes)
+    compile_subgraph, armed = whole_step_oom.out_of_memory_once(runner.compile_subgraph, writes)
     monkeypatch.setattr(runner, "compile_subgraph", compile_subgraph)
     return armed
 

@@ -41,6 +41,9 @@ def writes_an_input(gm: torch.fx.GraphModule) -> bool:
     return any(written_inputs(node) for node in gm.graph.nodes)
 
 
+_FUNCTIONALIZED = ("auto_functionalized", "auto_functionalized_v2")
+
+
 def writes_state(node: torch.fx.Node) -> bool:
     """Whether `node` writes what outlives the call: a graph input (:func:`written_inputs`), or
     state through a functionalized mutable op (the optimizer's update writes its moments, which
@@ -49,9 +52,6 @@ def writes_state(node: torch.fx.Node) -> bool:
         return True
     target = node.target
     return isinstance(target, torch._ops.HigherOrderOperator) and target.name() in _FUNCTIONALIZED
-
-
-_FUNCTIONALIZED = ("auto_functionalized", "auto_functionalized_v2")
 
 
 class WriteWatch:

@@ -20,7 +20,7 @@ import copy
 import pathlib
 import sys
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -35,11 +35,12 @@ from apollo_compile.runtime.first_call import writes_state  # noqa: E402
 RTOL = 1e-4  # fp32 against fp32, the same ATen ops (eager subgraphs): only summation order differs
 
 
-@contextlib.contextmanager
-def armed_subgraph(writes: bool) -> Iterator[list[str]]:
-    """While open, the whole step's first subgraph compiled that writes state (`writes`) or none
-    raises torch.OutOfMemoryError at its first call; the list names it once it is compiled."""
-    original, armed = runner.compile_subgraph, []
+def out_of_memory_once(original: Callable, writes: bool) -> tuple[Callable, list[str]]:
+    """(a stand-in for `original`, runtime.runner.compile_subgraph, whose first subgraph compiled
+    for a whole step's graph that writes state (`writes`) or none raises torch.OutOfMemoryError at
+    its first call, as a CUDA allocation near the limit would; a list that names that subgraph
+    once it is compiled). tests/test_optimizer_step.py arms its tests with it too."""
+    armed: list[str] = []
 
     def compile_subgraph(sub, example_inputs, compiler, kind, *args):
         fn = original(sub, example_inputs, compiler, kind, *args)
@@ -56,7 +57,14 @@ def armed_subgraph(writes: bool) -> Iterator[list[str]]:
 
         return run
 
-    runner.compile_subgraph = compile_subgraph
+    return compile_subgraph, armed
+
+
+@contextlib.contextmanager
+def armed_subgraph(writes: bool) -> Iterator[list[str]]:
+    """While open, runtime.runner compiles subgraphs through :func:`out_of_memory_once`."""
+    original = runner.compile_subgraph
+    runner.compile_subgraph, armed = out_of_memory_once(original, writes)
     try:
         yield armed
     finally:
