@@ -193,7 +193,7 @@ def one_try(args, device: torch.device) -> dict[str, Any]:
                       and all(math.isfinite(x) for x in losses))
     rec["graphed"], rec["graph_notes"] = graphed(variant, row, device) if row["status"] == "ok" else (None, [])
     for key in ("median_ms", "peak_alloc_gib", "peak_reserved_gib", "peak_alloc_all_gib", "peak_reserved_all_gib",
-                "compile_s", "error", "warnings"):
+                "compile_s", "alloc_retries", "error", "warnings"):
         if key in row:
             rec[key] = row[key]
     if rec.get("median_ms"):
@@ -251,6 +251,8 @@ def markdown_table(searches: list[dict]) -> str:
         ratio = s["largest"] / base["largest"] if base and base.get("largest") and s.get("largest") else None
         failures = sorted({t["status"] for t in s["records"] if not t.get("trained")})
         note = s.get("stop", "in progress") + (f"; failures: {', '.join(failures)}" if failures else "")
+        if (at.get("alloc_retries") or {}).get("timed"):
+            note += f"; allocator retries in the timed steps: {at['alloc_retries']['timed']}"
         if at.get("graph_notes") and at.get("graphed") is False:
             note += "; " + "; ".join(at["graph_notes"])[:200]
         graph = {True: "yes", False: "no", None: "-"}[at.get("graphed")] if at else "-"

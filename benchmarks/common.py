@@ -256,6 +256,15 @@ def reset_peaks(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def alloc_retries(device: torch.device) -> int | None:
+    """The caching allocator's retries so far (``num_alloc_retries``): each is an allocation that
+    found no room, freed every cached segment (a device synchronisation) and tried again, which is
+    what a step near the memory limit pays when it does not fit its reserved memory. None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def read_peaks(device: torch.device) -> tuple[float | None, float | None]:
     """(max_memory_allocated, max_memory_reserved) in GiB since the last reset; (None, None) on the CPU."""
     if device.type != "cuda":
@@ -588,6 +597,7 @@ def measure(name: str, build: Callable[[], Trial], ref: dict | None, device: tor
             say(f"  [{name}] left over from earlier variants: {left['allocated_gib']:.2f} GiB allocated, "
                 f"{left['reserved_gib']:.2f} reserved; largest tensors {left['largest_tensors']}")
         reset_peaks(device)
+        retries = [alloc_retries(device)]
         trial = build()
         keep.append(trial.keep if trial.keep is not None else trial)  # see apollo_diagnostics
         row["warmup_peaks_gib"] = []  # the whole-run peak after each warm-up step: which one set it
@@ -596,7 +606,11 @@ def measure(name: str, build: Callable[[], Trial], ref: dict | None, device: tor
         say(f"  [{name}] compile + {warmup} warm-up steps: {row['compile_s']:.1f} s")
         warm_alloc, warm_reserved = read_peaks(device)
         reset_peaks(device)
+        retries.append(alloc_retries(device))
         row.update(spread(time_steps(trial.step, steps, device)))
+        retries.append(alloc_retries(device))
+        if retries[0] is not None:  # allocator retries in compile + warm-up, and in the timed steps
+            row["alloc_retries"] = {"warmup": retries[1] - retries[0], "timed": retries[2] - retries[1]}
         if back_to_back:
             b2b = time_back_to_back(lambda: trial.step(False), steps, device)
             row.update(back_to_back_ms=b2b["ms"], back_to_back_rounds_ms=b2b["rounds_ms"],
