@@ -193,11 +193,11 @@ def llava_batch(i, batch=4):
     return torch.randn(batch, 3, 32, 32, generator=g), ids
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_hugging_face_llava_trains_like_eager_accumulation(k):
+def test_hugging_face_llava_trains_like_eager_accumulation(k=2):
     """HF LLaVA (a CLIP vision tower, its projector, Llama) is one chain: its micro-batches are the
-    branches. Its first call runs on the module path (the output-capturing hooks, installed under a
-    lock: docs/whole-step.md), the later ones as one graph. weight_decay=0: the parameters the loss
+    branches (four of them: the two-tower test, at a fraction of the compile time). Its first call
+    runs on the module path (the output-capturing hooks, installed under a lock:
+    docs/whole-step.md), the later ones as one graph. weight_decay=0: the parameters the loss
     does not reach (the last vision layer) get zero gradients in a whole step, where eager leaves
     them None and AdamW skips them; with decay the graph's step would shrink them."""
     model = tiny_llava()
