@@ -58,6 +58,8 @@ VARIANT_HELP = {
     "apollo-1lane": "apollo with max_lanes=1: every graph on one stream",
     "apollo-graphs": "apollo with cudagraphs=True: captured however much of the memory limit its first step used "
                      "(no capture headroom rule)",
+    "apollo-no-graphs": "apollo with cudagraphs=False: every call un-graphed, on one lane (what a graph the headroom "
+                        "rule declines runs)",
     "apollo-step": "apollo_compile.compile_step(step): forward, loss and backward in one graph; AdamW outside",
     "apollo-step-1lane": "apollo-step with max_lanes=1",
     "apollo-step-opt": "compile_step(step, optimizer=opt): the optimizer's update inside the graph",
@@ -406,7 +408,7 @@ def compile_variant(variant: str, model: nn.Module, options: dict, budget: float
         if variant == "apollo-regional":
             return compile_regions(model, backend="apollo", options=options)
         extra = {"apollo-1lane": {"max_lanes": 1}, "apollo-budget": {"memory_budget": budget},
-                 "apollo-graphs": {"cudagraphs": True}}.get(variant, {})
+                 "apollo-graphs": {"cudagraphs": True}, "apollo-no-graphs": {"cudagraphs": False}}.get(variant, {})
         return torch.compile(model, backend="apollo", options={**options, **extra})
     raise ValueError(f"unknown variant {variant!r}")
 
