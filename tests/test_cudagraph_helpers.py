@@ -1,6 +1,7 @@
 """The pieces of the CUDA-graph runner that need no GPU: layout checks, output copies, and capture/replay
 logic against a fake graph that rewrites its outputs in place as a real replay does."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -409,6 +410,46 @@ def test_under_a_budget_the_forward_of_a_donating_backward_replays_one_lane_unme
     assert chosen == "one_lane" and chooser.measured_ms == {}
     with pytest.raises(BaseException, match="measured"):  # no budget: time decides (measured on CUDA)
         choose(forward.config, family, will_donate=False, memory=MemoryPolicy())
+
+
+def test_captured_near_the_limit_both_graphs_replay_one_lane_unmeasured_with_one_warning(monkeypatch):
+    """cudagraphs=True captures past the headroom share (docs/design/cuda-graphs.md#capture-headroom),
+    where HF CLIP's forward captured on lanes and its backward's capture then ran out: near the
+    limit the memory-first rule applies as under a budget, and says so once. Below the share, or
+    under the headroom rule, time decides."""
+    from apollo_compile.runtime import cudagraph
+
+    family = GraphFamily()
+    regardless = MemoryPolicy(capture_headroom=None)
+    forward = runner_for(CANDIDATES, "frame0_0_forward", "forward", family, memory=regardless)
+    runner_for(CANDIDATES, "frame0_0_backward", "backward", family, memory=regardless, donated_idxs={3})
+    monkeypatch.setattr(cudagraph, "memory_pressure", lambda: (int(14.8 * 2**30), 20 * 2**30))
+    assert forward.capture_refusal() is None and family.near_limit is None  # 74%: time decides
+    monkeypatch.setattr(cudagraph, "memory_pressure", lambda: (int(19.65 * 2**30), 20 * 2**30))
+    assert forward.capture_refusal() is None and "98% of the 20.00 GiB" in family.near_limit
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: pytest.fail("measured"))
+    for config, will_donate in ((forward.config, False), (dataclasses.replace(forward.config, kind="backward"), True)):
+        chosen, chooser = choose(config, family, will_donate=will_donate)
+        assert chosen == "one_lane" and chooser.measured_ms == {}
+        assert chooser.memory_first_reason(will_donate).startswith("near the memory limit")
+    headroom = MemoryPolicy()  # cudagraphs="auto": the family is not captured at all, nothing put first
+    auto = GraphFamily()
+    refused = runner_for(CANDIDATES, "frame1_0_forward", "forward", auto, memory=headroom)
+    assert refused.capture_refusal() is not None and auto.near_limit is None
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    fake_cuda(monkeypatch)
+    capturer = FakeCapture()
+    warned = GraphFamily()
+    fw = runner_for(CANDIDATES, "frame2_0_forward", "forward", warned, memory=regardless, capturer=capturer)
+    runner_for(CANDIDATES, "frame2_0_backward", "backward", warned, memory=regardless, donated_idxs={3})
+    x = torch.arange(3.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            fw([x])
+    messages = [str(w.message) for w in caught if issubclass(w.category, ApolloFallbackWarning)]
+    assert len(messages) == 1 and "frame2_0_forward replays one lane, unmeasured" in messages[0], messages
+    assert fw.chosen == "one_lane"
 
 
 def test_a_donating_backward_replays_its_forwards_measured_choice_unmeasured(monkeypatch):

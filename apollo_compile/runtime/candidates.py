@@ -50,11 +50,13 @@ class CandidateChoice:
                           memory_first=self.memory_first_reason(will_donate))
 
     def memory_first_reason(self, will_donate: bool) -> str | None:
-        """Why this graph replays one lane unmeasured under a memory budget, or None."""
-        ratio = self.config.memory.lane_memory_ratio
-        budget = ratio is not None and "one_lane" in self.candidates
-        return memory_first_reason(self.config.kind, tuple(self.candidates), ratio, budget and will_donate,
-                                   self.family.backward_donates)
+        """Why this graph replays one lane unmeasured, or None: under a memory budget, or where its
+        family is captured near the memory limit (docs/design/cuda-graphs.md#capture-headroom)."""
+        if "one_lane" not in self.candidates:
+            return None
+        why = ("under a memory budget" if self.config.memory.lane_memory_ratio is not None
+               else "near the memory limit" if self.family.near_limit is not None else None)
+        return memory_first_reason(self.config.kind, why, will_donate, self.family.backward_donates)
 
     def choose(self, static: StaticInputs, will_donate: bool, capturer: Capturer) -> str:
         """The candidate to replay: the strategy's choice, unmeasured or from every candidate

@@ -76,9 +76,9 @@ def fastest(measured_ms: dict[str, float], min_gain: float, pool_bytes: dict[str
     return best
 
 
-def memory_first_reason(kind: str, candidates: tuple[str, ...], lane_memory_ratio: float | None,
-                        will_donate: bool, backward_donates: bool) -> str | None:
-    """Why a graph replays one lane unmeasured under a memory budget, or None.
+def memory_first_reason(kind: str, why: str | None, will_donate: bool, backward_donates: bool) -> str | None:
+    """Why a graph replays one lane unmeasured, or None. `why`: what puts memory first ("under a
+    memory budget", "near the memory limit"), or None where nothing does.
 
     `will_donate`: this graph is a backward whose capture takes over saved activations;
     `backward_donates`: its family's backward does (a forward learns it from the family: its
@@ -88,13 +88,13 @@ def memory_first_reason(kind: str, candidates: tuple[str, ...], lane_memory_rati
     allocated it: on one lane in both graphs the backward's capture reuses every saved activation,
     with side lanes only those made and read by the same lane; and measuring holds each
     candidate's pool beside every saved activation (docs/design/cuda-graphs.md#memory-budget)."""
-    if lane_memory_ratio is None or "one_lane" not in candidates:
+    if why is None:
         return None
     if will_donate:
-        return "under a memory budget the backward reuses its saved activations' memory on one stream"
+        return f"{why} the backward reuses its saved activations' memory on one stream"
     if kind == "forward" and backward_donates:
-        return ("under a memory budget the backward reuses the saved activations' memory, which only "
-                "a forward on the capture stream makes reusable")
+        return (f"{why} the backward reuses the saved activations' memory, which only a forward on the capture "
+                "stream makes reusable")
     return None
 
 

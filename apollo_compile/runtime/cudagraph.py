@@ -29,7 +29,7 @@ from .candidates import CandidateChoice
 from .capture import capture_graph, donatable, static_inputs
 from .config import MemoryPolicy, RunnerConfig
 from .graph_io import host_values, input_shapes
-from .graph_pool import allocating_in, memory_pressure, release_cached_segments, too_close_to_the_limit
+from .graph_pool import allocating_in, memory_pressure, near_the_limit, release_cached_segments, too_close_to_the_limit
 from .instances import GraphFamily, call_began, call_ended
 from .replay import CapturedGraph
 
@@ -94,8 +94,11 @@ class CudaGraphRunner:
             return self.family.capture_refused
         why = None
         headroom = self.config.memory.capture_headroom
-        if headroom is not None and (pressure := memory_pressure()) is not None:
-            why = too_close_to_the_limit(*pressure, headroom=headroom)
+        if (pressure := memory_pressure()) is not None:
+            if headroom is not None:
+                why = too_close_to_the_limit(*pressure, headroom=headroom)
+            elif self.kind == "forward":  # captured regardless (cudagraphs=True): memory first, both graphs
+                self.family.near_limit = near_the_limit(*pressure)
         if self.kind == "forward":
             self.family.capture_refused = why
         return why
@@ -196,6 +199,12 @@ class CudaGraphRunner:
             release_cached_segments()
         capturer = self.config.capturer if self.config.capturer is not None else capture.in_effect()
         chosen = self.chooser.choose(static, bool(donatable(static, self.config, self.family)), capturer)
+        if self.family.near_limit is not None and chosen == "one_lane" and "lanes" in self.candidates \
+                and not self.chooser.measured_ms and "near-limit" not in self._warned:
+            self._warned.add("near-limit")
+            warnings.warn(f"apollo: {self.name} replays one lane, unmeasured, because {self.family.near_limit}: "
+                          "captured there (cudagraphs=True), the backward's capture reuses the saved activations' "
+                          "memory only on one stream", ApolloFallbackWarning, stacklevel=3)
         self.captured = capture_graph(self.candidates[chosen], chosen, args, static, self.config, self.family,
                                       capturer)
 

@@ -20,7 +20,7 @@ log = logging.getLogger("apollo_compile")
 __all__ = [
     "CAPTURE_HEADROOM", "allocating_in", "allocation_streams", "allocator_segments", "borrowed",
     "clear_cublas_workspaces", "donations_safe_on_lanes", "first_step_pool", "in_graph_pool", "memory_pressure",
-    "pool_bytes", "release_cached_segments", "too_close_to_the_limit", "unowned",
+    "near_the_limit", "pool_bytes", "release_cached_segments", "too_close_to_the_limit", "unowned",
 ]
 
 
@@ -191,11 +191,18 @@ def memory_pressure() -> tuple[int, int] | None:
         return None
 
 
-def too_close_to_the_limit(peak: int, limit: int, headroom: float = CAPTURE_HEADROOM) -> str | None:
-    """Why a family is not captured at `peak` bytes of `limit` (docs/design/cuda-graphs.md#capture-headroom)."""
+def near_the_limit(peak: int, limit: int, headroom: float = CAPTURE_HEADROOM) -> str | None:
+    """Where a first step's `peak` bytes pass `headroom` of `limit`, how far; else None."""
     if limit <= 0 or peak <= headroom * limit:
         return None
     return (f"its first step peaked at {peak / 2**30:.2f} GiB, {peak / limit:.0%} of the {limit / 2**30:.2f} GiB "
-            f"this process may hold (over {headroom:.0%}): a capture cannot release cached memory, and near the "
-            "limit it can run out where the un-graphed step fits; cudagraphs=True captures regardless")
+            f"this process may hold (over {headroom:.0%})")
 
+
+def too_close_to_the_limit(peak: int, limit: int, headroom: float = CAPTURE_HEADROOM) -> str | None:
+    """Why a family is not captured at `peak` bytes of `limit` (docs/design/cuda-graphs.md#capture-headroom)."""
+    near = near_the_limit(peak, limit, headroom)
+    if near is None:
+        return None
+    return (f"{near}: a capture cannot release cached memory, and near the limit it can run out where the "
+            "un-graphed step fits; cudagraphs=True captures regardless")

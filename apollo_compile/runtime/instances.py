@@ -111,6 +111,7 @@ class GraphFamily:
         self.forward_chosen: str | None = None  # the candidate the forward replays, once captured
         self.forward_measured = False  # ... chosen by timing its candidates (choice.py)
         self.capture_refused: str | None = None  # why the forward was not captured (capture headroom)
+        self.near_limit: str | None = None  # why it is captured memory first (cudagraphs=True past the headroom)
         self.backward_capture_failed: str | None = None  # why; the forward then lets its graph go
         # side lane -> its stream, the same in every graph of the family (cuda-graphs.md#donation-on-side-lanes)
         self.side_streams: dict[int, torch.cuda.Stream] = {}
