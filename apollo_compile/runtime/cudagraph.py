@@ -132,10 +132,13 @@ class CudaGraphRunner:
 
     # -- running un-graphed ---------------------------------------------------------------
     def _warn_once(self, key: str, why: str) -> None:
+        self._say_once(key, f"apollo: {self.name} runs without its CUDA graph because {why} (correct, but slower)")
+
+    def _say_once(self, key: str, message: str) -> None:
+        """One ApolloFallbackWarning per runner and `key`, pointing at the caller's caller."""
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(f"apollo: {self.name} runs without its CUDA graph because {why} "
-                          "(correct, but slower)", ApolloFallbackWarning, stacklevel=3)
+            warnings.warn(message, ApolloFallbackWarning, stacklevel=4)
 
     def _eager(self, args: list, warm_up: bool = False) -> list:
         """Run the runtime un-graphed; `warm_up`: as part of the graph's first step, not counted."""
@@ -200,11 +203,10 @@ class CudaGraphRunner:
         capturer = self.config.capturer if self.config.capturer is not None else capture.in_effect()
         chosen = self.chooser.choose(static, bool(donatable(static, self.config, self.family)), capturer)
         if self.family.near_limit is not None and chosen == "one_lane" and "lanes" in self.candidates \
-                and not self.chooser.measured_ms and "near-limit" not in self._warned:
-            self._warned.add("near-limit")
-            warnings.warn(f"apollo: {self.name} replays one lane, unmeasured, because {self.family.near_limit}: "
-                          "captured there (cudagraphs=True), the backward's capture reuses the saved activations' "
-                          "memory only on one stream", ApolloFallbackWarning, stacklevel=3)
+                and not self.chooser.measured_ms:
+            self._say_once("near-limit", f"apollo: {self.name} replays one lane, unmeasured, because "
+                           f"{self.family.near_limit}: captured there (cudagraphs=True), the backward's capture "
+                           "reuses the saved activations' memory only on one stream")
         self.captured = capture_graph(self.candidates[chosen], chosen, args, static, self.config, self.family,
                                       capturer)
 
