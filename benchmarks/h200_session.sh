@@ -35,7 +35,7 @@
 #   run(command="bash benchmarks/h200_session.sh edge-offload-x", carry=[".device_cache"]) # ... with expandable segments
 #   run(command="bash benchmarks/h200_session.sh large-batch",   carry=[".device_cache"]) # the largest batch HF CLIP trains
 #       under a 20 and a 40 GiB cap (bench_large_batch.py); a few tries per call: split by CAPS and VARIANTS, start at START
-#       or name the batches (AT="512 640"), e.g. CAPS=20 VARIANTS=apollo-step-opt
+#       or name the batches (AT="512 640"), e.g. CAPS=20 VARIANTS=apollo-step-opt; GUARD=seconds shortens the guard
 #   run(command="bash benchmarks/h200_session.sh profile",       carry=[".device_cache"]) # kernels per stream and lane overlap, batch 8 and 32 (a trace)
 #   run(command="bash benchmarks/h200_session.sh host",          carry=[".device_cache"]) # the host's time per step at batch 8 (probes/host_split.py)
 #   run(command="bash benchmarks/h200_session.sh step-host",     carry=[".device_cache"]) # the whole step's host time before its replay at batch 8
@@ -171,7 +171,7 @@ case "${1:-}" in
                apollo-bf16-budget-0.05-offload --out "$OUT/edge-offload-x" ;;
   large-batch)  # the largest batch HF CLIP trains under each cap, a fresh process per try (bench_large_batch.py); results
              # are written after every try, so a call the guard stops keeps the tries it finished
-             timeout 520 python benchmarks/bench_large_batch.py --models hf-clip --cap-gib ${CAPS:-20 40} \
+             timeout "${GUARD:-520}" python benchmarks/bench_large_batch.py --models hf-clip --cap-gib ${CAPS:-20 40} \
                ${VARIANTS:+--variants $VARIANTS} --start "${START:-64}" ${AT:+--at $AT} --out "$OUT/large-batch" ;;
   profile)   timeout 520 python benchmarks/profile_step.py --batch 8 32 --compare inductor-ro apollo-1lane --out "$OUT/prof"
              status=$?
