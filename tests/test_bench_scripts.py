@@ -470,22 +470,25 @@ def test_common_judges_gradients_against_eager_and_bf16_noise():
 
 
 def test_whole_step_benchmark_runs_on_the_cpu(tmp_path):
-    """bench_whole_step.py (the README's table) end to end on the CPU with the tiny HF CLIP (and the
-    tiny timm ViT + BERT where timm is installed): every row trains and matches eager, the module
-    compiled, the step compiled whole (compile_step) and each layer compiled on its own alike."""
+    """bench_whole_step.py (the README's table) end to end on the CPU with the tiny HF CLIP: every
+    row trains and matches eager, the module compiled, the step compiled whole (compile_step) and
+    each layer compiled on its own alike; the tiny timm ViT + BERT (where timm is installed) on the
+    module path, which is what its builder and loss need."""
     import importlib.util
     import json
 
-    models = ["hf-clip-tiny"] + (["timm-vit-bert-tiny"] if importlib.util.find_spec("timm") else [])
-    argv = ["--device", "cpu", "--models", *models, "--batch", "2", "--steps", "1", "--warmup", "1",
-            "--variants", "eager", "apollo", "apollo-step", "apollo-step-opt", "apollo-regional",
-            "--apollo-options", '{"subgraph_compiler": "eager"}', "--out", str(tmp_path)]
-    assert bench_whole_step.main(argv) == 0
-    results = json.loads((tmp_path / "whole_step_results.json").read_text())["results"]
-    rows = [(e["model"], r["variant"], r["status"], r["numerics"]["pass"]) for e in results for r in e["variants"]]
-    variants = ("eager", "apollo", "apollo-step", "apollo-step-opt", "apollo-regional")
-    assert rows == [(m, v, "ok", True) for m in models for v in variants], rows
-    assert "| hf-clip-tiny | 2 | apollo |" in (tmp_path / "whole_step_results.md").read_text()
+    runs = [("hf-clip-tiny", ("eager", "apollo", "apollo-step", "apollo-step-opt", "apollo-regional"))]
+    if importlib.util.find_spec("timm"):
+        runs.append(("timm-vit-bert-tiny", ("eager", "apollo")))
+    for model, variants in runs:
+        out = tmp_path / model
+        argv = ["--device", "cpu", "--models", model, "--batch", "2", "--steps", "1", "--warmup", "1",
+                "--variants", *variants, "--apollo-options", '{"subgraph_compiler": "eager"}', "--out", str(out)]
+        assert bench_whole_step.main(argv) == 0
+        (entry,) = json.loads((out / "whole_step_results.json").read_text())["results"]
+        rows = [(entry["model"], r["variant"], r["status"], r["numerics"]["pass"]) for r in entry["variants"]]
+        assert rows == [(model, v, "ok", True) for v in variants], rows
+    assert "| hf-clip-tiny | 2 | apollo |" in (tmp_path / "hf-clip-tiny" / "whole_step_results.md").read_text()
     with pytest.raises(SystemExit):
         bench_whole_step.parse_args(["--models", "hf-bert"])
 
@@ -544,18 +547,18 @@ def test_large_batch_says_whether_apollo_replayed_its_cuda_graphs():
 
 def test_large_batch_runs_each_try_in_a_process_of_its_own_on_the_cpu(tmp_path):
     """bench_large_batch.py end to end on the CPU (no allocator to cap: --max-batch bounds the
-    search): every try a fresh process, each trains, the table and JSON come out."""
+    search at one try; the search itself is tested above): the try runs in a fresh process and
+    trains, the table and JSON come out."""
     import json
 
-    argv = ["--device", "cpu", "--models", "hf-clip-tiny", "--variants", "apollo", "--start", "2", "--max-batch", "4",
+    argv = ["--device", "cpu", "--models", "hf-clip-tiny", "--variants", "apollo", "--start", "2", "--max-batch", "2",
             "--steps", "1", "--warmup", "1", "--apollo-options", '{"subgraph_compiler": "eager"}', "--out", str(tmp_path)]
     assert bench_large_batch.main(argv) == 0
     (search,) = json.loads((tmp_path / "large_batch_results.json").read_text())["searches"]
-    assert (search["variant"], search["largest"], search["smallest_failing"]) == ("apollo", 4, None)
-    assert [(r["batch"], r["status"], r["trained"], r["steps_run"]) for r in search["records"]] == [
-        (2, "ok", True, 2), (4, "ok", True, 2)]
+    assert (search["variant"], search["largest"], search["smallest_failing"]) == ("apollo", 2, None)
+    assert [(r["batch"], r["status"], r["trained"], r["steps_run"]) for r in search["records"]] == [(2, "ok", True, 2)]
     assert (tmp_path / "tries" / "hf-clip-tiny-nocap-apollo-2.log").exists()
-    assert "| hf-clip-tiny | none | apollo | 4 | - |" in (tmp_path / "large_batch_results.md").read_text()
+    assert "| hf-clip-tiny | none | apollo | 2 | - |" in (tmp_path / "large_batch_results.md").read_text()
     for bad in (["--device", "cpu", "--cap-gib", "20"], ["--variants", "apollo-bw-measured"], ["--start", "0"]):
         with pytest.raises(SystemExit):
             bench_large_batch.parse_args(bad)
