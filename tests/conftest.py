@@ -6,7 +6,11 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+BENCHMARKS = os.path.join(os.path.dirname(TESTS), "benchmarks")
+# the tests' helpers and models; the benchmark scripts and their probes, which tests run on the CPU
+# so that a slip in one does not cost a device call
+sys.path[:0] = [TESTS, BENCHMARKS, os.path.join(BENCHMARKS, "probes")]
 
 # One intra-op thread per test process. The suite runs as two workers on two cores (pytest -n 2):
 # with a thread per core each, an OpenMP thread waiting for a core the other worker holds stalls

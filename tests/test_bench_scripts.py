@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch._functorch.config
 
+# the scripts, which conftest.py puts on the import path with their probes
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path[:0] = [BENCHMARKS, os.path.join(BENCHMARKS, "probes")]  # the benchmarks, and the probes of probes/
 
 import bench_distributed  # noqa: E402
 import bench_large_batch  # noqa: E402

@@ -281,11 +281,7 @@ def test_a_symint_input_binds_the_symbol_it_was_passed_as_not_its_replacement():
     its code read an unbound s34: NameError at the graph's first call, and the forward fell back to
     eager ATen (smoke_gpu.py's "batch varies" mode). Such a SymInt binds
     nothing for certain, and the subgraph takes a binder of s34 too (lanes.plain_symbols)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    import clip
+    import clip  # benchmarks/clip.py
 
     config = clip.CLIPConfig(image_size=16, patch_size=8, vision_width=32, vision_layers=1, vision_heads=2,
                              context_length=8, vocab_size=64, text_width=32, text_layers=1, text_heads=2,

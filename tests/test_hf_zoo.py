@@ -14,15 +14,10 @@ tolerance under backend="aot_eager" too), apollo is held to twice aot_eager's di
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes"))
-
 import hf_zoo  # noqa: E402
 from helpers import one_layer_hf_zoo, runners  # noqa: E402,F401  (runners: the fixture, fake CUDA graphs)
 

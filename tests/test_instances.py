@@ -375,11 +375,7 @@ def test_a_decoder_layer_that_breaks_the_graph_replays_a_family_per_layer(runner
     (fake ones, on the CPU) each such graph keeps a family per layer, four AdamW steps match eager's
     (hf_zoo's rtol 1e-4 / atol 1e-5 per element; the eager subgraph compiler runs eager's ops), and
     nothing runs un-graphed beyond the first step, with no warning."""
-    import os
-    import sys
-
     transformers = pytest.importorskip("transformers")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes"))
     import hf_zoo
 
     if not hasattr(transformers, hf_zoo.MODEL_CLASSES["qwen2-vl"]):

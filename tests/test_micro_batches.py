@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import os
-import sys
 import warnings
 from collections import Counter
 
@@ -218,9 +216,6 @@ def test_hugging_face_paligemma_trains_like_eager_accumulation(monkeypatch):
     sliced. benchmarks/probes/hf_zoo.py builds it (one layer a tower: helpers.one_layer_hf_zoo) and
     its batches (labels ignore the image tokens); weight_decay=0 as for LLaVA."""
     transformers = pytest.importorskip("transformers")
-    probes = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes")
-    if probes not in sys.path:
-        sys.path.insert(0, probes)
     import hf_zoo
 
     if not hasattr(transformers, hf_zoo.MODEL_CLASSES["paligemma"]):

@@ -17,8 +17,6 @@ from __future__ import annotations
 import copy
 import functools
 import gc
-import pathlib
-import sys
 import warnings
 
 import pytest
@@ -212,12 +210,7 @@ def out_of_memory_once(monkeypatch, writes: bool) -> list[str]:
     benchmarks/probes/whole_step_oom.py); returns a list that names that subgraph once compiled."""
     from apollo_compile.runtime import runner
 
-    probes = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "probes")
-    sys.path.insert(0, probes)
-    try:
-        import whole_step_oom
-    finally:
-        sys.path.remove(probes)
+    import whole_step_oom
     compile_subgraph, armed = whole_step_oom.out_of_memory_once(runner.compile_subgraph, writes)
     monkeypatch.setattr(runner, "compile_subgraph", compile_subgraph)
     return armed

@@ -1,11 +1,6 @@
 """The interval arithmetic benchmarks/profile_step.py reports lane overlap with."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-from profile_step import overlap_us, union_us  # noqa: E402
+from profile_step import overlap_us, union_us
 
 
 def test_union_merges_overlapping_and_nested_intervals():

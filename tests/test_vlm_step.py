@@ -16,8 +16,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import threading
 import warnings
 
@@ -35,9 +33,6 @@ EAGER = {"subgraph_compiler": "eager"}
 
 def _hf_zoo():
     transformers = pytest.importorskip("transformers")
-    probes = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes")
-    if probes not in sys.path:
-        sys.path.insert(0, probes)
     import hf_zoo
 
     return transformers, hf_zoo
