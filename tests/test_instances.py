@@ -407,8 +407,13 @@ def test_a_backward_finds_its_family_by_its_saved_inputs_alone():
     assert routed is not backward and routed.family is other and routed.first is backward
     assert group.backward_runner(backward, [mine, theirs, tangent]) is backward
     assert group.backward_runner(backward, [torch.zeros(1), torch.zeros(1), tangent]) is backward  # tangent ignored
-    eager = torch.zeros(3)
-    group.ran_eagerly([eager], warm_up=True)
+    eager, kept = torch.zeros(3), torch.zeros(4)
+    group.ran_eagerly([eager, kept], warm_up=True)
     assert group.backward_runner(backward, [eager, mine, tangent]) is None and group.warm_up_backward
-    del eager
+    gone = eager.data_ptr()
+    del eager  # its address counts no more (another tensor may take it); the output still alive does
+    assert group.backward_runner(backward, [torch.zeros(3), mine, tangent]) is backward
+    assert gone not in group.eager_saved and set(group.eager_saved) == {kept.data_ptr()}
+    assert group.backward_runner(backward, [kept, mine, tangent]) is None
+    del kept
     assert group.backward_runner(backward, [torch.zeros(3), mine, tangent]) is backward and not group.eager_saved

@@ -185,8 +185,10 @@ class GraphInstances:
         # that a call checks the few bound to it, not all: a model compiled layer by layer has one per layer
         self.by_address: dict[int | None, list[GraphFamily]] = {}
         self.saved_by: dict[int, GraphFamily] = {}  # data_ptr of a captured forward's saved output -> its family
-        # un-graphed forwards' saved outputs while alive, and whether that forward was its runner's first call
-        self.eager_saved: list[tuple[weakref.ref, set[int], bool]] = []
+        # the address of each saved output of an un-graphed forward -> (that output while it lives, whether
+        # the forward was its runner's first call); an address counts only while its own tensor lives,
+        # since a freed one's address is soon another tensor's
+        self.eager_saved: dict[int, tuple[weakref.ref, bool]] = {}
         self.warm_up_backward = False  # the backward last sent un-graphed belongs to a first call's forward
         self.chosen: dict[str, str] = {}  # graph kind -> the candidate its first capture replays
         self.warm: set[str] = set()  # graph kinds whose runtime has run once (its kernels are compiled)
@@ -249,7 +251,7 @@ class GraphInstances:
     def backward_runner(self, first: FamilyRunner, args: Sequence) -> FamilyRunner | None:
         """The runner a backward call replays: its forward's family's, found by the first saved
         activation whose address a family's forward wrote; None where its forward ran un-graphed."""
-        self.eager_saved = [record for record in self.eager_saved if record[0]() is not None]
+        self._forget_dead_eager_saved()
         for i in first.saved_idxs if first.saved_idxs is not None else range(len(args)):
             x = args[i]
             if not isinstance(x, torch.Tensor):
@@ -258,10 +260,9 @@ class GraphInstances:
             family = self.saved_by.get(ptr)
             if family is not None:
                 return self.runner(family, first)
-            for _, ptrs, warm_up in self.eager_saved:
-                if ptr in ptrs:
-                    self.warm_up_backward = warm_up
-                    return None
+            if (eager := self.eager_saved.get(ptr)) is not None:
+                self.warm_up_backward = eager[1]
+                return None
         return first
 
     # -- what each family serves -------------------------------------------------------------
@@ -327,7 +328,10 @@ class GraphInstances:
 
     def ran_eagerly(self, saved: list[torch.Tensor], warm_up: bool) -> None:
         """A forward ran un-graphed (`warm_up`: as its runner's first call): its backward must too.
-        Held while its saved outputs live."""
-        self.eager_saved = [record for record in self.eager_saved if record[0]() is not None]
-        if saved:
-            self.eager_saved.append((weakref.ref(saved[0]), {t.data_ptr() for t in saved}, warm_up))
+        Each saved output's address is held while that output lives."""
+        self._forget_dead_eager_saved()
+        for t in saved:
+            self.eager_saved[t.data_ptr()] = (weakref.ref(t), warm_up)
+
+    def _forget_dead_eager_saved(self) -> None:
+        self.eager_saved = {ptr: entry for ptr, entry in self.eager_saved.items() if entry[0]() is not None}
