@@ -408,12 +408,14 @@ def test_a_backward_finds_its_family_by_its_saved_inputs_alone():
     assert group.backward_runner(backward, [mine, theirs, tangent]) is backward
     assert group.backward_runner(backward, [torch.zeros(1), torch.zeros(1), tangent]) is backward  # tangent ignored
     eager, kept = torch.zeros(3), torch.zeros(4)
-    group.ran_eagerly([eager, kept], warm_up=True)
+    view = kept[:2]  # saved too, at its base's address
+    group.ran_eagerly([eager, kept, view], warm_up=True)
     assert group.backward_runner(backward, [eager, mine, tangent]) is None and group.warm_up_backward
     gone = eager.data_ptr()
     del eager  # its address counts no more (another tensor may take it); the output still alive does
     assert group.backward_runner(backward, [torch.zeros(3), mine, tangent]) is backward
     assert gone not in group.eager_saved and set(group.eager_saved) == {kept.data_ptr()}
-    assert group.backward_runner(backward, [kept, mine, tangent]) is None
-    del kept
+    del kept  # the saved view at its address still lives
+    assert group.backward_runner(backward, [view, mine, tangent]) is None
+    del view
     assert group.backward_runner(backward, [torch.zeros(3), mine, tangent]) is backward and not group.eager_saved

@@ -185,10 +185,10 @@ class GraphInstances:
         # that a call checks the few bound to it, not all: a model compiled layer by layer has one per layer
         self.by_address: dict[int | None, list[GraphFamily]] = {}
         self.saved_by: dict[int, GraphFamily] = {}  # data_ptr of a captured forward's saved output -> its family
-        # the address of each saved output of an un-graphed forward -> (that output while it lives, whether
-        # the forward was its runner's first call); an address counts only while its own tensor lives,
-        # since a freed one's address is soon another tensor's
-        self.eager_saved: dict[int, tuple[weakref.ref, bool]] = {}
+        # the address of each saved output of an un-graphed forward -> (the outputs there, a view and its
+        # base alike, while they live; whether the forward was its runner's first call): an address counts
+        # only while a tensor saved at it lives, since a freed one's address is soon another tensor's
+        self.eager_saved: dict[int, tuple[tuple[weakref.ref, ...], bool]] = {}
         self.warm_up_backward = False  # the backward last sent un-graphed belongs to a first call's forward
         self.chosen: dict[str, str] = {}  # graph kind -> the candidate its first capture replays
         self.warm: set[str] = set()  # graph kinds whose runtime has run once (its kernels are compiled)
@@ -331,7 +331,10 @@ class GraphInstances:
         Each saved output's address is held while that output lives."""
         self._forget_dead_eager_saved()
         for t in saved:
-            self.eager_saved[t.data_ptr()] = (weakref.ref(t), warm_up)
+            there = self.eager_saved.get(t.data_ptr(), ((), warm_up))[0]
+            self.eager_saved[t.data_ptr()] = ((*there, weakref.ref(t)), warm_up)
 
     def _forget_dead_eager_saved(self) -> None:
-        self.eager_saved = {ptr: entry for ptr, entry in self.eager_saved.items() if entry[0]() is not None}
+        alive = ((ptr, tuple(r for r in refs if r() is not None), warm_up)
+                 for ptr, (refs, warm_up) in self.eager_saved.items())
+        self.eager_saved = {ptr: (refs, warm_up) for ptr, refs, warm_up in alive if refs}
