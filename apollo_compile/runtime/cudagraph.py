@@ -94,10 +94,11 @@ class CudaGraphRunner:
             return self.family.capture_refused
         why = None
         headroom = self.config.memory.capture_headroom
-        if (pressure := memory_pressure()) is not None:
+        # a whole step captured regardless (headroom None) reads no pressure
+        if (headroom is not None or self.kind == "forward") and (pressure := memory_pressure()) is not None:
             if headroom is not None:
                 why = too_close_to_the_limit(*pressure, headroom=headroom)
-            elif self.kind == "forward":  # captured regardless (cudagraphs=True): memory first, both graphs
+            else:  # a forward captured regardless (cudagraphs=True): memory first, both graphs
                 self.family.near_limit = near_the_limit(*pressure)
         if self.kind == "forward":
             self.family.capture_refused = why
