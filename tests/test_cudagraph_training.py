@@ -533,3 +533,23 @@ def test_a_capture_that_runs_out_of_memory_loses_no_step(runners, monkeypatch, f
         assert forward.replays == 1 and forward.graph is None and "backward's CUDA-graph capture failed" in \
             forward.disabled
     assert forward.ungraphed_calls + backward.ungraphed_calls > 0
+
+
+def test_a_family_declined_for_headroom_counts_and_warns_for_both_graphs_with_one_batch_reused(runners, monkeypatch):
+    """A forward saves an input it was given as-is (the token ids an embedding's backward reads);
+    a batch reused every step keeps that address alive. It is not an activation the forward wrote,
+    so it must not route later backwards as the first step's warm-up: declined for headroom, the
+    backward counts its un-graphed calls and warns, as the forward does."""
+    from apollo_compile.runtime import cudagraph
+
+    monkeypatch.setattr(cudagraph, "memory_pressure", lambda: (int(17.6 * 2**30), 20 * 2**30))
+    model, ref, compiled = twins("eager", LAYERS)
+    inputs = two_tower_inputs(seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backward_like_eager(compiled, model, ref, [inputs] * 4)
+    forward, backward = runners
+    assert forward.capture_refused and backward.capture_refused == forward.capture_refused
+    assert forward.ungraphed_calls == backward.ungraphed_calls == 3
+    declined = [str(w.message) for w in caught if issubclass(w.category, ApolloFallbackWarning)]
+    assert len(declined) == 2 and all("88% of the 20.00 GiB" in m for m in declined), declined

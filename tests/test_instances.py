@@ -409,7 +409,7 @@ def test_a_backward_finds_its_family_by_its_saved_inputs_alone():
     assert group.backward_runner(backward, [torch.zeros(1), torch.zeros(1), tangent]) is backward  # tangent ignored
     eager, kept = torch.zeros(3), torch.zeros(4)
     view = kept[:2]  # saved too, at its base's address
-    group.ran_eagerly([eager, kept, view], warm_up=True)
+    group.ran_eagerly([eager, kept, view], warm_up=True, inputs=set())
     assert group.backward_runner(backward, [eager, mine, tangent]) is None and group.warm_up_backward
     gone = eager.data_ptr()
     del eager  # its address counts no more (another tensor may take it); the output still alive does
@@ -419,3 +419,10 @@ def test_a_backward_finds_its_family_by_its_saved_inputs_alone():
     assert group.backward_runner(backward, [view, mine, tangent]) is None
     del view
     assert group.backward_runner(backward, [torch.zeros(3), mine, tangent]) is backward and not group.eager_saved
+    # an input the forward saved as-is (a batch reused every step) routes its own backward only
+    batch, written = torch.zeros(5), torch.zeros(6)
+    group.ran_eagerly([batch, written], warm_up=True, inputs={batch.untyped_storage().data_ptr()})
+    assert group.backward_runner(backward, [batch, written, tangent]) is None
+    assert set(group.eager_saved) == {written.data_ptr()}  # the written one counts while it lives
+    del written
+    assert group.backward_runner(backward, [batch, mine, tangent]) is backward and not group.eager_saved

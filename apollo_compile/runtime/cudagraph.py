@@ -150,8 +150,10 @@ class CudaGraphRunner:
         first_call = self.calls == 1
         pool = self.family.open_first_step(args, self.kind) if first_call else None
         # an un-graphed forward of a graph that captures: its backward runs un-graphed too (instances.py)
-        inputs = {args[i].data_ptr() for i in self.static_input_idxs if isinstance(args[i], torch.Tensor)} \
-            if self.kind == "forward" and self.disabled is None else None
+        inputs = static = None
+        if self.kind == "forward" and self.disabled is None:
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            static = {args[i].data_ptr() for i in self.static_input_idxs if isinstance(args[i], torch.Tensor)}
         try:
             with allocating_in(pool):
                 outs = self.fn(args)
@@ -159,7 +161,7 @@ class CudaGraphRunner:
             if inputs is not None:
                 self.family.instances.ran_eagerly([o for j, o in enumerate(outs) if isinstance(o, torch.Tensor)
                                                    and not self.config.is_user_visible(j)
-                                                   and o.data_ptr() not in inputs], warm_up=first_call)
+                                                   and o.data_ptr() not in static], first_call, inputs)
             return outs
         except torch.OutOfMemoryError as e:
             if self.disabled is not None and self.capture_refused is None and hasattr(e, "add_note"):
@@ -249,6 +251,8 @@ class CudaGraphRunner:
             runner, in_place = self._route(args)
             if runner is not self:
                 return runner(args) if runner is not None else self._unrouted(args)
+        elif self.kind == "backward" and self.first is None and self.family.instances.eager_saved:
+            self.family.instances.backward_takes(self, args)  # a first call, un-graphed anyway: not routed
         start = time.perf_counter()
         self.calls += 1
         if self.calls > 1 and self.family.first_step_pool is not None:  # a second step began

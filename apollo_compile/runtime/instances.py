@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
@@ -174,6 +175,15 @@ class GraphFamily:
                 runner.drop_capture()
 
 
+@dataclass
+class EagerSaved:
+    """One saved output of a forward that ran un-graphed: its backward runs un-graphed too."""
+
+    ref: weakref.ref
+    warm_up: bool  # the forward was its runner's first call (its backward's un-graphed run is not counted)
+    borrowed: bool  # an input saved as-is, not written by the forward: it may outlive the step
+
+
 class GraphInstances:
     """The families one compiled graph is captured for (docs/design/cuda-graphs.md#one-graph-several-model-instances),
     shared by them, and the choice of which one a call replays."""
@@ -185,10 +195,10 @@ class GraphInstances:
         # that a call checks the few bound to it, not all: a model compiled layer by layer has one per layer
         self.by_address: dict[int | None, list[GraphFamily]] = {}
         self.saved_by: dict[int, GraphFamily] = {}  # data_ptr of a captured forward's saved output -> its family
-        # the address of each saved output of an un-graphed forward -> (the outputs there, a view and its
-        # base alike, while they live; whether the forward was its runner's first call): an address counts
-        # only while a tensor saved at it lives, since a freed one's address is soon another tensor's
-        self.eager_saved: dict[int, tuple[tuple[weakref.ref, ...], bool]] = {}
+        # the address of each saved output of an un-graphed forward -> its records there (a view and its
+        # base alike): an address counts only while a tensor saved at it lives, since a freed one's
+        # address is soon another tensor's; one that is an input saved as-is counts until its backward
+        self.eager_saved: dict[int, list[EagerSaved]] = {}
         self.warm_up_backward = False  # the backward last sent un-graphed belongs to a first call's forward
         self.chosen: dict[str, str] = {}  # graph kind -> the candidate its first capture replays
         self.warm: set[str] = set()  # graph kinds whose runtime has run once (its kernels are compiled)
@@ -261,7 +271,8 @@ class GraphInstances:
             if family is not None:
                 return self.runner(family, first)
             if (eager := self.eager_saved.get(ptr)) is not None:
-                self.warm_up_backward = eager[1]
+                self.warm_up_backward = eager[-1].warm_up
+                self.backward_takes(first, args)
                 return None
         return first
 
@@ -326,15 +337,27 @@ class GraphInstances:
         for t in saved:
             self.saved_by[t.data_ptr()] = family
 
-    def ran_eagerly(self, saved: list[torch.Tensor], warm_up: bool) -> None:
+    def ran_eagerly(self, saved: list[torch.Tensor], warm_up: bool, inputs: set[int]) -> None:
         """A forward ran un-graphed (`warm_up`: as its runner's first call): its backward must too.
-        Each saved output's address is held while that output lives."""
+        Each saved output's address is held while that output lives; one whose storage is among
+        `inputs` (the forward's inputs' storages: saved as-is, say a reused batch's token ids, which
+        can outlive the step) only until a backward reads it (`backward_takes`)."""
         self._forget_dead_eager_saved()
         for t in saved:
-            there = self.eager_saved.get(t.data_ptr(), ((), warm_up))[0]
-            self.eager_saved[t.data_ptr()] = ((*there, weakref.ref(t)), warm_up)
+            record = EagerSaved(weakref.ref(t), warm_up, t.untyped_storage().data_ptr() in inputs)
+            self.eager_saved.setdefault(t.data_ptr(), []).append(record)
+
+    def backward_takes(self, first: FamilyRunner, args: Sequence) -> None:
+        """A backward reads its saved values `args` (routed, or its runner's first call): the inputs
+        its forward saved as-is route no later backward."""
+        for i in first.saved_idxs if first.saved_idxs is not None else range(len(args)):
+            if isinstance(x := args[i], torch.Tensor) and (records := self.eager_saved.get(x.data_ptr())):
+                borrowed = next((r for r in records if r.borrowed), None)
+                if borrowed is not None:
+                    records.remove(borrowed)
+                    if not records:
+                        del self.eager_saved[x.data_ptr()]
 
     def _forget_dead_eager_saved(self) -> None:
-        alive = ((ptr, tuple(r for r in refs if r() is not None), warm_up)
-                 for ptr, (refs, warm_up) in self.eager_saved.items())
-        self.eager_saved = {ptr: (refs, warm_up) for ptr, refs, warm_up in alive if refs}
+        alive = ((ptr, [r for r in records if r.ref() is not None]) for ptr, records in self.eager_saved.items())
+        self.eager_saved = {ptr: records for ptr, records in alive if records}
