@@ -58,6 +58,8 @@ VARIANT_HELP = {
     "apollo-1lane": "apollo with max_lanes=1: every graph on one stream",
     "apollo-graphs": "apollo with cudagraphs=True: captured however much of the memory limit its first step used "
                      "(no capture headroom rule)",
+    "apollo-measure-backward": "apollo with the donating backward timing its own candidates (runtime/choice."
+                               "ChooseFastest(follow_forward=False)) instead of replaying its forward's choice",
     "apollo-no-graphs": "apollo with cudagraphs=False: every call un-graphed, on one lane (what a graph the headroom "
                         "rule declines runs)",
     "apollo-step": "apollo_compile.compile_step(step): forward, loss and backward in one graph; AdamW outside",
@@ -434,6 +436,10 @@ def runtime_for(variant: str, budget: float = DEFAULT_BUDGET) -> contextlib.Abst
         from apollo_compile.runtime import choice
 
         return choice.using(choice.Fixed("lanes"))
+    if variant == "apollo-measure-backward":
+        from apollo_compile.runtime import choice
+
+        return choice.using(choice.ChooseFastest(follow_forward=False))
     if variant in ("apollo-side-grads-own", "apollo-main-allocated"):
         from apollo_compile.passes import main_allocated
 
