@@ -175,6 +175,14 @@ class GraphFamily:
                 runner.drop_capture()
 
 
+def _saved_tensors(first: FamilyRunner, args: Sequence):
+    """The tensors among a backward call's saved values (all of its arguments where the runner
+    does not know which are saved)."""
+    for i in first.saved_idxs if first.saved_idxs is not None else range(len(args)):
+        if isinstance(args[i], torch.Tensor):
+            yield args[i]
+
+
 @dataclass
 class EagerSaved:
     """One saved output of a forward that ran un-graphed: its backward runs un-graphed too."""
@@ -262,10 +270,7 @@ class GraphInstances:
         """The runner a backward call replays: its forward's family's, found by the first saved
         activation whose address a family's forward wrote; None where its forward ran un-graphed."""
         self._forget_dead_eager_saved()
-        for i in first.saved_idxs if first.saved_idxs is not None else range(len(args)):
-            x = args[i]
-            if not isinstance(x, torch.Tensor):
-                continue
+        for x in _saved_tensors(first, args):
             ptr = x.data_ptr()
             family = self.saved_by.get(ptr)
             if family is not None:
@@ -350,8 +355,8 @@ class GraphInstances:
     def backward_takes(self, first: FamilyRunner, args: Sequence) -> None:
         """A backward reads its saved values `args` (routed, or its runner's first call): the inputs
         its forward saved as-is route no later backward."""
-        for i in first.saved_idxs if first.saved_idxs is not None else range(len(args)):
-            if isinstance(x := args[i], torch.Tensor) and (records := self.eager_saved.get(x.data_ptr())):
+        for x in _saved_tensors(first, args):
+            if records := self.eager_saved.get(x.data_ptr()):
                 borrowed = next((r for r in records if r.borrowed), None)
                 if borrowed is not None:
                     records.remove(borrowed)
